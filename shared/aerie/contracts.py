@@ -1,0 +1,207 @@
+"""Every message on the queues and every JSON record in the store. Nobody re-declares them.
+
+All models are strict about their keys (`extra="forbid"`): a typo in a task's kwargs or a
+record written by another version is an error that names the field, not a silent default.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+
+def utcnow() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Contract(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str):
+        return cls.model_validate_json(raw)
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+# --------------------------------------------------------------------------------------
+# What a run is made of
+# --------------------------------------------------------------------------------------
+class TargetSpec(Contract):
+    """The target model, pinned by content so a drafter can name exactly what it serves."""
+
+    model: str = Field(description="name or path the user gave")
+    revision: str | None = None
+    architecture: str
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    weights_sha256: str = Field(description="sha256 over the sorted safetensors files' hashes")
+    tokenizer_sha256: str = Field(description="sha256 of tokenizer.json / tokenizer files")
+
+
+class EngineSpec(Contract):
+    name: Literal["hf", "sglang"]
+    version: str
+    convention: str
+    layer_ids: list[int] = Field(description="ids the engine was told to capture (its convention)")
+    transport: Literal["inproc", "json", "binary"] = "inproc"
+    dtype: str = "bfloat16"
+
+
+class IngestOptions(Contract):
+    loss_on: Literal["all", "last"] = Field("all", description="assistant turns trained on")
+    max_tokens: int = Field(2048, ge=8)
+    overlong: Literal["truncate", "reject"] = "truncate"
+    shard_tokens: int = Field(65536, ge=64, description="tokens per shard (whole sequences)")
+    max_records: int | None = Field(None, ge=1, description="stop after this many accepted records")
+    regenerate: bool = False
+    regenerate_temperature: float = Field(0.0, ge=0.0)
+    regenerate_max_tokens: int = Field(512, ge=1)
+
+
+class RunSpec(Contract):
+    """`runs/<run>/run.json`: everything needed to know what the shards of a run contain."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str = Field(pattern=_NAME)
+    dataset: str
+    target: TargetSpec
+    engine: EngineSpec
+    capture_points: list[int]
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    target_signal: Literal["final", "topk"] = "final"
+    topk: int | None = None
+    ingest: IngestOptions
+    train_after: "TrainRequest | None" = None
+    created_at: str = Field(default_factory=utcnow)
+
+
+class ShardRecord(Contract):
+    """`runs/<run>/{tokens,hidden}/<shard>.json`, written after the object it describes."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    shard: str
+    kind: Literal["tokens", "hidden"]
+    key: str
+    sha256: str
+    bytes: int = Field(ge=0)
+    sequences: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    loss_tokens: int = Field(ge=0)
+    engine: EngineSpec | None = None
+    seconds: float | None = None
+    created_at: str = Field(default_factory=utcnow)
+
+
+class RejectRecord(Contract):
+    """One line of `runs/<run>/rejects/<part>.jsonl`."""
+
+    source: str
+    line: int = Field(ge=1)
+    reason: str
+
+
+class RunStatus(Contract):
+    run: str
+    shards_total: int
+    tokens_done: int
+    hidden_done: int
+    failed: int
+    sequences: int
+    tokens: int
+    rejects: int
+    complete: bool
+
+
+# --------------------------------------------------------------------------------------
+# Queue messages (Celery kwargs, JSON)
+# --------------------------------------------------------------------------------------
+class IngestRequest(Contract):
+    run: str = Field(pattern=_NAME)
+    dataset: str = Field(description="store key (datasets/x.jsonl) or a local path")
+    model: str = Field(description="target model folder (HF layout, safetensors)")
+    capture_points: list[int] | None = None
+    engine: Literal["hf", "sglang"] | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    target_signal: Literal["final", "topk"] = "final"
+    topk: int = Field(20, ge=1)
+    options: IngestOptions = Field(default_factory=IngestOptions)
+    train_after: "TrainRequest | None" = None
+    fan_out: bool = Field(True, description="enqueue one extract task per shard")
+
+
+class ExtractRequest(Contract):
+    run: str = Field(pattern=_NAME)
+    shard: str
+
+
+class TrainConfig(Contract):
+    draft_vocab_size: int = Field(32000, ge=2)
+    ttt_steps: int = Field(7, ge=1)
+    step_decay: float = Field(0.8, gt=0.0, le=1.0)
+    steps: int = Field(1000, ge=1)
+    batch_tokens: int = Field(4096, ge=16)
+    max_seq_tokens: int = Field(2048, ge=16)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = 0
+    holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    checkpoint_every: int = Field(200, ge=1)
+    eval_prompts: int = Field(8, ge=0)
+    eval_new_tokens: int = Field(64, ge=1)
+    eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
+    prefetch: int = Field(4, ge=1)
+
+
+class TrainRequest(Contract):
+    runs: list[str] = Field(min_length=1)
+    drafter: str = Field(pattern=_NAME)
+    model: str = Field(description="target model folder (for embeddings, lm_head, config)")
+    config: TrainConfig = Field(default_factory=TrainConfig)
+    train_id: str | None = Field(None, description="checkpoint namespace; default derived from inputs")
+    eval_prompts_file: str | None = None
+    publish: bool = True
+
+    @field_validator("runs")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"runs {v} repeat a run")
+        return v
+
+
+# --------------------------------------------------------------------------------------
+# The drafter's lineage, `drafters/<name>/<version>/aerie.json`
+# --------------------------------------------------------------------------------------
+class DrafterLineage(Contract):
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    version: str
+    runs: list[str]
+    target: TargetSpec
+    engine: EngineSpec
+    capture_points: list[int]
+    exported_layer_ids: list[int]
+    exported_convention: str
+    draft_vocab_size: int
+    config: TrainConfig
+    metrics: dict[str, float | int | str | list[float] | None]
+    files: dict[str, str] = Field(description="file name -> sha256")
+    created_at: str = Field(default_factory=utcnow)
+
+
+RunSpec.model_rebuild()
+IngestRequest.model_rebuild()

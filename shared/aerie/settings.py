@@ -1,0 +1,73 @@
+"""Every endpoint, bucket, credential and default, read from the environment.
+
+- Prefix `AERIE_`; an unknown `AERIE_*` variable is an error (a typo must not be silently ignored).
+- Required credentials have no default: a missing one fails at start with its name.
+- Nothing is read at import time: call `Settings.load()` where the value is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "AERIE_"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    # --- object store -------------------------------------------------------------------
+    store: str = Field(
+        default="file://./aerie-data",
+        description="file:///path for the embedded filesystem store, or http(s)://host:port for S3/MinIO",
+    )
+    bucket: str = "aerie"
+    s3_access_key: SecretStr | None = None
+    s3_secret_key: SecretStr | None = None
+    s3_region: str | None = None
+
+    # --- queue --------------------------------------------------------------------------
+    broker: str = Field(default="memory://", description="redis://[:password@]host:port/db, or memory:// (eager)")
+    result_backend: str | None = None
+    worker_concurrency: int = Field(default=1, ge=1)
+
+    # --- engines ------------------------------------------------------------------------
+    engine: Literal["hf", "sglang"] = "hf"
+    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    engine_concurrency: int = Field(default=4, ge=1)
+    engine_timeout_s: float = Field(default=600.0, gt=0)
+    device: str = "cpu"
+    tokens_per_batch: int = Field(default=4096, ge=1)
+
+    # --- paths --------------------------------------------------------------------------
+    cache_dir: Path = Path(os.path.expanduser("~/.cache/aerie"))
+
+    @model_validator(mode="after")
+    def _s3_needs_credentials(self) -> "Settings":
+        if self.store.startswith(("http://", "https://")):
+            missing = [
+                f"{ENV_PREFIX}{name.upper()}"
+                for name in ("s3_access_key", "s3_secret_key")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"store {self.store} is an S3 endpoint but {', '.join(missing)} "
+                    "is not set: export the credentials of that server"
+                )
+        return self
+
+    @classmethod
+    def load(cls, **overrides) -> "Settings":
+        """Read the environment, refusing unknown AERIE_* variables by name."""
+        known = {f"{ENV_PREFIX}{name}".upper() for name in cls.model_fields}
+        unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**{k: v for k, v in overrides.items() if v is not None})

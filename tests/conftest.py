@@ -1,0 +1,110 @@
+"""Shared fixtures: real servers, both store backends, the small real target.
+
+- S3: the server the test command started (AERIE_TEST_S3_* variables), else one started here.
+- Redis: 127.0.0.1:6379 (the test command starts one if none answers), a private db per test.
+- Every test that touches a store gets a fresh bucket or folder.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+from tests.services import S3Server, start_s3
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than ~30 s on 2 cores (still runs in CI)")
+    config.addinivalue_line("markers", "sglang: starts a real SGLang server from .venv-sglang")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> S3Server:
+    if os.environ.get("AERIE_TEST_S3_ENDPOINT"):
+        yield S3Server(
+            os.environ["AERIE_TEST_S3_ENDPOINT"],
+            os.environ["AERIE_TEST_S3_ACCESS_KEY"],
+            os.environ["AERIE_TEST_S3_SECRET_KEY"],
+        )
+        return
+    server = start_s3(tmp_path_factory.mktemp("weed"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server):
+    from aerie.store import S3Store
+
+    bucket = "t-" + secrets.token_hex(6)
+    store = S3Store(s3_server.endpoint, bucket, s3_server.access_key, s3_server.secret_key)
+    store.ensure_bucket()
+    yield store
+    try:
+        store.delete_prefix("")
+        store.client.remove_bucket(bucket)
+    except Exception:
+        pass
+
+
+@pytest.fixture
+def fs_store(tmp_path):
+    from aerie.store import FsStore
+
+    return FsStore(tmp_path / "store")
+
+
+@pytest.fixture(params=["fs", "s3"])
+def store(request):
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+def store_env(store) -> dict[str, str]:
+    """AERIE_* variables that make a subprocess (worker, CLI) use this store."""
+    from aerie.store import FsStore
+
+    if isinstance(store, FsStore):
+        return {"AERIE_STORE": f"file://{store.root}"}
+    return {
+        "AERIE_STORE": store.endpoint,
+        "AERIE_BUCKET": store.bucket,
+        "AERIE_S3_ACCESS_KEY": store.client._provider.retrieve().access_key,
+        "AERIE_S3_SECRET_KEY": store.client._provider.retrieve().secret_key,
+    }
+
+
+_redis_db = iter(range(1, 16))
+
+
+@pytest.fixture
+def redis_url():
+    """A private, flushed Redis database on the local server."""
+    import redis
+
+    host = os.environ.get("AERIE_TEST_REDIS", "redis://127.0.0.1:6379")
+    db = next(_redis_db, None) or 15
+    url = f"{host}/{db}"
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError:
+        pytest.fail(f"no Redis at {host}: the test command (scripts/test.sh) starts one")
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return Path(os.environ.get("AERIE_TEST_CACHE", os.path.expanduser("~/.cache/aerie")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(cache_dir) -> Path:
+    from aerie.target import smollm2
+
+    return smollm2(cache_dir)

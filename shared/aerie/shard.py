@@ -58,6 +58,15 @@ class ShardError(ValueError):
     """A shard that does not hold what its header promises."""
 
 
+def _nonfinite(arr: np.ndarray) -> np.ndarray:
+    """NaN/Inf mask, read off the exponent bits for 16-bit floats (no float32 copy)."""
+    if arr.dtype == _DTYPES["BF16"]:
+        return (arr.view(np.uint16) & 0x7F80) == 0x7F80
+    if arr.dtype == _DTYPES["F16"]:
+        return (arr.view(np.uint16) & 0x7C00) == 0x7C00
+    return ~np.isfinite(arr)
+
+
 def np_dtype(name: str) -> np.dtype:
     """'bfloat16' | 'float16' | 'float32' -> numpy dtype."""
     return _DTYPES[FLOAT_DTYPES[name]]
@@ -234,9 +243,9 @@ class Shard:
                 arr = getattr(self, name)
                 if arr is None:
                     continue
-                finite = np.isfinite(arr.astype(np.float32, copy=False)) if arr.dtype != np.float32 else np.isfinite(arr)
-                if not finite.all():
-                    row = int(np.argwhere(~finite)[0][0])
+                bad = _nonfinite(arr)
+                if bad.any():
+                    row = int(np.argwhere(bad)[0][0])
                     seq = int(np.searchsorted(off, row, side="right") - 1)
                     raise ShardError(f"{name} holds NaN/Inf at token {row} (sequence {seq})")
         return self

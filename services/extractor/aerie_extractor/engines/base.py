@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aerie.contracts import EngineSpec, RunSpec
+from aerie.contracts import EngineSpec, RunSpec, TargetSpec
+from aerie.settings import Settings
 
 
 class EngineError(RuntimeError):
@@ -41,6 +42,12 @@ class Engine(ABC):
     """Lifecycle: build -> `check(run)` once before any work -> `capture(...)` -> `close()`."""
 
     spec: EngineSpec
+
+    @classmethod
+    def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:
+        """The EngineSpec a new run records for this engine (ingest calls it before any capture):
+        name, version, id convention and the layer ids the capture points translate to."""
+        raise NotImplementedError(f"{cls.__name__}.spec_for")
 
     @abstractmethod
     def check(self, run: RunSpec) -> None:

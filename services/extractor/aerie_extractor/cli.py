@@ -1,0 +1,134 @@
+"""Celery sub-commands of the extractor (entry point group `celery.commands`).
+
+    celery -A aerie_extractor.worker enqueue --dataset chat.jsonl --run r1 --model /models/target \\
+        --capture-points 2,15,27 --max-tokens 2048 --shard-tokens 65536
+    celery -A aerie_extractor.worker progress --run r1 [--watch --timeout 3600]
+
+`progress`, not `status`: Celery registers its own `status` (workers online) after plugins, so a
+plugin of that name would be silently replaced.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from celery.bin.base import CeleryCommand
+
+from aerie import layout
+from aerie.contracts import IngestOptions, IngestRequest, RunStatus, TrainRequest
+from aerie.queue import INGEST_TASK
+
+
+def _app_settings(ctx: click.Context):
+    app = ctx.obj.app
+    from aerie_extractor.tasks import task_settings
+
+    return app, task_settings(app)
+
+
+def _points(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(p) for p in value.replace(" ", "").split(",") if p]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated layer numbers, e.g. 2,15,27") from None
+
+
+@click.command(cls=CeleryCommand)
+@click.option("--dataset", required=True, help="store key (datasets/x.jsonl) or a local file (uploaded to datasets/)")
+@click.option("--run", "run_name", required=True, help="run name: runs/<run>/ in the store")
+@click.option("--model", required=True, help="target model folder, as the workers see it")
+@click.option("--capture-points", default=None, help="comma-separated capture points (default 2,N//2,N-3)")
+@click.option("--engine", type=click.Choice(["hf", "sglang"]), default=None, help="default: AERIE_ENGINE")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
+@click.option("--target-signal", type=click.Choice(["final", "topk"]), default="final")
+@click.option("--topk", type=int, default=20)
+@click.option("--loss-on", type=click.Choice(["all", "last"]), default="all", help="assistant turns trained on")
+@click.option("--max-tokens", type=int, default=2048)
+@click.option("--overlong", type=click.Choice(["truncate", "reject"]), default="truncate")
+@click.option("--shard-tokens", type=int, default=65536)
+@click.option("--max-records", type=int, default=None, help="stop after this many accepted records")
+@click.option("--fan-out/--no-fan-out", default=True, help="enqueue one extract task per shard")
+@click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
+@click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
+@click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
+@click.pass_context
+def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
+            max_tokens, overlong, shard_tokens, max_records, fan_out, train_drafter, upload, wait):
+    """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
+    app, settings = _app_settings(ctx)
+    local = Path(dataset).expanduser()
+    if upload and local.is_file():
+        from aerie.store import open_store
+
+        key = layout.dataset(local.name)
+        open_store(settings).put_file(key, local)
+        ctx.obj.echo(f"uploaded {local} -> {key}")
+        dataset = key
+    if Path(model).expanduser().is_dir():
+        model = str(Path(model).expanduser().resolve())
+    try:
+        request = IngestRequest(
+            run=run_name, dataset=dataset, model=model, capture_points=_points(capture_points), engine=engine,
+            dtype=dtype, target_signal=target_signal, topk=topk, fan_out=fan_out,
+            options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong,
+                                  shard_tokens=shard_tokens, max_records=max_records),
+            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model) if train_drafter else None,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    result = app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
+    ctx.obj.echo(f"enqueued {INGEST_TASK} {result.id} for run {run_name}")
+    if wait:
+        summary = result.get(timeout=wait)
+        ctx.obj.echo(f"ingested: {summary['sequences']} sequences, {summary['tokens']} tokens in "
+                     f"{len(summary['shards'])} shards, {summary['rejects']} rejects")
+
+
+def status_table(status: RunStatus):
+    from rich.table import Table
+
+    table = Table(title=f"run {status.run}")
+    for col in ("shards", "tokenized", "extracted", "failed", "sequences", "tokens", "rejects", "complete"):
+        table.add_column(col, justify="right")
+    table.add_row(str(status.shards_total), str(status.tokens_done), str(status.hidden_done), str(status.failed),
+                  str(status.sequences), str(status.tokens), str(status.rejects), "yes" if status.complete else "no")
+    return table
+
+
+@click.command(cls=CeleryCommand)
+@click.option("--run", "run_name", required=True)
+@click.option("--watch", is_flag=True, help="follow the run with a progress bar until it completes")
+@click.option("--timeout", type=float, default=3600.0, help="seconds --watch waits")
+@click.option("--json", "as_json", is_flag=True, help="print the RunStatus record as JSON")
+@click.pass_context
+def progress(ctx, run_name, watch, timeout, as_json):
+    """Show a run's progress: shards tokenized / extracted / failed, tokens, rejects."""
+    from rich.console import Console
+
+    from aerie.store import open_store
+    from aerie_extractor.extract import run_status
+
+    _, settings = _app_settings(ctx)
+    store = open_store(settings)
+    console = Console()
+    status = run_status(store, run_name)
+    if watch and not status.complete:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        deadline = time.monotonic() + timeout
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task(f"run {run_name}: shards extracted", total=max(status.shards_total, 1))
+            while not status.complete and status.failed == 0 and time.monotonic() < deadline:
+                time.sleep(2)
+                status = run_status(store, run_name)
+                bar.update(task, total=max(status.shards_total, 1), completed=status.hidden_done)
+    if as_json:
+        click.echo(status.model_dump_json())
+    else:
+        console.print(status_table(status))
+    if watch and not status.complete:
+        raise SystemExit(1)

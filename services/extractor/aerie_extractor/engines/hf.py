@@ -1,0 +1,157 @@
+"""The `hf` engine: a transformers forward in this process, the reference for every other engine.
+
+- Capture point k is `output_hidden_states[k]` (aerie.capture.hf_hidden_state_indices); the
+  final state is `hidden_states[N]`, the post-final-norm state the lm_head reads.
+- Sequences are grouped by length into batches of at most `settings.tokens_per_batch` padded
+  tokens (right padding + attention mask, so real tokens never see the padding).
+- Runs the base model (no lm_head) unless the run wants top-k log-probs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from aerie.capture import hf_hidden_state_indices, to_engine_ids
+from aerie.contracts import EngineSpec, RunSpec, TargetSpec
+from aerie.settings import Settings
+from aerie.shard import np_dtype
+from aerie.target import describe
+from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
+
+log = logging.getLogger(__name__)
+
+
+def _torch_dtype(torch, name: str, device: str):
+    if name == "float16" and device == "cpu":
+        return torch.float32  # half matmuls on CPU are slow or missing; stored as float16 anyway
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def to_numpy(t, dtype: str) -> np.ndarray:
+    """A torch tensor -> numpy in the run's storage dtype (bf16 as ml_dtypes.bfloat16)."""
+    import torch
+
+    t = t.detach().to("cpu")
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np_dtype("bfloat16"))
+    return t.to(getattr(torch, dtype)).contiguous().numpy()
+
+
+def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Indices grouped longest-first so that len(batch) * longest <= tokens_per_batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= tokens_per_batch:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class HFEngine(Engine):
+    def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.settings, self.run = settings, run_spec
+        self.model_path = str(model_path or run_spec.target.model)
+        self.device = settings.device
+        self.compute_dtype = _torch_dtype(torch, run_spec.dtype, self.device)
+        self.spec = self.spec_for(settings, run_spec.target, run_spec.capture_points, run_spec.dtype)
+        self.indices = hf_hidden_state_indices(run_spec.capture_points, run_spec.target.num_layers)
+        started = time.monotonic()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.compute_dtype)
+        except (OSError, ValueError) as e:
+            raise EngineMismatch(f"hf engine cannot load the target from {self.model_path}: {e}") from e
+        self.model = model.to(self.device).eval()
+        self.base = getattr(model, model.base_model_prefix)
+        log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
+
+    @classmethod
+    def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:
+        import transformers
+
+        return EngineSpec(
+            name="hf",
+            version=transformers.__version__,
+            convention="hf",
+            layer_ids=to_engine_ids(capture_points, "hf", target.num_layers),
+            transport="inproc",
+            dtype=dtype,
+        )
+
+    def check(self, run: RunSpec) -> None:
+        if run.engine.name != "hf":
+            raise EngineMismatch(f"run {run.run!r} records engine {run.engine.name!r}, not 'hf'")
+        if run.engine.version != self.spec.version:
+            raise EngineMismatch(
+                f"run {run.run!r} was planned with transformers {run.engine.version}, this worker has "
+                f"{self.spec.version}: install transformers=={run.engine.version} or start a new run"
+            )
+        if run.engine.layer_ids != self.spec.layer_ids:
+            raise EngineMismatch(
+                f"run {run.run!r} records hf layer ids {run.engine.layer_ids}, its capture points "
+                f"{run.capture_points} translate to {self.spec.layer_ids}"
+            )
+        here = describe(self.model_path)
+        for name in ("weights_sha256", "tokenizer_sha256", "num_layers", "hidden_size"):
+            if getattr(here, name) != getattr(run.target, name):
+                raise EngineMismatch(
+                    f"the target at {self.model_path} is not the run's target: {name} "
+                    f"{getattr(here, name)} != {getattr(run.target, name)} recorded in runs/{run.run}/run.json "
+                    "(point the worker at the same model folder the run was ingested with)"
+                )
+
+    def forward(self, batch: list[np.ndarray]):
+        """One padded forward -> (hidden_states tuple, attention mask); no conversion."""
+        import torch
+
+        longest = max(len(s) for s in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for b, s in enumerate(batch):
+            ids[b, : len(s)] = torch.from_numpy(np.asarray(s, dtype=np.int64))
+            mask[b, : len(s)] = 1
+        with torch.inference_mode():
+            out = self.base(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                output_hidden_states=True, use_cache=False,
+            )
+        return out.hidden_states
+
+    def capture(self, sequences: list[np.ndarray]) -> list[Captured]:
+        import torch
+
+        N = self.run.target.num_layers
+        results: list[Captured | None] = [None] * len(sequences)
+        for idx in length_batches([len(s) for s in sequences], self.settings.tokens_per_batch):
+            batch = [sequences[i] for i in idx]
+            try:
+                hs = self.forward(batch)
+            except RuntimeError as e:  # CUDA OOM and friends: the task may retry
+                raise EngineError(f"hf forward failed on {len(batch)} sequences of up to {len(batch[0])} tokens: {e}") from e
+            if len(hs) != N + 1:
+                raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
+            aux = torch.stack([hs[i] for i in self.indices], dim=2)  # (B, L, K, H)
+            final = hs[N]  # (B, L, H), post-final-norm
+            for b, i in enumerate(idx):
+                T = len(sequences[i])
+                cap = Captured(aux=to_numpy(aux[b, :T], self.run.dtype))
+                if self.run.target_signal == "final":
+                    cap.final = to_numpy(final[b, :T], self.run.dtype)
+                else:
+                    with torch.inference_mode():
+                        logp = torch.log_softmax(self.model.lm_head(final[b, :T]).float(), dim=-1)
+                        top = torch.topk(logp, self.run.topk or 20, dim=-1)
+                    cap.topk_ids = top.indices.to(torch.int32).cpu().numpy()
+                    cap.topk_logprobs = top.values.cpu().numpy()
+                results[i] = cap
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.model = self.base = None  # type: ignore[assignment]

@@ -1,0 +1,323 @@
+"""The `sglang` engine: hidden states from a stock SGLang server in capture mode, over HTTP.
+
+The server (one container, or `python -m aerie_sglang.cpu.launch` on a CPU) runs with
+`--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
+--return-aux-hidden-state-layer-ids <ids> --disable-radix-cache`, the ids being the run's
+capture points translated by `aerie.capture` (never here). Design choices:
+
+- One request per sequence: `input_ids`, `max_new_tokens: 1`, temperature 0,
+  `return_hidden_states` -> `meta_info.hidden_states[0]` is `[T][K*H]` (layers concatenated
+  in id order); `return_logprob`, `logprob_start_len: 0`, `top_logprobs_num: k` -> top-k
+  log-probs. No torch: floats arrive as JSON and are parsed with orjson. JSON carries float32
+  exactly (SGLang's `.tolist()` gives the float32 value as a double, its shortest repr parses
+  back to the same double), so the only rounding is the conversion to the run's dtype.
+- Target signal alignment. SGLang's `input_top_logprobs[i]` is the distribution that *predicts
+  token i* (computed from the state after token i-1), so entry 0 is `None`. Our row t is the
+  distribution over token t+1 (aerie.shard), so row t = `input_top_logprobs[t+1]` for
+  t < T-1, and the last row (after the last prompt token) = `output_top_logprobs[0]`, the
+  distribution the one generated token is drawn from. Greedy sampling does not reshape it:
+  the tests compare every row with transformers' log-softmax.
+- Stock SGLang returns no final (post-norm) state over JSON: a run must ask for
+  `target_signal: topk` (the binary-capture plugin adds the final state).
+- `capture()` runs requests concurrently: `settings.engine_concurrency` in flight per URL, every
+  URL in `settings.engine_urls` pulling from one queue (a faster server takes more).
+- `check()` reads every server's own configuration (`/server_info`, `/model_info`) and a
+  two-token probe, and refuses (EngineMismatch) another SGLang version, other layer ids,
+  another model, or a radix cache that is on -- before any work. `capture()` checks first
+  if nobody did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
+from aerie.contracts import EngineSpec, RunSpec, TargetSpec
+from aerie.settings import Settings
+from aerie.shard import np_dtype
+from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
+
+log = logging.getLogger(__name__)
+
+_PROBE_IDS = [1, 2]  # any two in-vocabulary tokens: the probe only looks at shapes
+
+
+class _Fatal(EngineError):
+    """The server refused the request itself (4xx): retrying the same input cannot help."""
+
+    retryable = False
+
+
+def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
+    """GET the first of `paths` the server knows (0.5.23 names; older servers only the get_ ones)."""
+    last = None
+    for path in paths:
+        try:
+            r = client.get(url + path)
+        except httpx.HTTPError as e:
+            raise EngineError(f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (AERIE_ENGINE_URLS)") from e
+        if r.status_code == 404:
+            last = r
+            continue
+        if r.status_code != 200:
+            raise EngineError(f"SGLang server {url}{path} answered HTTP {r.status_code}: {r.text[:300]}")
+        return orjson.loads(r.content)
+    raise EngineMismatch(f"SGLang server {url} has none of {', '.join(paths)} (HTTP {last.status_code}): not an SGLang server?")
+
+
+def server_info(client: httpx.Client, url: str) -> dict:
+    return _get(client, url, ("/server_info", "/get_server_info"))
+
+
+def model_info(client: httpx.Client, url: str) -> dict:
+    return _get(client, url, ("/model_info", "/get_model_info"))
+
+
+def topk_rows(meta: dict, T: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """SGLang's input/output top-k log-probs -> (ids int32 [T, k], logprobs float32 [T, k]),
+    row t = the distribution over token t+1 (see the module docstring)."""
+    inputs = meta.get("input_top_logprobs")
+    outputs = meta.get("output_top_logprobs")
+    if inputs is None or outputs is None:
+        raise EngineError("SGLang returned no top-k log-probs (input_top_logprobs/output_top_logprobs)")
+    if len(inputs) != T or inputs[0] is not None:
+        raise EngineError(
+            f"SGLang returned top-k log-probs for {len(inputs)} input positions of {T} (first "
+            f"{'empty' if inputs and inputs[0] is None else 'present'}): logprob_start_len must be 0"
+        )
+    rows = inputs[1:] + outputs[:1]  # row t predicts token t+1; the last row comes from the output step
+    ids = np.empty((T, k), dtype=np.int32)
+    values = np.empty((T, k), dtype=np.float32)
+    for t, row in enumerate(rows):
+        if row is None or len(row) != k:
+            raise EngineError(f"SGLang top-k row {t}: {0 if row is None else len(row)} entries, expected {k}")
+        for j, (logprob, token, *_) in enumerate(row):
+            ids[t, j] = token
+            values[t, j] = logprob
+    return ids, values
+
+
+class SGLangEngine(Engine):
+    def __init__(self, settings: Settings, run_spec: RunSpec):
+        self.settings, self.run = settings, run_spec
+        self.urls = [u.rstrip("/") for u in settings.engine_urls]
+        if not self.urls:
+            raise EngineMismatch("no SGLang server configured: set AERIE_ENGINE_URLS")
+        target = run_spec.target
+        self.convention = convention_for("sglang", target.architecture)
+        self.layer_ids = to_engine_ids(run_spec.capture_points, self.convention, target.num_layers)
+        self.spec = run_spec.engine
+        self.max_input: dict[str, int] = {}
+        self._checked = False
+
+    # ----------------------------------------------------------------------------------
+    @classmethod
+    def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:
+        """What a new run records: the version the (first) server reports, the layer ids."""
+        convention = convention_for("sglang", target.architecture)
+        with httpx.Client(timeout=30.0) as client:
+            info = server_info(client, settings.engine_urls[0].rstrip("/"))
+        return EngineSpec(
+            name="sglang",
+            version=str(info["version"]),
+            convention=convention,
+            layer_ids=to_engine_ids(capture_points, convention, target.num_layers),
+            transport="json",
+            dtype=dtype,
+        )
+
+    def check(self, run: RunSpec) -> None:
+        if run.engine.name != "sglang":
+            raise EngineMismatch(f"run {run.run!r} records engine {run.engine.name!r}, not 'sglang'")
+        if run.engine.layer_ids != self.layer_ids:
+            raise EngineMismatch(
+                f"run {run.run!r} records SGLang layer ids {run.engine.layer_ids}, but its capture points "
+                f"{run.capture_points} translate to {self.layer_ids} ({self.convention}): the run spec is inconsistent"
+            )
+        if run.target_signal != "topk":
+            raise EngineMismatch(
+                f"run {run.run!r} wants target signal {run.target_signal!r}; stock SGLang over JSON returns "
+                "top-k log-probs only: ingest with target_signal 'topk' (the binary-capture plugin adds 'final')"
+            )
+        with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+            for url in self.urls:
+                self._check_server(client, url, run)
+        self._checked = True
+
+    def _check_server(self, client: httpx.Client, url: str, run: RunSpec) -> None:
+        info, model = server_info(client, url), model_info(client, url)
+        target = run.target
+        version = str(info.get("version"))
+        if version != run.engine.version:
+            raise EngineMismatch(
+                f"SGLang server {url} runs version {version}, run {run.run!r} records SGLang {run.engine.version}: "
+                f"serve the run with sglang=={run.engine.version} (hidden states differ between versions), or start a new run"
+            )
+        if not info.get("enable_return_aux_hidden_states"):
+            raise EngineMismatch(
+                f"SGLang server {url} is not in capture mode: start it with --enable-return-aux-hidden-states "
+                f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+            )
+        served_ids = [int(i) for i in info.get("return_aux_hidden_state_layer_ids") or []]
+        if served_ids != self.layer_ids:
+            try:
+                served_points = f"capture points {from_engine_ids(served_ids, self.convention, target.num_layers)}"
+            except CaptureError as e:
+                served_points = f"no valid capture points: {e}"
+            raise EngineMismatch(
+                f"SGLang server {url} captures layer ids {served_ids} ({self.convention}: {served_points}), "
+                f"but run {run.run!r} needs capture points {run.capture_points} = layer ids {self.layer_ids}: "
+                f"restart the server with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+            )
+        if not info.get("disable_radix_cache"):
+            raise EngineMismatch(
+                f"SGLang server {url} runs with its radix (prefix) cache on: a prompt sharing a prefix with an "
+                "earlier one would return hidden states for its uncached tokens only: restart it with --disable-radix-cache"
+            )
+        archs = model.get("architectures") or []
+        if target.architecture not in archs:
+            raise EngineMismatch(
+                f"SGLang server {url} serves {model.get('model_path')} ({', '.join(archs) or 'unknown architecture'}), "
+                f"run {run.run!r} targets {target.model} ({target.architecture}): serve the run's target"
+            )
+        self._check_identity(url, model, run)
+        self.max_input[url] = int(info.get("max_req_input_len") or 0)
+        self._probe(client, url, run)
+
+    def _check_identity(self, url: str, model: dict, run: RunSpec) -> None:
+        """Same weights when the server's model folder is readable here; else the same name."""
+        target = run.target
+        served = str(model.get("model_path") or "")
+        names = {served, str(model.get("served_model_name") or "")}
+        if Path(served, "config.json").is_file() and any(Path(served).glob("*.safetensors")):
+            from aerie.target import describe
+
+            here = describe(served)
+            if here.weights_sha256 != target.weights_sha256:
+                raise EngineMismatch(
+                    f"SGLang server {url} serves {served} (weights sha256 {here.weights_sha256[:12]}), "
+                    f"run {run.run!r} targets {target.model} (weights sha256 {target.weights_sha256[:12]}): "
+                    "serve the run's target"
+                )
+            return
+        wanted = {target.model.rstrip("/"), os.path.basename(target.model.rstrip("/"))}
+        if not any(n and (n.rstrip("/") in wanted or os.path.basename(n.rstrip("/")) in wanted) for n in names):
+            raise EngineMismatch(
+                f"SGLang server {url} serves {served!r} (name {model.get('served_model_name')!r}), run {run.run!r} "
+                f"targets {target.model!r}: serve the run's target, or start the server with "
+                f"--served-model-name {target.model}"
+            )
+
+    def _probe(self, client: httpx.Client, url: str, run: RunSpec) -> None:
+        body = self._body(_PROBE_IDS)
+        try:
+            r = client.post(url + "/generate", json=body)
+        except httpx.HTTPError as e:
+            raise EngineError(f"SGLang server {url}: probe request failed ({type(e).__name__}: {e})") from e
+        if r.status_code != 200:
+            raise EngineMismatch(f"SGLang server {url} refused a capture request (HTTP {r.status_code}): {r.text[:300]}")
+        self._parse(url, orjson.loads(r.content), len(_PROBE_IDS))
+
+    # ----------------------------------------------------------------------------------
+    def _body(self, ids: list[int]) -> dict:
+        return {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_hidden_states": True,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": int(self.run.topk or 20),
+        }
+
+    def _parse(self, url: str, out: dict, T: int) -> Captured:
+        run, target = self.run, self.run.target
+        K, H = len(run.capture_points), target.hidden_size
+        meta = out.get("meta_info") or {}
+        states = meta.get("hidden_states")
+        if not states:
+            raise EngineMismatch(
+                f"SGLang server {url} returned no hidden states: it must run with --enable-return-aux-hidden-states"
+            )
+        rows = states[0]
+        if rows and not isinstance(rows[0], list):  # a one-token prompt may come back flat
+            rows = [rows]
+        aux = np.asarray(rows, dtype=np.float32)
+        if aux.ndim != 2 or aux.shape[0] != T:
+            raise EngineMismatch(
+                f"SGLang server {url} returned hidden states of shape {list(aux.shape)} for {T} tokens: "
+                "one row per prompt token expected (is the radix cache on? start it with --disable-radix-cache)"
+            )
+        if aux.shape[1] != K * H:
+            width = aux.shape[1]
+            cause = (
+                f"{width // H} captured layers of H={H} where the run has {K} capture points "
+                f"(wrong --return-aux-hidden-state-layer-ids; expected {' '.join(map(str, self.layer_ids))})"
+                if width % H == 0
+                else f"not a multiple of the run's hidden size {H}: the server serves another model than {target.model}"
+            )
+            raise EngineMismatch(f"SGLang server {url} returned {width} floats per token, expected K*H = {K}*{H}: {cause}")
+        ids, logprobs = topk_rows(meta, T, int(run.topk or 20))
+        return Captured(
+            aux=aux.reshape(T, K, H).astype(np_dtype(run.dtype), copy=False),  # [T, K, H]
+            topk_ids=ids,
+            topk_logprobs=logprobs,
+        )
+
+    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray) -> Captured:
+        ids = [int(x) for x in seq]
+        limit = self.max_input.get(url) or 0
+        if limit and len(ids) > limit:
+            raise _Fatal(f"a sequence of {len(ids)} tokens exceeds SGLang server {url}'s limit of {limit} input tokens: lower ingest max_tokens or raise --context-length")
+        try:
+            r = await client.post(url + "/generate", content=orjson.dumps(self._body(ids)), headers={"content-type": "application/json"})
+        except httpx.HTTPError as e:
+            raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})") from e
+        if 400 <= r.status_code < 500:
+            raise _Fatal(f"SGLang server {url} refused {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
+        if r.status_code != 200:
+            raise EngineError(f"SGLang server {url} failed on {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
+        return self._parse(url, orjson.loads(r.content), len(ids))
+
+    async def _capture_all(self, sequences: list[np.ndarray]) -> list[Captured]:
+        results: list[Captured | None] = [None] * len(sequences)
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(sequences)):
+            queue.put_nowait(i)
+
+        async def worker(client: httpx.AsyncClient, url: str) -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results[i] = await self._one(client, url, sequences[i])
+
+        per_url = self.settings.engine_concurrency
+        limits = httpx.Limits(max_connections=per_url * len(self.urls))
+        async with httpx.AsyncClient(timeout=self.settings.engine_timeout_s, limits=limits) as client:
+            tasks = [asyncio.create_task(worker(client, url)) for url in self.urls for _ in range(per_url)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return results  # type: ignore[return-value]
+
+    def capture(self, sequences: list[np.ndarray]) -> list[Captured]:
+        if not self._checked:
+            self.check(self.run)
+        if not sequences:
+            return []
+        started = time.monotonic()
+        out = asyncio.run(self._capture_all(sequences))
+        log.debug("sglang engine: %d sequences, %d tokens in %.2f s", len(sequences), sum(len(s) for s in sequences), time.monotonic() - started)
+        return out

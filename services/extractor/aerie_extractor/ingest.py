@@ -1,0 +1,430 @@
+"""Ingest: a chat dataset -> tokenized, loss-masked token shards + the run spec.
+
+- Input: a store key (`datasets/x.jsonl`) or a local path; JSONL (one record a line) or a JSON
+  array (ShareGPT's own files), streamed record by record with `json.JSONDecoder.raw_decode`,
+  so a 100 MB array is never held whole and an array cut off at the end stops cleanly.
+- Records: ShareGPT (`conversations`: `from`/`value`) or OpenAI (`messages`: `role`/`content`),
+  with system prompts and any number of turns.
+- The *target's* chat template renders the conversation. The loss mask covers assistant tokens
+  only: each assistant turn's text span is found by rendering the conversation up to that turn
+  (with the generation prompt) and up to its end, and checking that each rendering is a prefix
+  of the whole; tokens are mapped to spans by their character offsets. A template that is not
+  prefix-stable (e.g. one that drops earlier turns' reasoning) is refused per record, by name.
+- Every refused record becomes a `RejectRecord` (1-based line, reason) in
+  `runs/<run>/rejects/<part>.jsonl`; the run goes on.
+- Output: token shards of about `shard_tokens` tokens (whole sequences), each object written
+  before its record, then `run.json` last: its presence means ingest finished.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from aerie import layout
+from aerie.capture import default_capture_points, validate_capture_points
+from aerie.contracts import IngestOptions, IngestRequest, RejectRecord, RunSpec, ShardRecord
+from aerie.settings import Settings
+from aerie.shard import pack
+from aerie.store import NotFound, ObjectStore
+from aerie.target import describe
+
+log = logging.getLogger(__name__)
+
+CHUNK_CHARS = 1 << 20
+
+ROLES = {
+    # ShareGPT `from`
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    # OpenAI `role`
+    "developer": "system",
+}
+
+
+class IngestError(ValueError):
+    """The whole run cannot be ingested (missing dataset, template, existing run...)."""
+
+
+class Rejected(ValueError):
+    """One record refused; the message is the reason stored in rejects."""
+
+
+# --------------------------------------------------------------------------------------
+# Reading: store key or path -> (line, record | Rejected)
+# --------------------------------------------------------------------------------------
+def _byte_chunks(store: ObjectStore | None, dataset: str) -> tuple[str, Iterator[bytes]]:
+    """The dataset's bytes, from a local path or the store; returns (source name, chunks)."""
+    path = Path(os.path.expanduser(dataset))
+    if path.is_file():
+
+        def read() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    yield chunk
+
+        return str(path), read()
+    if store is None:
+        raise IngestError(f"dataset {dataset!r}: no such file, and no store to read a key from")
+    keys = [dataset] if "/" in dataset else [dataset, layout.dataset(dataset)]
+    for key in keys:
+        if store.exists(key):
+            return key, store.open(key)
+    raise IngestError(
+        f"dataset {dataset!r} is neither a local file nor an object in {store.url} "
+        f"(tried {', '.join(keys)}): upload it to datasets/<name>.jsonl or pass a path the worker can read"
+    )
+
+
+def _texts(chunks: Iterator[bytes]) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for chunk in chunks:
+        text = decoder.decode(chunk)
+        if text:
+            yield text
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def iter_records(chunks: Iterator[bytes]) -> Iterator[tuple[int, object]]:
+    """(1-based line, parsed record or Rejected) for JSONL or a JSON array (possibly cut off)."""
+    texts = _texts(chunks)
+    buf = ""
+    for text in texts:
+        buf += text
+        if buf.lstrip():
+            break
+    if buf.lstrip().startswith("["):
+        yield from _iter_array(buf, texts)
+    else:
+        yield from _iter_jsonl(buf, texts)
+
+
+def _iter_jsonl(buf: str, texts: Iterator[str]) -> Iterator[tuple[int, object]]:
+    line_no = 0
+
+    def parse(line: str) -> Iterator[tuple[int, object]]:
+        if not line.strip():
+            return
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as e:
+            yield line_no, Rejected(f"bad JSON: {e.msg} at column {e.colno}")
+
+    for text in itertools.chain([""], texts):
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            line_no += 1
+            yield from parse(line)
+    if buf:
+        line_no += 1
+        yield from parse(buf)
+
+
+def _iter_array(buf: str, texts: Iterator[str]) -> Iterator[tuple[int, object]]:
+    """Decode a JSON array element by element; a record cut off by the file's end stops it."""
+    decoder = json.JSONDecoder()
+    pos = buf.index("[") + 1
+    line_base = buf.count("\n", 0, pos) + 1  # line number at buf[pos]
+    exhausted = False
+
+    def more() -> bool:
+        nonlocal buf, pos, exhausted
+        if exhausted:
+            return False
+        text = next(texts, None)
+        if text is None:
+            exhausted = True
+            return False
+        buf = buf[pos:] + text
+        pos = 0
+        return True
+
+    while True:
+        # skip whitespace and the separating comma
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                if buf[pos] == "\n":
+                    line_base += 1
+                pos += 1
+            if pos < len(buf) or not more():
+                break
+        if pos >= len(buf) or buf[pos] == "]":
+            return
+        while True:
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+                # a number or literal at the very end of a chunk may continue in the next one
+                if end == len(buf) and not exhausted and more():
+                    continue
+                break
+            except json.JSONDecodeError as e:
+                if more():
+                    continue
+                if e.pos >= len(buf.rstrip()) or e.msg.startswith("Unterminated"):
+                    yield line_base, Rejected("bad JSON: the file ends inside this record (truncated array): stopped here")
+                else:
+                    yield line_base, Rejected(f"bad JSON: {e.msg} (the rest of the array cannot be read)")
+                return
+        yield line_base, record
+        line_base += buf.count("\n", pos, end)
+        pos = end
+
+
+# --------------------------------------------------------------------------------------
+# Records -> normalized messages
+# --------------------------------------------------------------------------------------
+def _type(v: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(type(v), type(v).__name__)
+
+
+def normalize(record: object) -> list[dict[str, str]]:
+    """A ShareGPT or OpenAI record -> [{role, content}], roles system/user/assistant."""
+    if not isinstance(record, dict):
+        raise Rejected(f"wrong type: the record is {_type(record)}, expected an object with 'conversations' or 'messages'")
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+        fmt = "conversations"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+        fmt = "messages"
+    else:
+        raise Rejected(f"wrong type: the record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(record)[:8]}")
+    if not isinstance(turns, list):
+        raise Rejected(f"wrong type: '{fmt}' is {_type(turns)}, expected a list of turns")
+    messages = []
+    for i, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict):
+            raise Rejected(f"wrong type: turn {i} is {_type(turn)}, expected an object with '{role_key}' and '{text_key}'")
+        who = turn.get(role_key)
+        if not isinstance(who, str):
+            raise Rejected(f"wrong type: turn {i} '{role_key}' is {_type(who)}, expected a string")
+        role = ROLES.get(who.lower())
+        if role is None:
+            raise Rejected(f"unknown role {who!r} in turn {i} (known: {', '.join(sorted(ROLES))})")
+        content = turn.get(text_key)
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise Rejected(f"wrong type: turn {i} '{text_key}' has non-text parts; only text is supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise Rejected(f"wrong type: turn {i} '{text_key}' is {_type(content)}, expected a string")
+        if not content.strip():
+            raise Rejected(f"empty content in turn {i}")
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()  # trailing prompts teach nothing
+    if not any(m["role"] == "assistant" for m in messages):
+        raise Rejected("no assistant turn")
+    return messages
+
+
+# --------------------------------------------------------------------------------------
+# Messages -> input_ids + loss_mask through the target's chat template
+# --------------------------------------------------------------------------------------
+class ChatTokenizer:
+    """The target's tokenizer and chat template; builds (input_ids, loss_mask) per record."""
+
+    def __init__(self, model_folder: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_folder))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise IngestError(
+                f"the tokenizer in {model_folder} has no chat template: aerie renders conversations with "
+                "the target's own template (add chat_template.jinja to the model folder)"
+            )
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """Character spans of each assistant turn (its content and end-of-turn token) in `text`."""
+        spans = []
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:j], generation_prompt=True) if j else ""
+            upto = self.render(messages[: j + 1])
+            if not upto.startswith(prompt) or not text.startswith(upto):
+                raise Rejected(
+                    f"chat template is not prefix-stable at turn {j + 1}: rendering the conversation up to "
+                    "this turn is not a prefix of the whole (the template rewrites earlier turns)"
+                )
+            end = len(upto.rstrip())  # the end-of-turn token yes, the newline after it no
+            if end > len(prompt):
+                spans.append((len(prompt), end))
+        return spans
+
+    def encode(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            text = self.render(messages)
+        except Exception as e:  # jinja raises for conversations the template refuses
+            raise Rejected(f"chat template refused the conversation: {e}") from None
+        spans = self.assistant_spans(messages, text)
+        if loss_on == "last":
+            spans = spans[-1:]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        for a, b in spans:
+            # a token belongs to the turn when it starts inside the span
+            mask[(offsets[:, 0] >= a) & (offsets[:, 0] < b) & (offsets[:, 1] > offsets[:, 0])] = 1
+        return ids, mask
+
+
+# --------------------------------------------------------------------------------------
+# The ingest job
+# --------------------------------------------------------------------------------------
+@dataclass
+class IngestSummary:
+    run: str
+    shards: list[str] = field(default_factory=list)
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    rejects: int = 0
+    truncated: int = 0
+    skipped: bool = False
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
+    """The run spec a request describes: target pinned by hashes, engine, capture points."""
+    from aerie_extractor.engines import engine_spec
+
+    target = describe(request.model)
+    points = (
+        validate_capture_points(request.capture_points, target.num_layers)
+        if request.capture_points
+        else default_capture_points(target.num_layers)
+    )
+    engine = request.engine or settings.engine
+    return RunSpec(
+        run=request.run,
+        dataset=request.dataset,
+        target=target,
+        engine=engine_spec(settings, engine, target, points, request.dtype),
+        capture_points=points,
+        dtype=request.dtype,
+        target_signal=request.target_signal,
+        topk=request.topk if request.target_signal == "topk" else None,
+        ingest=request.options,
+        train_after=request.train_after,
+    )
+
+
+def _same_run(a: RunSpec, b: RunSpec) -> bool:
+    skip = {"created_at"}
+    return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> IngestSummary:
+    """Tokenize `request.dataset` into `runs/<run>/tokens/*` and write `runs/<run>/run.json`.
+
+    Re-running the same request (a redelivered task) finds run.json and returns the shards
+    already written; the same run name with another request is refused.
+    """
+    spec = build_run_spec(settings, request)
+    summary = IngestSummary(run=request.run)
+    try:
+        existing = store.get_json(layout.run_spec(request.run), RunSpec)
+    except NotFound:
+        existing = None
+    if existing is not None:
+        if not _same_run(existing, spec):
+            raise IngestError(
+                f"run {request.run!r} already exists in {store.url} with another dataset/model/options "
+                f"(dataset {existing.dataset!r}): choose another run name or delete runs/{request.run}/"
+            )
+        summary.skipped = True
+        summary.shards = [k.rsplit("/", 1)[1][: -len(".json")] for k in store.list(layout.shards_prefix(request.run, "tokens")) if k.endswith(".json")]
+        return summary
+
+    opts: IngestOptions = request.options
+    chat = ChatTokenizer(request.model)
+    source, chunks = _byte_chunks(store, request.dataset)
+    pending: list[dict[str, np.ndarray]] = []
+    pending_tokens = 0
+    rejects: list[RejectRecord] = []
+
+    def flush_rejects(part: str) -> None:
+        if rejects:
+            store.put_bytes(layout.rejects(request.run, part), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects))
+            summary.rejects += len(rejects)
+            rejects.clear()
+
+    def flush_shard() -> None:
+        nonlocal pending_tokens
+        name = layout.shard_name(len(summary.shards))
+        shard = pack(pending, extra_metadata={"run": request.run, "shard": name})
+        data = shard.to_bytes()
+        key = layout.shard(request.run, "tokens", name)
+        sha = store.put_bytes(key, data)
+        flush_rejects(name)
+        record = ShardRecord(
+            run=request.run, shard=name, kind="tokens", key=key, sha256=sha, bytes=len(data),
+            sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()),
+        )
+        store.put_json(layout.shard_record(request.run, "tokens", name), record)
+        summary.shards.append(name)
+        summary.sequences += record.sequences
+        summary.tokens += record.tokens
+        summary.loss_tokens += record.loss_tokens
+        pending.clear()
+        pending_tokens = 0
+
+    accepted = 0
+    for line, record in iter_records(chunks):
+        try:
+            if isinstance(record, Rejected):
+                raise record
+            messages = normalize(record)
+            ids, mask = chat.encode(messages, opts.loss_on)
+            if len(ids) > opts.max_tokens:
+                if opts.overlong == "reject":
+                    raise Rejected(f"over-long: {len(ids)} tokens > max {opts.max_tokens}")
+                ids, mask = ids[: opts.max_tokens], mask[: opts.max_tokens]
+                summary.truncated += 1
+                if not mask.any():
+                    raise Rejected(f"over-long: no assistant token within the first {opts.max_tokens} tokens (truncated)")
+            if not mask.any():
+                raise Rejected("no assistant token after templating (empty assistant turns?)")
+        except Rejected as e:
+            rejects.append(RejectRecord(source=source, line=line, reason=str(e)))
+            continue
+        if pending and pending_tokens + len(ids) > opts.shard_tokens:
+            flush_shard()
+        pending.append({"input_ids": ids, "loss_mask": mask})
+        pending_tokens += len(ids)
+        accepted += 1
+        if opts.max_records and accepted >= opts.max_records:
+            break
+    if pending:
+        flush_shard()
+    flush_rejects(summary.shards[-1] if summary.shards else layout.shard_name(0))
+    store.put_json(layout.run_spec(request.run), spec)
+    log.info(
+        "ingest %s: %d shards, %d sequences, %d tokens, %d rejects",
+        request.run, len(summary.shards), summary.sequences, summary.tokens, summary.rejects,
+    )
+    return summary

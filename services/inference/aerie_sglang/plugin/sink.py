@@ -209,6 +209,12 @@ class Sinks:
     def admit(self, owner: object, nbytes: int) -> int:
         """Reserve `nbytes` for a request; the reservation ends when its capture is submitted or
         `owner` is garbage-collected (aborted, disconnected). Raises SinkFull over the bound."""
+        if nbytes > self.config.max_unclaimed_bytes:
+            raise SinkFull(
+                f"aerie capture refused: this request's capture needs {nbytes} bytes, more than the bound "
+                f"AERIE_CAPTURE_MAX_UNCLAIMED_BYTES={self.config.max_unclaimed_bytes} of the server: send a "
+                "shorter sequence or raise the bound"
+            )
         unclaimed = self.unclaimed_bytes()
         if unclaimed + nbytes > self.config.max_unclaimed_bytes:
             raise SinkFull(

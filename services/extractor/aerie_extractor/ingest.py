@@ -260,16 +260,23 @@ class ChatTokenizer:
         for j, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt = self.render(messages[:j], generation_prompt=True) if j else ""
             upto = self.render(messages[: j + 1])
-            if not upto.startswith(prompt) or not text.startswith(upto):
+            if j:
+                start = len(self.render(messages[:j], generation_prompt=True))
+                stable = upto[:start] == self.render(messages[:j], generation_prompt=True)
+            else:
+                # an opening assistant turn: templates may add a default system prompt before it,
+                # which an empty conversation does not render; find the content itself
+                start = upto.rfind(m["content"].strip())
+                stable = start >= 0
+            if not stable or not text.startswith(upto):
                 raise Rejected(
                     f"chat template is not prefix-stable at turn {j + 1}: rendering the conversation up to "
                     "this turn is not a prefix of the whole (the template rewrites earlier turns)"
                 )
             end = len(upto.rstrip())  # the end-of-turn token yes, the newline after it no
-            if end > len(prompt):
-                spans.append((len(prompt), end))
+            if end > start:
+                spans.append((start, end))
         return spans
 
     def encode(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:

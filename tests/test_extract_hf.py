@@ -1,0 +1,121 @@
+"""The `hf` engine and `run_extract`, in process: stored tensors equal a plain transformers forward.
+
+The reference is computed here independently: the full causal LM, one sequence at a time, no
+padding, `output_hidden_states[k]` for capture point k and `[N]` for the final state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aerie import layout
+from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
+from aerie.settings import Settings
+from aerie.shard import Shard
+from aerie_extractor.engines import EngineMismatch, make_engine
+from aerie_extractor.engines.hf import length_batches
+from aerie_extractor.extract import run_extract, run_status
+from aerie_extractor.ingest import run_ingest
+from tests.test_ingest import DATA
+
+POINTS = [2, 15, 27]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    """token ids -> (hidden_states[POINTS] [T,K,H], hidden_states[N] [T,H], logits [T,V]) in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+    def forward(ids: np.ndarray):
+        with torch.inference_mode():
+            out = model(torch.tensor(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True)
+        hs = out.hidden_states
+        return torch.stack([hs[p][0] for p in POINTS], dim=1), hs[len(hs) - 1][0], out.logits[0]
+
+    return forward
+
+
+def ingest(store, smollm2_path, run: str, dtype: str = "float32", signal: str = "final") -> RunSpec:
+    run_ingest(store, Settings(engine="hf"), IngestRequest(
+        run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=POINTS,
+        dtype=dtype, target_signal=signal, topk=5, options=IngestOptions(max_tokens=96, shard_tokens=80),
+    ))
+    return store.get_json(layout.run_spec(run), RunSpec)
+
+
+def test_stored_hidden_states_equal_the_reference_forward(fs_store, smollm2_path, reference):
+    spec = ingest(fs_store, smollm2_path, "ref")
+    # a small token budget forces several padded batches inside one shard
+    settings = Settings(engine="hf", tokens_per_batch=96)
+    shards = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("ref", "tokens")) if k.endswith(".json")]
+    assert len(shards) >= 2
+    for name in shards:
+        summary = run_extract(fs_store, settings, ExtractRequest(run="ref", shard=name))
+        assert not summary.skipped
+    checked = 0
+    for name in shards:
+        record = fs_store.get_json(layout.shard_record("ref", "hidden", name), ShardRecord)
+        assert record.sha256 == fs_store.sha256(record.key) and record.engine == spec.engine
+        hidden = Shard.open(fs_store.local_path(record.key)).validate()
+        tokens = Shard.from_buffer(fs_store.get_bytes(layout.shard("ref", "tokens", name)))
+        assert np.array_equal(hidden.input_ids, tokens.input_ids) and np.array_equal(hidden.loss_mask, tokens.loss_mask)
+        assert hidden.capture_points == POINTS and hidden.aux.dtype == np.float32
+        for seq in hidden.sequences():
+            aux, final, _ = reference(seq["input_ids"])
+            torch.testing.assert_close(torch.from_numpy(np.array(seq["aux"])), aux, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.from_numpy(np.array(seq["final"])), final, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked == 3
+    status = run_status(fs_store, "ref")
+    assert status.complete and status.hidden_done == status.shards_total == len(shards) and status.sequences == 3
+    # idempotent: a second delivery finds the valid shard and skips it
+    assert run_extract(fs_store, settings, ExtractRequest(run="ref", shard=shards[0])).skipped
+
+
+def test_half_written_shard_is_redone(fs_store, smollm2_path):
+    ingest(fs_store, smollm2_path, "half", dtype="bfloat16")
+    settings = Settings(engine="hf")
+    run_extract(fs_store, settings, ExtractRequest(run="half", shard="000000"))
+    key = layout.shard("half", "hidden", "000000")
+    good = fs_store.get_bytes(key)
+    fs_store.put_bytes(key, good[: len(good) // 2])  # a torn object under a record
+    summary = run_extract(fs_store, settings, ExtractRequest(run="half", shard="000000"))
+    assert not summary.skipped and fs_store.get_bytes(key) == good  # deterministic, complete again
+    fs_store.delete(layout.shard_record("half", "hidden", "000000"))  # object without a record
+    assert not run_extract(fs_store, settings, ExtractRequest(run="half", shard="000000")).skipped
+    assert Shard.from_buffer(fs_store.get_bytes(key)).validate().aux.dtype.name == "bfloat16"
+
+
+def test_topk_signal_is_the_target_log_softmax(fs_store, smollm2_path, reference):
+    spec = ingest(fs_store, smollm2_path, "topk", signal="topk")
+    engine = make_engine(Settings(engine="hf"), spec)
+    engine.check(spec)
+    ids = Shard.from_buffer(fs_store.get_bytes(layout.shard("topk", "tokens", "000000"))).sequence(0)["input_ids"]
+    (cap,) = engine.capture([ids])
+    _, _, logits = reference(ids)
+    top = torch.topk(torch.log_softmax(logits, -1), 5, dim=-1)
+    assert np.array_equal(cap.topk_ids, top.indices.int().numpy())
+    torch.testing.assert_close(torch.from_numpy(cap.topk_logprobs), top.values, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_refuses_another_target_or_other_layers(fs_store, smollm2_path):
+    spec = ingest(fs_store, smollm2_path, "mismatch")
+    engine = make_engine(Settings(engine="hf"), spec)
+    other_weights = spec.model_copy(update={"target": spec.target.model_copy(update={"weights_sha256": "0" * 64})})
+    with pytest.raises(EngineMismatch, match="weights_sha256"):
+        engine.check(other_weights)
+    other_ids = spec.model_copy(update={"engine": spec.engine.model_copy(update={"layer_ids": [1, 14, 26]})})
+    with pytest.raises(EngineMismatch, match=r"\[1, 14, 26\].*\[2, 15, 27\]"):
+        engine.check(other_ids)
+
+
+def test_length_batches_respect_the_token_budget():
+    lengths = [5, 90, 40, 41, 7, 200]
+    batches = length_batches(lengths, 100)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 100

@@ -1,0 +1,177 @@
+"""The `sglang` engine against a real SGLang 0.5.23 server on the CPU, checked against transformers.
+
+One capture server at a time (module-scoped, parametrized over capture-point choices): every
+aux tensor the engine returns equals transformers' `output_hidden_states[point]` in float32,
+the top-k signal equals transformers' log-softmax top-k row for row, and a server that captures
+other layers, runs another version or serves another model is refused before any request.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from aerie.capture import convention_for, to_engine_ids
+from aerie.contracts import EngineSpec, IngestOptions, RunSpec
+from aerie.settings import Settings
+from aerie.target import describe
+from aerie_extractor.engines.base import EngineMismatch
+from aerie_extractor.engines.sglang import SGLangEngine
+from tests.sglang_server import capture_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TOPK = 8
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a haiku about hidden states flowing between two engines that disagree."},
+        {"role": "assistant", "content": "Layer two or three?\nOff by one, the drafter guessed\nnothing it was shown."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_path):
+    return describe(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def sequences(smollm2_path) -> list[np.ndarray]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    seqs = [np.asarray(tok.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"], dtype=np.int32) for m in PROMPTS]
+    return [*seqs, np.asarray([1], dtype=np.int32)]  # a one-token prompt too
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path, sequences):
+    """transformers float32: (hidden_states per sequence [N+1, T, H], log-softmax [T, V])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for seq in sequences:
+            res = model(input_ids=torch.from_numpy(seq.astype(np.int64))[None], output_hidden_states=True, use_cache=False)
+            hs = torch.stack(res.hidden_states)[:, 0].numpy()  # (N+1, T, H)
+            logp = torch.log_softmax(res.logits[0].float(), dim=-1).numpy()  # (T, V)
+            out.append((hs, logp))
+    return out
+
+
+# Default points [2, N//2, N-3] and the edges SGLang's Llama convention can name (1 and N-1).
+@pytest.fixture(scope="module", params=[[2, 15, 27], [1, 5, 9, 29]], ids=["default", "edges"])
+def server(request, smollm2_path, tmp_path_factory):
+    with capture_server(smollm2_path, points=request.param, log_dir=tmp_path_factory.mktemp("sglang")) as srv:
+        srv.extra["points"] = request.param
+        yield srv
+
+
+def make_run(target, points, version="0.5.23", **changes) -> RunSpec:
+    convention = convention_for("sglang", target.architecture)
+    engine = EngineSpec(
+        name="sglang", version=version, convention=convention,
+        layer_ids=to_engine_ids(points, convention, target.num_layers), transport="json", dtype="float32",
+    )  # fmt: skip
+    return RunSpec(
+        run="sgl-test", dataset="inline", target=target, engine=engine, capture_points=list(points),
+        dtype="float32", target_signal="topk", topk=TOPK, ingest=IngestOptions(), **changes,
+    )  # fmt: skip
+
+
+def settings_for(server, **kw) -> Settings:
+    return Settings(engine="sglang", engine_urls=[server.url], engine_concurrency=2, engine_timeout_s=120, **kw)
+
+
+def generate_requests(server) -> int:
+    """Requests the server has answered on /generate so far (its access log)."""
+    time.sleep(1.0)  # the access log line is written after the response
+    return len(re.findall(r'"POST /generate HTTP', server.log_path.read_text(errors="replace")))
+
+
+# --------------------------------------------------------------------------------------
+def test_aux_and_topk_equal_transformers(server, target, sequences, reference):
+    points = server.extra["points"]
+    run = make_run(target, points)
+    spec = SGLangEngine.spec_for(settings_for(server), target, points, "float32")
+    assert spec == run.engine  # what a new run records: the server's version, the translated ids
+    engine = SGLangEngine(settings_for(server), run)
+    engine.check(run)
+    captured = engine.capture(sequences)
+
+    assert len(captured) == len(sequences)
+    for seq, cap, (hs, logp) in zip(sequences, captured, reference):
+        T = len(seq)
+        assert cap.aux.shape == (T, len(points), target.hidden_size) and cap.aux.dtype == np.float32
+        for k, point in enumerate(points):
+            want = hs[point]  # capture point k == output_hidden_states[k]
+            np.testing.assert_allclose(cap.aux[:, k], want, rtol=1e-4, atol=1e-4, err_msg=f"point {point}, {T} tokens")
+            cos = (cap.aux[:, k] * want).sum(-1) / (np.linalg.norm(cap.aux[:, k], axis=-1) * np.linalg.norm(want, axis=-1))
+            assert cos.min() > 0.99999, f"point {point}: cosine {cos.min()}"
+        # an off-by-one would match a neighbour instead: make sure it is measurably different
+        for k, point in enumerate(points):
+            neighbour = hs[point + 1]
+            assert np.abs(cap.aux[:, k] - neighbour).max() > 1e-2, f"point {point} also equals point {point + 1}"
+
+        # row t is the distribution over token t+1, the last row included (output step)
+        ref_ids = np.argsort(-logp, axis=-1)[:, :TOPK]
+        ref_vals = np.take_along_axis(logp, ref_ids, axis=-1)
+        assert cap.topk_ids.shape == (T, TOPK) and cap.topk_ids.dtype == np.int32
+        np.testing.assert_allclose(cap.topk_logprobs, ref_vals, atol=1e-4, err_msg=f"top-k log-probs, {T} tokens")
+        sure = np.diff(ref_vals, axis=-1).min(axis=-1) < -1e-3  # rows without near-ties
+        np.testing.assert_array_equal(cap.topk_ids[sure], ref_ids[sure])
+
+
+def test_refuses_other_layer_ids_before_any_request(server, target, sequences):
+    served = server.extra["points"]
+    other = [3, 16, 28] if served != [3, 16, 28] else [2, 15, 27]
+    run = make_run(target, other)
+    engine = SGLangEngine(settings_for(server), run)
+    before = generate_requests(server)
+    with pytest.raises(EngineMismatch) as err:
+        engine.capture(sequences)  # capture checks first
+    message = str(err.value)
+    assert str(server.layer_ids) in message and str(run.engine.layer_ids) in message, message
+    assert str(other) in message and server.url in message, message
+    assert generate_requests(server) == before, "a refused run sent work to the server"
+
+    good = SGLangEngine(settings_for(server), make_run(target, served))
+    good.capture(sequences[:1])
+    assert generate_requests(server) > before  # the request count above does see requests
+
+
+def test_refuses_other_version_and_other_model(server, target):
+    points = server.extra["points"]
+    with pytest.raises(EngineMismatch, match=r"version 0\.5\.23.*records SGLang 0\.5\.17"):
+        SGLangEngine(settings_for(server), make_run(target, points, version="0.5.17")).check(make_run(target, points, version="0.5.17"))
+
+    other_weights = target.model_copy(update={"weights_sha256": "0" * 64})
+    run = make_run(other_weights, points)
+    with pytest.raises(EngineMismatch, match=r"weights sha256 .*serve the run's target"):
+        SGLangEngine(settings_for(server), run).check(run)
+
+    other_arch = target.model_copy(update={"architecture": "Qwen2ForCausalLM"})
+    run = make_run(other_arch, points)
+    with pytest.raises(EngineMismatch, match=r"LlamaForCausalLM.*Qwen2ForCausalLM"):
+        SGLangEngine(settings_for(server), run).check(run)
+
+
+def test_shape_check_names_the_cause(server, target):
+    points = server.extra["points"]
+    run = make_run(target.model_copy(update={"hidden_size": 500}), points)  # not the served model's H
+    with pytest.raises(EngineMismatch, match=r"floats per token.*another model"):
+        SGLangEngine(settings_for(server), run).check(run)
+
+
+def test_server_info_endpoints_match_the_launch(server):
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    assert info["return_aux_hidden_state_layer_ids"] == server.layer_ids
+    assert info["disable_radix_cache"] is True and info["version"] == "0.5.23"

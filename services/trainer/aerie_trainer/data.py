@@ -1,0 +1,388 @@
+"""Hidden-state shards from the store -> padded training batches, prefetched in the background.
+
+- One run or several: their run specs must name the same target (weights hash), capture points,
+  hidden size and target signal, or training refuses with the first difference.
+- Held-out split by shard when there are enough shards, else by sequence; seeded, stable.
+- Order: per epoch (seed, epoch) shuffles the shards, then the sequences inside windows of
+  `SHUFFLE_WINDOW` shards (shuffling across shards without holding a whole run). The order is a
+  pure function of (seed, epoch, shard offsets), so the data position of a checkpoint is just
+  (epoch, batch index) and a resumed run sees exactly the batches an uninterrupted one would.
+- A background thread downloads shards (memory-maps them where the store has a local path) and
+  builds batches; `wait_s` counts the time the training loop spent waiting for it.
+
+Slot layout of a sequence x[0..T-1] (aux/final row t = target state after token t), for draft
+step k at slot t: token x[t+1+k], target signal row t+1+k (the distribution over x[t+2+k]),
+trained when loss_mask[t+2+k]. Slot t's first hidden is fc(aux[t]).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aerie import layout
+from aerie.contracts import RunSpec, ShardRecord
+from aerie.shard import Shard, read_safetensors
+from aerie.store import NotFound, ObjectStore
+
+SHUFFLE_WINDOW = 4  # shards whose sequences are shuffled together
+
+
+class DataError(ValueError):
+    """Runs or shards that cannot be trained on together."""
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    run: str
+    name: str
+    key: str
+    sequences: int
+    tokens: int
+
+
+@dataclass
+class RunSet:
+    """The runs a drafter trains on, checked to agree."""
+
+    specs: list[RunSpec]
+    shards: list[ShardRef]
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.specs[0]
+
+    @property
+    def capture_points(self) -> list[int]:
+        return list(self.spec.capture_points)
+
+
+def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
+    specs = []
+    for run in runs:
+        try:
+            specs.append(store.get_json(layout.run_spec(run), RunSpec))
+        except NotFound:
+            raise DataError(f"run {run!r}: no {layout.run_spec(run)} in {store.url}: ingest and extract it first") from None
+    first = specs[0]
+    for spec in specs[1:]:
+        for what, a, b in (
+            ("target weights", first.target.weights_sha256, spec.target.weights_sha256),
+            ("target architecture", first.target.architecture, spec.target.architecture),
+            ("capture points", first.capture_points, spec.capture_points),
+            ("hidden size", first.target.hidden_size, spec.target.hidden_size),
+            ("target signal", (first.target_signal, first.topk), (spec.target_signal, spec.topk)),
+        ):
+            if a != b:
+                raise DataError(
+                    f"runs {first.run!r} and {spec.run!r} differ in {what} ({a} vs {b}): a drafter trains "
+                    "on runs of one target captured at the same points; train them separately"
+                )
+    shards = []
+    for spec in specs:
+        keys = [k for k in store.list(layout.shards_prefix(spec.run, "hidden")) if k.endswith(".json")]
+        for key in keys:
+            rec = store.get_json(key, ShardRecord)
+            if rec.kind == "hidden" and store.exists(rec.key):
+                shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens))
+        if not any(s.run == spec.run for s in shards):
+            raise DataError(f"run {spec.run!r} has no hidden shards in {store.url}: run its extraction first")
+    return RunSet(specs, shards)
+
+
+# --------------------------------------------------------------------------------------
+# Reading shards
+# --------------------------------------------------------------------------------------
+def read_tensors(store: ObjectStore, key: str, names: list[str]) -> dict[str, np.ndarray]:
+    """Only the named tensors of a shard, by byte ranges (no need to fetch aux)."""
+    local = store.local_path(key)
+    if local is not None:
+        shard, _ = read_safetensors(np.memmap(local, mode="r", dtype=np.uint8))
+        return {n: np.array(shard[n]) for n in names}
+    (n,) = struct.unpack("<Q", store.get_range(key, 0, 8))
+    header = json.loads(store.get_range(key, 8, n))
+    out = {}
+    for name in names:
+        spec = header[name]
+        a, b = spec["data_offsets"]
+        raw = store.get_range(key, 8 + n + a, b - a)
+        tensors, _ = read_safetensors(_one_tensor_file(name, spec, raw))
+        out[name] = tensors[name].copy()
+    return out
+
+
+def _one_tensor_file(name: str, spec: dict, raw: bytes) -> bytes:
+    head = json.dumps({name: {**spec, "data_offsets": [0, len(raw)]}}).encode()
+    return struct.pack("<Q", len(head)) + head + raw
+
+
+class ShardCache:
+    """Opens shards: memory-mapped in place on a filesystem store, else downloaded to a temp dir."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self.dir = Path(tempfile.mkdtemp(prefix="aerie-shards-"))
+        self.open_shards: dict[str, Shard] = {}
+
+    def get(self, key: str) -> Shard:
+        if key not in self.open_shards:
+            local = self.store.local_path(key)
+            if local is None:
+                local = self.dir / key.replace("/", "__")
+                self.store.download(key, local)
+            self.open_shards[key] = Shard.open(local)
+        return self.open_shards[key]
+
+    def keep_only(self, keys: set[str]) -> None:
+        for key in list(self.open_shards):
+            if key not in keys:
+                del self.open_shards[key]
+                (self.dir / key.replace("/", "__")).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.open_shards.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L+S) int64: slot j holds x[j+1]
+    aux: torch.Tensor  # (B, L, K*Ht) shard dtype: aux[t]
+    loss_mask: torch.Tensor  # (B, L+S) bool: loss_mask[j+2]
+    final: torch.Tensor | None = None  # (B, L+S, H): signal row j+1
+    topk_ids: torch.Tensor | None = None  # (B, L+S, k) int64
+    topk_logprobs: torch.Tensor | None = None  # (B, L+S, k) float32
+    tokens: int = 0  # real slots
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.aux), move(self.loss_mask), move(self.final),
+                     move(self.topk_ids), move(self.topk_logprobs), self.tokens)
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == np.dtype("bfloat16"):
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int) -> Batch:
+    """Sequences (Shard.sequence dicts, T >= 3) -> one right-padded batch."""
+    B = len(sequences)
+    L = max(len(s["input_ids"]) for s in sequences) - 1
+    W = L + ttt_steps
+    first = sequences[0]
+    K, Ht = first["aux"].shape[1:]
+    input_ids = np.zeros((B, W), dtype=np.int64)
+    loss_mask = np.zeros((B, W), dtype=bool)
+    aux = np.zeros((B, L, K * Ht), dtype=first["aux"].dtype)
+    final = np.zeros((B, W, first["final"].shape[1]), dtype=first["final"].dtype) if "final" in first else None
+    if "topk_ids" in first:
+        k = first["topk_ids"].shape[1]
+        topk_ids, topk_lp = np.zeros((B, W, k), dtype=np.int64), np.full((B, W, k), -np.inf, dtype=np.float32)
+    tokens = 0
+    for b, s in enumerate(sequences):
+        T = len(s["input_ids"])
+        tokens += T - 1
+        input_ids[b, : T - 1] = s["input_ids"][1:]
+        loss_mask[b, : T - 2] = s["loss_mask"][2:].astype(bool)
+        aux[b, : T - 1] = s["aux"][: T - 1].reshape(T - 1, K * Ht)
+        if final is not None:
+            final[b, : T - 1] = s["final"][1:]
+        else:
+            topk_ids[b, : T - 1] = s["topk_ids"][1:]
+            topk_lp[b, : T - 1] = s["topk_logprobs"][1:]
+    batch = Batch(torch.from_numpy(input_ids), _torch(aux), torch.from_numpy(loss_mask), tokens=tokens)
+    if final is not None:
+        batch.final = _torch(final)
+    else:
+        batch.topk_ids, batch.topk_logprobs = torch.from_numpy(topk_ids), torch.from_numpy(topk_lp)
+    return batch
+
+
+# --------------------------------------------------------------------------------------
+# The data set: split, epoch plans, the prefetching iterator
+# --------------------------------------------------------------------------------------
+Item = tuple[int, int]  # (shard index, sequence index)
+
+
+class HiddenData:
+    def __init__(self, store: ObjectStore, runset: RunSet, *, batch_tokens: int, max_seq_tokens: int,
+                 ttt_steps: int, seed: int, holdout_fraction: float, prefetch: int = 4,
+                 rank: int = 0, world_size: int = 1):
+        self.store, self.runset = store, runset
+        self.batch_tokens, self.max_seq_tokens, self.ttt_steps = batch_tokens, max_seq_tokens, ttt_steps
+        self.seed, self.prefetch, self.rank, self.world_size = seed, prefetch, rank, world_size
+        self.shards = runset.shards
+        # sequence lengths from the offsets alone (a few bytes per shard, fetched by range)
+        self.lengths = [np.diff(read_tensors(store, s.key, ["offsets"])["offsets"]) for s in self.shards]
+        self.train_items, self.holdout_items = self._split(holdout_fraction)
+        self.wait_s = 0.0
+        if not self.train_items:
+            raise DataError(f"runs {[s.run for s in runset.specs]}: no training sequence of >= 3 tokens")
+
+    def _split(self, fraction: float) -> tuple[list[Item], list[Item]]:
+        rng = np.random.default_rng([self.seed, 7])
+        usable = [(i, s) for i, lens in enumerate(self.lengths) for s in range(len(lens)) if lens[s] >= 3]
+        n_hold_shards = round(fraction * len(self.shards))
+        if fraction > 0 and 1 <= n_hold_shards < len(self.shards) and len(self.shards) >= 4:
+            held = set(rng.permutation(len(self.shards))[:n_hold_shards].tolist())
+            self.split = "shard"
+            return [it for it in usable if it[0] not in held], [it for it in usable if it[0] in held]
+        self.split = "sequence"
+        n_hold = max(1, round(fraction * len(usable))) if fraction > 0 and len(usable) > 1 else 0
+        order = rng.permutation(len(usable))
+        held = {usable[j] for j in order[:n_hold]}
+        return [it for it in usable if it not in held], [usable[j] for j in sorted(order[:n_hold])]
+
+    # --- the plan ---------------------------------------------------------------------
+    def _pack(self, items: list[Item]) -> list[list[Item]]:
+        batches, cur, used = [], [], 0
+        for it in items:
+            n = min(int(self.lengths[it[0]][it[1]]), self.max_seq_tokens)
+            if cur and used + n > self.batch_tokens:
+                batches.append(cur)
+                cur, used = [], 0
+            cur.append(it)
+            used += n
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def epoch_plan(self, epoch: int) -> list[list[Item]]:
+        """This rank's batches of an epoch, in order (the same on every call)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        by_shard: dict[int, list[Item]] = {}
+        for it in self.train_items:
+            by_shard.setdefault(it[0], []).append(it)
+        order = [int(i) for i in rng.permutation(sorted(by_shard))]
+        plan: list[list[Item]] = []
+        for w in range(0, len(order), SHUFFLE_WINDOW):
+            items = [it for i in order[w : w + SHUFFLE_WINDOW] for it in by_shard[i]]
+            plan += self._pack([items[j] for j in rng.permutation(len(items))])
+        per_rank = len(plan) // self.world_size
+        if per_rank == 0:
+            raise DataError(f"{len(plan)} batch(es) per epoch cannot feed {self.world_size} ranks: lower batch_tokens")
+        return [plan[i * self.world_size + self.rank] for i in range(per_rank)]
+
+    def load(self, cache: ShardCache, batch: list[Item]) -> Batch:
+        seqs = []
+        for shard_idx, seq_idx in batch:
+            seq = cache.get(self.shards[shard_idx].key).sequence(seq_idx)
+            seqs.append({k: v[: self.max_seq_tokens] for k, v in seq.items()})
+        return collate(seqs, self.ttt_steps)
+
+    # --- iteration ----------------------------------------------------------------------
+    def batches(self, epoch: int = 0, index: int = 0) -> "Prefetcher":
+        """Endless batches from data position (epoch, index); yields ((epoch, next index), Batch)."""
+
+        def produce() -> Iterator:
+            cache = ShardCache(self.store)
+            try:
+                e, i = epoch, index
+                while True:
+                    plan = self.epoch_plan(e)
+                    for j in range(i, len(plan)):
+                        cache.keep_only({self.shards[s].key for s, _ in plan[j]} | set(self._window_keys(plan, j)))
+                        yield (e, j + 1), self.load(cache, plan[j])
+                    e, i = e + 1, 0
+            finally:
+                cache.close()
+
+        return Prefetcher(produce, self.prefetch, self)
+
+    def _window_keys(self, plan: list[list[Item]], j: int) -> list[str]:
+        """Keys the next few batches need (kept open instead of re-downloaded)."""
+        return [self.shards[s].key for b in plan[j + 1 : j + 1 + self.prefetch] for s, _ in b]
+
+    def holdout_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
+        cache = ShardCache(self.store)
+        try:
+            for n, batch in enumerate(self._pack(self.holdout_items)):
+                if max_batches is not None and n >= max_batches:
+                    break
+                yield self.load(cache, batch)
+        finally:
+            cache.close()
+
+    def holdout_sequences(self, n: int) -> list[dict[str, np.ndarray]]:
+        """Up to n held-out sequences (input_ids, loss_mask), e.g. for prompts."""
+        out = []
+        for shard_idx, seq_idx in self.holdout_items[:n]:
+            t = read_tensors(self.store, self.shards[shard_idx].key, ["input_ids", "loss_mask", "offsets"])
+            a, b = int(t["offsets"][seq_idx]), int(t["offsets"][seq_idx + 1])
+            out.append({"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b]})
+        return out
+
+    def loss_token_counts(self, vocab_size: int) -> np.ndarray:
+        """(V,) counts of loss-masked tokens over the training sequences."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        by_shard: dict[int, list[int]] = {}
+        for s, q in self.train_items:
+            by_shard.setdefault(s, []).append(q)
+        for s, seqs in by_shard.items():
+            t = read_tensors(self.store, self.shards[s].key, ["input_ids", "loss_mask", "offsets"])
+            keep = np.zeros(len(t["input_ids"]), dtype=bool)
+            for q in seqs:
+                keep[t["offsets"][q] : t["offsets"][q + 1]] = True
+            ids = t["input_ids"][keep & (t["loss_mask"] == 1)]
+            if ids.size and int(ids.max()) >= vocab_size:
+                raise DataError(f"shard {self.shards[s].key}: token id {int(ids.max())} >= target vocab {vocab_size}")
+            counts += np.bincount(ids, minlength=vocab_size)
+        return counts
+
+
+class Prefetcher:
+    """Runs a batch generator in a daemon thread, `depth` batches ahead."""
+
+    _DONE = object()
+
+    def __init__(self, make_iter, depth: int, owner: HiddenData):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.owner = owner
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(make_iter,), daemon=True, name="aerie-prefetch")
+        self.thread.start()
+
+    def _run(self, make_iter) -> None:
+        try:
+            for item in make_iter():
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # handed to the training loop, raised there
+            self.queue.put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        item = self.queue.get()
+        self.owner.wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)

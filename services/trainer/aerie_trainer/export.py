@@ -1,0 +1,339 @@
+"""Export a drafter exactly as SGLang's `LlamaForCausalLMEagle3` loads it; publish; pull.
+
+A drafter folder is `config.json` + `model.safetensors` (+ aerie's `aerie.json` lineage):
+- config: a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`,
+  `draft_vocab_size`, `target_hidden_size`, the target's RoPE settings,
+  `tie_word_embeddings: false` (true would make SGLang alias `lm_head` to the embeddings and
+  drop our head), and `eagle_config.eagle_aux_hidden_state_layer_ids`: the run's capture points
+  in the serving engine's own numbering (`aerie.capture`, the only place that translates).
+- weights: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; no embeddings (SGLang shares the
+  target's).
+
+SGLang's draft loader silently skips a weight name it does not recognise, so a misnamed tensor
+would load, serve and accept nothing. `check_sglang_loadable` replays SGLang 0.5.23's
+`load_weights` name mapping (constants below, copied from `sglang/srt/models/llama_eagle3.py`
+and checked against that file by the tests when it is available) over the folder and refuses
+anything that would be skipped, left unloaded, or mis-shaped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from aerie import layout
+from aerie.capture import convention_for, to_engine_ids
+from aerie.contracts import DrafterLineage, TrainRequest
+from aerie.store import NotFound, ObjectStore
+
+from aerie_trainer.model import DrafterConfig, Eagle3Drafter, load_target_config, load_target_embeddings
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+SERVING_ENGINE = "sglang"
+FILES = ("config.json", "model.safetensors")
+
+# --- from sglang 0.5.23, sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3.load_weights
+SGLANG_STACKED_PARAMS_MAPPING = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+SGLANG_LEGACY_NAME_MAP = {
+    "midlayer": "layers.0",
+    "aux_norm_low": "fc_norm.0",
+    "aux_norm_mid": "fc_norm.1",
+    "aux_norm_high": "fc_norm.2",
+}
+
+REQUIRED_TENSORS = (
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
+
+
+class ExportError(ValueError):
+    """A drafter folder SGLang would not load as trained."""
+
+
+# --------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------
+def drafter_config_json(config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str = "bfloat16") -> dict:
+    rope = dict(config.rope_parameters)
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "target_hidden_size": config.target_hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in target_config:
+            out[key] = target_config[key]
+    if rope.get("rope_type", "default") == "default":
+        out.pop("rope_parameters")  # plain theta: read the same by every transformers version
+    return out
+
+
+def export(drafter: Eagle3Drafter, folder: str | os.PathLike, layer_ids: list[int], target_config: dict,
+           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors; refuse a drafter missing a required tensor."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = drafter.exported_state_dict()
+    missing = [n for n in REQUIRED_TENSORS if n not in state]
+    if missing:
+        raise ExportError(f"drafter lacks required tensor(s) {missing}: SGLang would serve it half-loaded; not exported")
+    if int(drafter.t2d.sum()) != drafter.config.draft_vocab_size:
+        raise ExportError("draft vocabulary not set (t2d is empty): build it before exporting")
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous() for n, t in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    name = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(drafter_config_json(drafter.config, target_config, layer_ids, name), indent=2))
+    check_sglang_loadable(folder)
+    return folder
+
+
+def load_exported(folder: str | os.PathLike, target_dir: str | os.PathLike) -> Eagle3Drafter:
+    """An exported folder back into a drafter (float32), with the target's embeddings."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    target_config = load_target_config(target_dir)
+    num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    drafter = Eagle3Drafter(DrafterConfig.from_target(target_config, num_aux, cfg["draft_vocab_size"]))
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["embed_tokens.weight"] = load_target_embeddings(target_dir)
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, strict=True)
+    return drafter.eval()
+
+
+# --------------------------------------------------------------------------------------
+# The check against SGLang's loader
+# --------------------------------------------------------------------------------------
+def sglang_expected_params(cfg: dict) -> dict[str, dict]:
+    """SGLang's LlamaForCausalLMEagle3 parameters for a config: name -> {shard id -> shape}.
+
+    Mirrors `LlamaModel.__init__` / `LlamaDecoderLayer.__init__` of llama_eagle3.py (tp=1).
+    """
+    H = cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim", H // nh)
+    inter = cfg["intermediate_size"]
+    Ht = cfg.get("target_hidden_size", H)
+    layer_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    num_aux = cfg.get("num_aux_hidden_states") or (len(layer_ids) if layer_ids else 3)
+    params: dict[str, dict] = {
+        "model.embed_tokens.weight": {None: [cfg["vocab_size"], H]},
+        "model.fc.weight": {None: [H, Ht * num_aux]},
+        "model.norm.weight": {None: [H]},
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        width = 2 * H if i == 0 else H
+        params[p + "self_attn.qkv_proj.weight"] = {"q": [nh * hd, width], "k": [nkv * hd, width], "v": [nkv * hd, width]}
+        params[p + "self_attn.o_proj.weight"] = {None: [H, nh * hd]}
+        params[p + "mlp.gate_up_proj.weight"] = {0: [inter, H], 1: [inter, H]}
+        params[p + "mlp.down_proj.weight"] = {None: [H, inter]}
+        for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+            params[p + norm + ".weight"] = {None: [H]}
+    if not cfg.get("tie_word_embeddings", False):
+        params["lm_head.weight"] = {None: [cfg["draft_vocab_size"] or cfg["vocab_size"], H]}
+    return params
+
+
+def sglang_param_name(name: str, params: dict) -> tuple[str | None, object]:
+    """A checkpoint tensor name -> (SGLang parameter it loads into or None if skipped, shard id).
+
+    The same steps, in the same order, as LlamaForCausalLMEagle3.load_weights.
+    """
+    for legacy, new in SGLANG_LEGACY_NAME_MAP.items():
+        if legacy in name:
+            name = name.replace(legacy, new)
+    if "d2t" in name:
+        return "hot_token_id", None
+    if "t2d" in name:
+        return "t2d (read, unused)", None
+    for param_name, weight_name, shard_id in SGLANG_STACKED_PARAMS_MAPPING:
+        if weight_name not in name:
+            continue
+        name = name.replace(weight_name, param_name)
+        full = f"model.{name}" if name not in params else name
+        return (full if full in params else None), shard_id
+    full = name if name in params else f"model.{name}"
+    return (full if full in params else None), None
+
+
+def check_sglang_loadable(folder: str | os.PathLike) -> dict:
+    """Refuse (ExportError) a folder SGLang 0.5.23 would not load completely; return a report."""
+    folder = Path(folder)
+    problems: list[str] = []
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        problems.append(f"config architectures {cfg.get('architectures')} != [{ARCHITECTURE!r}]")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size", "draft_vocab_size", "target_hidden_size"):
+        if cfg.get(key) is None:
+            problems.append(f"config lacks {key!r}")
+    if problems:
+        raise ExportError(f"{folder}: " + "; ".join(problems))
+    if cfg.get("num_hidden_layers") != 1:
+        problems.append(f"num_hidden_layers {cfg.get('num_hidden_layers')} != 1 (one midlayer)")
+    if cfg.get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings true: SGLang would alias lm_head to the target embeddings and skip ours")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only silu")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids or not all(isinstance(i, int) for i in ids):
+        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids missing: SGLang would capture its default layers")
+    if not (cfg.get("rope_parameters") or {}).get("rope_theta") and cfg.get("rope_theta") is None:
+        problems.append("no rope_theta / rope_parameters: SGLang would use theta 10000")
+    params = sglang_expected_params(cfg)
+    loaded: dict[str, set] = {}
+    report = {"tensors": {}, "skipped": []}
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+        for name in names:
+            t = f.get_slice(name)
+            shape, dtype = list(t.get_shape()), t.get_dtype()
+            target, shard = sglang_param_name(name, params)
+            report["tensors"][name] = target
+            if target is None:
+                problems.append(f"tensor {name!r} matches no SGLang parameter: it would be silently skipped")
+                report["skipped"].append(name)
+            elif target == "hot_token_id":
+                if dtype != "I64" or shape != [cfg["draft_vocab_size"]]:
+                    problems.append(f"d2t must be int64 [{cfg['draft_vocab_size']}], is {dtype} {shape}")
+            elif target.startswith("t2d"):
+                if dtype != "BOOL" or shape != [cfg["vocab_size"]]:
+                    problems.append(f"t2d must be bool [{cfg['vocab_size']}], is {dtype} {shape}")
+            else:
+                want = params[target][shard]
+                if shape != want:
+                    problems.append(f"tensor {name!r} {shape} does not fit SGLang's {target}[{shard}] {want}")
+                if dtype not in ("BF16", "F16", "F32"):
+                    problems.append(f"tensor {name!r} has dtype {dtype}, expected a float")
+                loaded.setdefault(target, set()).add(shard)
+        for name, shards in params.items():
+            if name == "model.embed_tokens.weight":
+                if any(report["tensors"].get(n) == name for n in names):
+                    problems.append("the folder carries embeddings: SGLang shares the target's; do not export them")
+                continue
+            if loaded.get(name, set()) != set(shards):
+                problems.append(f"SGLang parameter {name} would stay uninitialised (loaded shards {sorted(map(str, loaded.get(name, set())))} of {sorted(map(str, shards))})")
+        if "d2t" not in names or "t2d" not in names:
+            problems.append("d2t / t2d missing: SGLang could not map draft ids to target ids")
+        else:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+            hot = d2t + torch.arange(len(d2t))
+            if int(hot.min()) < 0 or int(hot.max()) >= cfg["vocab_size"] or len(set(hot.tolist())) != len(hot):
+                problems.append("d2t maps draft ids outside the target vocab or twice onto one id")
+            elif not torch.equal(torch.nonzero(t2d).flatten(), hot.sort().values):
+                problems.append("t2d disagrees with d2t")
+    if problems:
+        raise ExportError(f"{folder} would not load completely in SGLang: " + "; ".join(problems))
+    report["config"] = {k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "num_hidden_layers", "eagle_config")}
+    return report
+
+
+# --------------------------------------------------------------------------------------
+# Publish and pull
+# --------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def published_lineage(store: ObjectStore, name: str, version: str) -> DrafterLineage | None:
+    try:
+        return store.get_json(layout.drafter_prefix(name, version) + "aerie.json", DrafterLineage)
+    except NotFound:
+        return None
+
+
+def publish(store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRequest, version: str, metrics: dict) -> DrafterLineage:
+    """Export, check, upload (weights first, `aerie.json` last), then move `latest`."""
+    spec = runset.spec
+    convention = convention_for(SERVING_ENGINE, spec.target.architecture)
+    layer_ids = to_engine_ids(spec.capture_points, convention, spec.target.num_layers)
+    prefix = layout.drafter_prefix(request.drafter, version)
+    with tempfile.TemporaryDirectory(prefix="aerie-export-") as tmp:
+        folder = export(drafter, tmp, layer_ids, load_target_config(request.model))
+        files = {}
+        for fname in FILES:
+            files[fname] = store.put_file(prefix + fname, folder / fname)
+    lineage = DrafterLineage(
+        name=request.drafter, version=version, runs=list(request.runs), target=spec.target, engine=spec.engine,
+        capture_points=list(spec.capture_points), exported_layer_ids=layer_ids, exported_convention=convention,
+        draft_vocab_size=drafter.config.draft_vocab_size, config=request.config,
+        metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None}, files=files,
+    )
+    store.put_json(prefix + "aerie.json", lineage)
+    store.put_bytes(layout.drafter_latest(request.drafter), version.encode())
+    return lineage
+
+
+def resolve(store: ObjectStore, ref: str) -> tuple[str, str]:
+    """'NAME[:VERSION]' -> (name, version); no version means `latest`."""
+    name, _, version = ref.partition(":")
+    if not version:
+        try:
+            version = store.get_bytes(layout.drafter_latest(name)).decode().strip()
+        except NotFound:
+            raise NotFound(f"no drafter {name!r} published in {store.url} ({layout.drafter_latest(name)} missing)") from None
+    return name, version
+
+
+def pull(store: ObjectStore, ref: str, dest: str | os.PathLike) -> Path:
+    """Fetch drafter NAME[:VERSION] into DEST (checked against its lineage's hashes)."""
+    name, version = resolve(store, ref)
+    lineage = published_lineage(store, name, version)
+    if lineage is None:
+        raise NotFound(f"drafter {name}:{version} is not (completely) published in {store.url}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    prefix = layout.drafter_prefix(name, version)
+    for fname, sha in lineage.files.items():
+        got = store.download(prefix + fname, dest / fname)
+        if got != sha:
+            raise ExportError(f"{prefix}{fname}: sha256 {got} differs from aerie.json's {sha}: corrupted upload?")
+    (dest / "aerie.json").write_bytes(lineage.to_json())
+    return dest

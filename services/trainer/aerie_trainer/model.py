@@ -1,0 +1,344 @@
+"""The EAGLE-3 drafter: one Llama decoder layer on top of the target's hidden states.
+
+Design choices, in one place:
+- Weight names are the ones SGLang's `LlamaForCausalLMEagle3` loads (`fc`, `midlayer.*`,
+  `norm`, `lm_head`, `d2t`, `t2d`), so export is a plain `state_dict` minus the embeddings.
+- q/k/v/o and gate/up/down stay separate matrices (SGLang fuses them at load time).
+- `embed_tokens` is the target's, frozen and never exported: SGLang shares the target's.
+- The decoder layer reads `[input_layernorm(embed(token)), hidden_norm(h)]` (2H wide); the
+  residual is the un-normed `h`. Its output `h'` (pre-norm) is fed back as the next step's `h`;
+  `norm(h')` goes to `lm_head`.
+- Attention takes the keys it may see in two parts, which is all that training-time test
+  (TTT) and chain decoding need: a *prefix* attended under a mask (the base sequence, causal),
+  and a *chain* of earlier draft steps at the same slot, attended one key per step (the
+  "diagonal"). No padding masks: batches are right-padded, so causal attention never sees pads.
+
+Shapes: B batch, T slots, S prefix keys, H hidden, K capture points, Ht target hidden,
+nh/nkv query/kv heads, hd head dim, V target vocab, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class DrafterError(ValueError):
+    """A target config or weight file the drafter cannot be built from."""
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # H: the drafter is as wide as the target
+    target_hidden_size: int  # Ht: width of each captured state
+    num_aux: int  # K: capture points
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int  # V: target vocab (embeddings, t2d)
+    draft_vocab_size: int  # Vd
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int) -> "DrafterConfig":
+        """Take widths, heads and RoPE from the target's config.json (a dict)."""
+        cfg = {**target_config.get("text_config", {}), **target_config}
+        try:
+            H = int(cfg["hidden_size"])
+            nh = int(cfg["num_attention_heads"])
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            rope.setdefault("rope_theta", float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+            return cls(
+                hidden_size=H,
+                target_hidden_size=H,
+                num_aux=num_aux,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_attention_heads=nh,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or nh),
+                head_dim=int(cfg.get("head_dim") or H // nh),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+                vocab_size=int(cfg["vocab_size"]),
+                draft_vocab_size=int(draft_vocab_size),
+                rope_parameters=rope,
+                hidden_act=str(cfg.get("hidden_act", "silu")),
+            )
+        except KeyError as e:
+            raise DrafterError(f"target config.json lacks {e.args[0]!r}: is it a decoder-only LLM config?") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: DrafterConfig) -> torch.Tensor:
+    """Inverse frequencies (hd/2,) for the rope types a Llama drafter layer supports."""
+    rope = config.rope_parameters
+    kind = rope.get("rope_type", "default")
+    dim = config.head_dim
+    # float32, as SGLang's get_rope computes it
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rope["factor"])
+    if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones
+        factor, lo, hi = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_len = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise DrafterError(
+        f"rope_type {kind!r} of the target is not supported by the drafter layer "
+        "(supported: default, linear, llama3): add it to aerie_trainer.model.rope_inv_freq"
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x (B, n, T, hd), positions (T,) or (B, T) -> rotated x (neox style, as HF Llama)."""
+    freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (..., T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    if cos.ndim == 3:  # per-row positions
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.nh, self.nkv, self.hd = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, x, positions, past=None, prefix=None, prefix_mask=None, chain=()):
+        """x (B, T, 2H) -> out (B, T, H), kv.
+
+        Base step (prefix None): keys are `past` (B, nkv, P, hd) followed by this step's own,
+        causal; returns all of them (the cache).
+        Draft step: `prefix` (k, v) (B, nkv, S, hd) seen under `prefix_mask` (T, S) bool, then
+        `chain` (earlier draft steps' kv at the same slots) and its own kv, one key per slot
+        each; returns its own kv (B, nkv, T, hd).
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq)
+        rep = self.nh // self.nkv
+        if prefix is None:
+            if past is not None:
+                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            P = k.shape[2] - T
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P) if P else None  # key j <= P + i
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, is_causal=mask is None
+            )
+        else:
+            pk, pv = (t.repeat_interleave(rep, 1) for t in prefix)  # (B, nh, S, hd)
+            scale = 1.0 / math.sqrt(self.hd)
+            scores = (q @ pk.transpose(-1, -2)) * scale  # (B, nh, T, S)
+            scores = scores.masked_fill(~prefix_mask, float("-inf"))
+            steps = [(ck.repeat_interleave(rep, 1), cv.repeat_interleave(rep, 1)) for ck, cv in (*chain, (k, v))]
+            diag = [(q * ck).sum(-1, keepdim=True) * scale for ck, _ in steps]  # each (B, nh, T, 1)
+            probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+            S = scores.shape[-1]
+            out = probs[..., :S] @ pv
+            for j, (_, cv) in enumerate(steps):
+                out = out + probs[..., S + j : S + j + 1] * cv
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise DrafterError(f"hidden_act {config.hidden_act!r}: SGLang's Llama drafter layer supports only silu")
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """`midlayer`: a Llama layer whose attention reads [norm(embed), norm(h)]."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, positions, **attn):
+        residual = hidden  # (B, T, H)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        attn_out, kv = self.self_attn(x, positions, **attn)
+        hidden = residual + attn_out
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
+
+
+# --------------------------------------------------------------------------------------
+# The drafter
+# --------------------------------------------------------------------------------------
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.embed_tokens = nn.Embedding(V, H)  # the target's, frozen, not exported
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
+        self.midlayer = DecoderLayer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # draft id + d2t = target id
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))  # target id is in the draft vocab
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids (Vd,) sorted target ids -> d2t, t2d."""
+        draft_ids = draft_ids.to(torch.int64).cpu()
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux (B, T, K*Ht) captured states -> h (B, T, H)."""
+        return self.fc(aux)
+
+    def forward(self, input_ids, hidden, positions, past=None, prefix=None, prefix_mask=None, chain=()):
+        """One draft step (see Attention.forward for past / prefix / chain).
+
+        input_ids (B, T) tokens, hidden (B, T, H), positions (T,) or (B, T) for RoPE.
+        Returns logits (B, T, Vd), hidden out (B, T, H) pre-norm, kv of this step.
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
+        hidden, kv = self.midlayer(embeds, hidden, positions, past=past, prefix=prefix, prefix_mask=prefix_mask, chain=chain)
+        logits = self.lm_head(self.norm(hidden))  # (B, T, Vd)
+        return logits, hidden, kv
+
+    def exported_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor SGLang loads, under SGLang's names (no embeddings)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+# --------------------------------------------------------------------------------------
+# The target's weights (safetensors only)
+# --------------------------------------------------------------------------------------
+def load_target_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise DrafterError(f"{model_dir}: no config.json: pass the target model folder (HF layout, safetensors)")
+    return json.loads(path.read_text())
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, across a sharded checkpoint."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{model_dir}: no *.safetensors weights (pickled .bin weights are never loaded)")
+    index = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                index[name] = f
+    return index
+
+
+def load_target_tensor(model_dir: str | os.PathLike, suffix: str) -> torch.Tensor | None:
+    """The target tensor whose name ends with `suffix` (e.g. 'embed_tokens.weight'), or None."""
+    from safetensors import safe_open
+
+    index = _weight_files(Path(model_dir))
+    names = sorted((n for n in index if n == suffix or n.endswith("." + suffix)), key=len)
+    if not names:
+        return None
+    with safe_open(index[names[0]], framework="pt") as sf:
+        return sf.get_tensor(names[0])
+
+
+def load_target_embeddings(model_dir: str | os.PathLike) -> torch.Tensor:
+    """(V, H) input embeddings of the target."""
+    embed = load_target_tensor(model_dir, "embed_tokens.weight")
+    if embed is None:
+        raise DrafterError(f"{model_dir}: no '*embed_tokens.weight' tensor in the safetensors files")
+    return embed
+
+
+def load_target_lm_head(model_dir: str | os.PathLike) -> torch.Tensor:
+    """(V, H) output head of the target; the embeddings when the target ties them."""
+    cfg = load_target_config(model_dir)
+    if not cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)):
+        head = load_target_tensor(model_dir, "lm_head.weight")
+        if head is not None:
+            return head
+    return load_target_embeddings(model_dir)
+
+
+def build_drafter(model_dir: str | os.PathLike, num_aux: int, draft_vocab_size: int) -> Eagle3Drafter:
+    """A freshly initialised drafter with the target's frozen embeddings."""
+    config = DrafterConfig.from_target(load_target_config(model_dir), num_aux, draft_vocab_size)
+    drafter = Eagle3Drafter(config)
+    embed = load_target_embeddings(model_dir)
+    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise DrafterError(f"{model_dir}: embeddings {list(embed.shape)} disagree with config.json ({config.vocab_size}, {config.hidden_size})")
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embed.float())
+    return drafter

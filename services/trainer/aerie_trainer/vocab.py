@@ -1,0 +1,56 @@
+"""The draft vocabulary: the target tokens the drafter can propose.
+
+- The `draft_vocab_size` most frequent loss-masked (trained) target tokens of the runs, sorted by
+  target id; when the runs hold fewer distinct tokens, the lowest unused ids fill the rest so
+  the head always has exactly `draft_vocab_size` rows (SGLang sizes it from the config).
+- `d2t[i] = target_id - i` (int64; SGLang's `hot_token_id = d2t + arange`), `t2d[target_id]`
+  True for the draft tokens (bool over the target vocab).
+- A position whose target argmax is outside the draft vocab is masked from the loss: the
+  drafter cannot propose that token, so there is nothing to learn there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class VocabError(ValueError):
+    pass
+
+
+def draft_vocab_size(requested: int, target_vocab: int) -> int:
+    """TrainConfig.draft_vocab_size, capped at the target's vocab."""
+    return min(int(requested), int(target_vocab))
+
+
+def build_draft_vocab(counts: np.ndarray, size: int) -> torch.Tensor:
+    """counts (V,) loss-token frequencies -> draft ids (Vd,) int64, sorted target ids."""
+    V = len(counts)
+    if not 1 <= size <= V:
+        raise VocabError(f"draft_vocab_size {size} must be between 1 and the target vocab {V}")
+    if counts.sum() == 0:
+        raise VocabError("no loss-masked token in the training data: check the runs' loss masks")
+    # most frequent first; ties broken by the lower id (stable sort on -count)
+    order = np.argsort(-counts, kind="stable")
+    chosen = order[:size]
+    return torch.from_numpy(np.sort(chosen).astype(np.int64))
+
+
+def d2t_t2d(draft_ids: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d2t = draft_ids - torch.arange(len(draft_ids), dtype=torch.int64)
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+def target_to_draft(t2d: torch.Tensor) -> torch.Tensor:
+    """(V,) int64: draft index of each target id, -1 outside the draft vocab."""
+    index = torch.full(t2d.shape, -1, dtype=torch.int64, device=t2d.device)
+    index[t2d] = torch.arange(int(t2d.sum()), dtype=torch.int64, device=t2d.device)
+    return index
+
+
+def coverage(counts: np.ndarray, draft_ids: torch.Tensor) -> float:
+    """Fraction of loss tokens whose id is in the draft vocab."""
+    return float(counts[draft_ids.numpy()].sum() / max(counts.sum(), 1))

@@ -1,0 +1,288 @@
+"""The binary-capture plugin against real SGLang on the CPU (SmolLM2-135M, float32).
+
+Story: an SGLang capture server with aerie's plugin installed advertises it; the extractor asks
+for binary captures, reads them from tmpfs or S3 and gets exactly what SGLang's JSON path and
+transformers give, for every capture point and the final state; requests that do not ask are
+answered as by stock SGLang; a client that stops claiming fills the sink to its bound and no
+further, the server refusing captures with a clear error while it keeps serving.
+
+Two server starts: stock SGLang (the plugin excluded through SGLANG_PLUGINS) records reference
+responses and stops; then the plugin server serves every test of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from aerie_extractor.engines.sglang_binary import (
+    BinaryCaptureError,
+    SinkConfig,
+    advertised,
+    capture_body,
+    descriptor_of,
+    fetch_binary,
+)
+from tests.sglang_server import capture_args, sglang_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+POINTS = [2, 15, 27]  # SmolLM2: N = 30 -> SGLang Llama ids [1, 14, 26]
+PROMPTS = [
+    [1, 504, 3060, 314, 253],
+    list(range(200, 220)),
+    [1, *range(3000, 3059)],
+]
+BIG = list(range(1000, 1064))  # 64 tokens: 64 * (3 + 1) * 576 * 4 B = 590 KB per capture
+BOUND = 1_500_000  # two BIG captures fit, a third does not
+TIMING_KEYS = {"e2e_latency", "response_sent_to_client_ts"}  # differ between any two runs
+
+
+def _layer_ids(model) -> list[int]:
+    from aerie.capture import convention_for, to_engine_ids
+    from aerie.target import describe
+
+    target = describe(model)
+    return to_engine_ids(POINTS, convention_for("sglang", target.architecture), target.num_layers)
+
+
+def _plain_requests() -> list[dict]:
+    """Requests without the flag, in the shapes the project sends them (and plain generation)."""
+    ids = PROMPTS[1]
+    return [
+        {"rid": "plain", "input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        {"rid": "hidden", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+         "return_hidden_states": True},
+        {"rid": "topk", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+         "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5},
+        {"rid": "text", "text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+    ]  # fmt: skip
+
+
+def _comparable(body: bytes) -> str:
+    """The response with its timing fields removed, key order kept."""
+    out = json.loads(body)
+    for key in TIMING_KEYS:
+        out.get("meta_info", {}).pop(key, None)
+    return json.dumps(out)
+
+
+@pytest.fixture(scope="module")
+def stock_responses(smollm2_path, tmp_path_factory) -> dict[str, str]:
+    """Stock SGLang's answers to `_plain_requests()` (aerie's plugin excluded, SGLang's own kept)."""
+    args = capture_args(smollm2_path, _layer_ids(smollm2_path))
+    env = {"SGLANG_PLUGINS": "smg-servicer,smg-zmq"}
+    with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("stock")) as server:
+        with httpx.Client(timeout=120) as client:
+            assert "aerie_capture" not in client.get(server.url + "/server_info").json()
+            return {r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()}
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    from aerie.store import S3Store
+
+    store = S3Store(s3_server.endpoint, "cap-" + secrets.token_hex(5), s3_server.access_key, s3_server.secret_key)
+    store.ensure_bucket()
+    yield store
+    store.delete_prefix("")
+    store.client.remove_bucket(store.bucket)
+
+
+@pytest.fixture(scope="module")
+def server(stock_responses, smollm2_path, bucket, s3_server, tmp_path_factory):
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
+    shm_dir = shm / f"aerie-test-{secrets.token_hex(4)}"
+    env = {
+        "AERIE_CAPTURE_DIR": str(shm_dir),
+        "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES": str(BOUND),
+        "AERIE_STORE": s3_server.endpoint,
+        "AERIE_BUCKET": bucket.bucket,
+        "AERIE_S3_ACCESS_KEY": s3_server.access_key,
+        "AERIE_S3_SECRET_KEY": s3_server.secret_key,
+    }
+    args = capture_args(smollm2_path, _layer_ids(smollm2_path))
+    with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("plugin")) as s:
+        s.extra["shm_dir"] = shm_dir
+        yield s
+    for f in shm_dir.glob("*"):
+        f.unlink()
+    if shm_dir.exists():
+        shm_dir.rmdir()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_path):
+    """transformers' output_hidden_states (float32) for every prompt: [N+1, T, H]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    out = {}
+    with torch.no_grad():
+        for ids in PROMPTS:
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            out[tuple(ids)] = np.stack([h[0].numpy() for h in hs])
+    return out
+
+
+def _capture(client, ids, sink) -> dict:
+    r = client.post("/generate", json=capture_body(ids, sink))
+    assert r.status_code == 200, r.text
+    return descriptor_of(r.json())
+
+
+def _shm_bytes(server) -> int:
+    return sum(f.stat().st_size for f in server.extra["shm_dir"].glob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------------------------
+def test_server_advertises_the_plugin(client, server, bucket):
+    info = advertised(client.get("/server_info").json())
+    assert info is not None and info["sglang"] == "0.5.23"
+    assert info["sinks"]["shm"]["dir"] == str(server.extra["shm_dir"])
+    assert info["sinks"]["s3"]["bucket"] == bucket.bucket
+    assert info["max_unclaimed_bytes"] == BOUND
+
+
+def test_binary_equals_json_and_transformers(client, server, smollm2_path, hf_reference):
+    layer_ids = _layer_ids(smollm2_path)
+    for ids in PROMPTS:
+        descriptor = _capture(client, ids, "shm")
+        assert descriptor["layer_ids"] == layer_ids and descriptor["rows"] == len(ids)
+        binary = fetch_binary(descriptor, SinkConfig("shm"))
+        assert not Path(descriptor["path"]).exists(), "fetch_binary claims (deletes) the capture"
+        aux, final = binary["aux"], binary["final"]
+        assert aux.shape == (len(ids), len(POINTS), 576) and final.shape == (len(ids), 576)
+        assert aux.dtype == np.float32 and final.dtype == np.float32
+
+        plain = client.post("/generate", json={"input_ids": ids, "return_hidden_states": True,
+                                               "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        as_json = np.asarray(plain.json()["meta_info"]["hidden_states"][0], dtype=np.float32)
+        np.testing.assert_array_equal(aux.reshape(len(ids), -1), as_json)  # the very same tensors
+
+        hf = hf_reference[tuple(ids)]
+        for j, point in enumerate(POINTS):
+            np.testing.assert_allclose(aux[:, j], hf[point], rtol=1e-4, atol=1e-4, err_msg=f"capture point {point}")
+        np.testing.assert_allclose(final, hf[30], rtol=1e-4, atol=1e-4, err_msg="final (post-norm) state")
+
+
+def test_s3_sink_gives_the_same_tensors(client, bucket):
+    ids = PROMPTS[2]
+    via_shm = fetch_binary(_capture(client, ids, "shm"), SinkConfig("shm"))
+    descriptor = _capture(client, ids, "s3")
+    assert descriptor["bucket"] == bucket.bucket and descriptor["key"].startswith("capture/")
+    via_s3 = fetch_binary(descriptor, SinkConfig("s3", store=bucket))
+    for name in ("aux", "final"):
+        np.testing.assert_array_equal(via_s3[name], via_shm[name])
+    assert not bucket.exists(descriptor["key"]), "fetch_binary claims (deletes) the object"
+
+
+def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses):
+    for request in _plain_requests():
+        got = _comparable(client.post("/generate", json=request).content)
+        assert got == stock_responses[request["rid"]], request["rid"]
+    # The same while captures share their batches.
+    with ThreadPoolExecutor(8) as pool:
+        captures = [pool.submit(_capture, client, ids, "shm") for ids in PROMPTS]
+        plain = {r["rid"]: pool.submit(client.post, "/generate", json=r) for r in _plain_requests()}
+        for rid, future in plain.items():
+            assert _comparable(future.result().content) == stock_responses[rid], f"{rid} next to captures"
+        for future in captures:
+            fetch_binary(future.result(), SinkConfig("shm"))
+
+
+def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, server):
+    first, second = _capture(client, BIG, "shm"), _capture(client, BIG, "shm")
+    deadline = time.monotonic() + 30
+    while not (Path(first["path"]).exists() and Path(second["path"]).exists()):
+        assert time.monotonic() < deadline, "captures never appeared"
+        time.sleep(0.05)
+
+    refused = client.post("/generate", json=capture_body(BIG, "shm"))
+    assert refused.status_code == 503
+    assert "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" in refused.text and "unclaimed" in refused.text
+    assert client.post("/generate", json=_plain_requests()[0]).status_code == 200  # still serving
+    too_big = client.post("/generate", json=capture_body(list(range(100, 300)), "shm"))
+    assert too_big.status_code == 503 and "more than the bound" in too_big.text
+
+    for descriptor in (first, second):  # claiming frees the sink
+        fetch_binary(descriptor, SinkConfig("shm"))
+    assert fetch_binary(_capture(client, BIG, "shm"), SinkConfig("shm"))["aux"].shape == (64, 3, 576)
+
+
+def test_bad_capture_requests_name_the_fix(client):
+    body = capture_body(PROMPTS[0], "shm")
+    body["sampling_params"]["max_new_tokens"] = 2
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "max_new_tokens to 1" in r.text
+    body = capture_body(PROMPTS[0], "nfs")
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "'nfs' is not configured" in r.text
+    body = capture_body(PROMPTS[0], "shm")
+    body["return_hidden_states"] = False
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400 and "return_hidden_states: true" in r.text
+
+
+_GREEDY_CLIENT = """
+import sys, httpx
+url, ids = sys.argv[1], list(range(1000, 1064))
+body = {"input_ids": ids, "return_hidden_states": True,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {"aerie_capture": "shm"}}}
+with httpx.Client(timeout=120) as c:
+    while True:  # asks, never claims
+        r = c.post(url + "/generate", json=body)
+        print(r.status_code, flush=True)
+"""
+
+
+def test_a_killed_client_leaves_no_more_than_the_bound(client, server):
+    assert _shm_bytes(server) == 0
+    proc = subprocess.Popen([sys.executable, "-c", _GREEDY_CLIENT, server.url], stdout=subprocess.PIPE, text=True)
+    try:
+        codes = []
+        deadline = time.monotonic() + 120
+        while "503" not in codes:  # until it has filled the sink
+            assert time.monotonic() < deadline and proc.poll() is None, f"client got {codes}"
+            codes.append(proc.stdout.readline().split()[0])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    time.sleep(2)  # let a request in flight finish
+    orphans = list(server.extra["shm_dir"].glob("*.safetensors"))
+    assert orphans and _shm_bytes(server) <= BOUND
+    assert client.post("/generate", json=capture_body(BIG, "shm")).status_code == 503
+
+    # Orphans older than AERIE_CAPTURE_TTL_S are deleted by the server; age them instead of waiting.
+    old = time.time() - 3600
+    for f in orphans:
+        os.utime(f, (old, old))
+    deadline = time.monotonic() + 30
+    while any(f.exists() for f in orphans):
+        assert time.monotonic() < deadline, "the server never deleted expired captures"
+        time.sleep(0.2)
+    assert fetch_binary(_capture(client, BIG, "shm"), SinkConfig("shm"))["final"].shape == (64, 576)
+
+
+def test_a_lost_capture_fails_with_the_place_it_was_expected(tmp_path):
+    descriptor = {"id": "0" * 32, "sink": "shm", "path": str(tmp_path / "gone.safetensors"), "tensors": {}}
+    with pytest.raises(BinaryCaptureError, match="did not appear"):
+        fetch_binary(descriptor, SinkConfig("shm", timeout_s=0.2))

@@ -21,7 +21,7 @@ from aerie.capture import convention_for, default_capture_points, hf_hidden_stat
 from aerie.contracts import EngineSpec, IngestOptions, RunSpec, ShardRecord
 from aerie.shard import Shard, pack
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 
 
 def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
@@ -51,13 +51,16 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
     return out
 
 
-def chatml(tokenizer, conversation: list[dict], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """SmolLM2's chat template, token by segment; loss on assistant content + <|im_end|>."""
+def chatml(tokenizer, conversation: list[dict], max_tokens: int, max_user_tokens: int = 48) -> tuple[np.ndarray, np.ndarray]:
+    """SmolLM2's chat template, token by segment; loss on assistant content + <|im_end|>.
+
+    User turns are cut to `max_user_tokens` so short test sequences are mostly assistant text.
+    """
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     ids, mask = [], []
 
-    def add(text: str, trained: int) -> None:
-        toks = tokenizer.encode(text, add_special_tokens=False)
+    def add(text: str, trained: int, limit: int | None = None) -> None:
+        toks = tokenizer.encode(text, add_special_tokens=False)[:limit]
         ids.extend(toks)
         mask.extend([trained] * len(toks))
 
@@ -65,7 +68,11 @@ def chatml(tokenizer, conversation: list[dict], max_tokens: int) -> tuple[np.nda
     for turn in conversation:
         role = roles.get(turn.get("from"), "user")
         add(f"<|im_start|>{role}\n", 0)
-        add(turn["value"] + "<|im_end|>", int(role == "assistant"))
+        if role == "assistant":
+            add(turn["value"] + "<|im_end|>", 1)
+        else:
+            add(turn["value"], 0, max_user_tokens)
+            add("<|im_end|>", 0)
         add("\n", 0)
         if len(ids) >= max_tokens:
             break
@@ -93,21 +100,29 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
     tmp = folder.with_name(folder.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "hidden").mkdir(parents=True)
+    bf16 = lambda t: t.to(torch.bfloat16).view(torch.uint16).numpy().view("bfloat16")  # noqa: E731
     seqs = []
-    for conv in sharegpt_conversations(records, skip):
-        ids, mask = chatml(tok, conv, max_tokens)
+    tokenized = [chatml(tok, conv, max_tokens) for conv in sharegpt_conversations(records, skip)]
+    for n in range(0, len(tokenized), 8):  # right-padded batches: causal rows are unaffected
+        group = tokenized[n : n + 8]
+        T = max(len(ids) for ids, _ in group)
+        ids_b = torch.zeros(len(group), T, dtype=torch.long)
+        attn = torch.zeros(len(group), T, dtype=torch.long)
+        for b, (ids, _) in enumerate(group):
+            ids_b[b, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
+            attn[b, : len(ids)] = 1
         with torch.no_grad():
-            out = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
-        aux = torch.stack([out.hidden_states[i][0] for i in indices], dim=1)  # (T, K, H)
-        seq = {"input_ids": ids, "loss_mask": mask, "aux": aux.to(torch.bfloat16).view(torch.uint16).numpy().view("bfloat16")}
-        if signal == "final":
-            final = out.hidden_states[N][0]  # post-final-norm: what the lm_head reads
-            seq["final"] = final.to(torch.bfloat16).view(torch.uint16).numpy().view("bfloat16")
-        else:
-            lp = torch.log_softmax(out.logits[0].float(), -1)
-            top = lp.topk(topk, -1)
-            seq["topk_ids"], seq["topk_logprobs"] = top.indices.int().numpy(), top.values.numpy()
-        seqs.append(seq)
+            out = model(ids_b, attention_mask=attn, output_hidden_states=True)
+        for b, (ids, mask) in enumerate(group):
+            t = len(ids)
+            aux = torch.stack([out.hidden_states[i][b, :t] for i in indices], dim=1)  # (T, K, H)
+            seq = {"input_ids": ids, "loss_mask": mask, "aux": bf16(aux)}
+            if signal == "final":
+                seq["final"] = bf16(out.hidden_states[N][b, :t])  # post-final-norm: what the lm_head reads
+            else:
+                top = torch.log_softmax(out.logits[b, :t].float(), -1).topk(topk, -1)
+                seq["topk_ids"], seq["topk_logprobs"] = top.indices.int().numpy(), top.values.numpy()
+            seqs.append(seq)
     engine = EngineSpec(name="hf", version="transformers-test", convention=convention_for("hf", target.architecture), layer_ids=points)
     for n in range(0, len(seqs), shard_sequences):
         name = layout.shard_name(n // shard_sequences)

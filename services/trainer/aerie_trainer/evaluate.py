@@ -49,13 +49,13 @@ def heldout_metrics(ttt, batches, target) -> dict:
         run = torch.cumprod(out.correct.to(torch.int64), dim=0)  # (S, B, L): all steps so far correct
         accept_sum += float((1 + run.sum(0))[start].sum())
         accept_n += int(start.sum())
-    if n_batches == 0:
+    if n_batches == 0 or accept_n == 0:
         return {}
     acc = (correct / valid.clamp(min=1)).tolist()
     return {
         "heldout_loss": loss_sum / n_batches,
         "heldout_acc": [round(a, 4) for a in acc],
-        "simulated_acceptance": accept_sum / max(accept_n, 1),
+        "simulated_acceptance": accept_sum / accept_n,
     }
 
 

@@ -110,8 +110,11 @@ class TTT(torch.nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
 
-    def forward(self, input_ids, aux, p, argmax, trainable, loss_mask):
-        """input_ids (B, W), aux (B, L, K*Ht), p (B, W, Vd), argmax/trainable/loss_mask (B, W); W = L + S."""
+    def forward(self, input_ids, aux, p, argmax, trainable, loss_mask, keep_logits: list | None = None):
+        """input_ids (B, W), aux (B, L, K*Ht), p (B, W, Vd), argmax/trainable/loss_mask (B, W); W = L + S.
+
+        keep_logits: a list that receives each step's logits (B, L, Vd) (tests, inspection).
+        """
         drafter, L = self.drafter, aux.shape[1]
         hidden = drafter.project(aux.to(drafter.fc.weight.dtype))  # (B, L, H)
         slots = torch.arange(L, device=hidden.device)
@@ -125,6 +128,8 @@ class TTT(torch.nn.Module):
             else:
                 logits, hidden, kv = drafter(ids, hidden, slots + k, prefix=base, prefix_mask=causal, chain=chain)
                 chain.append(kv)
+            if keep_logits is not None:
+                keep_logits.append(logits.detach())
             m = trainable[:, k : k + L]  # (B, L)
             logp = F.log_softmax(logits.float(), dim=-1)  # (B, L, Vd)
             ce = -(p[:, k : k + L] * logp).sum(-1)  # (B, L)

@@ -56,15 +56,17 @@ def import_cpu_ops() -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+def prepare(args: list[str]):
+    """Set up this process for SGLang's CPU engine and return SGLang's ServerArgs for `args`
+    (aerie's `--serve-eagle` included); nothing is started yet."""
     serve_eagle = "--serve-eagle" in args
     args = [a for a in args if a != "--serve-eagle"]
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", "cpu"]
 
     os.environ.update(cpu_environment())
-    sys.path.insert(0, str(SHIM_DIR))
+    if str(SHIM_DIR) not in sys.path:
+        sys.path.insert(0, str(SHIM_DIR))
     loaded = sys.modules.get("sgl_kernel")
     if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(SHIM_DIR)):
         raise RuntimeError(f"sgl_kernel was imported before the CPU shim ({loaded.__file__}): start SGLang through this launcher")
@@ -78,17 +80,22 @@ def main(argv: list[str] | None = None) -> None:
             f"run scripts/sglang_env.sh (it pins sglang=={SGLANG_VERSION})"
         )
 
-    from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
 
     import_cpu_ops()
     if serve_eagle:
         override_platform(has_amx=True).install()
     load_plugins()
-    server_args = prepare_server_args(args)
+    return prepare_server_args(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    server_args = prepare(list(sys.argv[1:] if argv is None else argv))
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
     try:
         run_server(server_args)
     finally:

@@ -235,6 +235,14 @@ def _image_pinned(image: str) -> str | None:
     return None
 
 
+def _celery_apps(cmd) -> set[str]:
+    """The `-A APP` values in a command (list or string, shell scripts included)."""
+    if not cmd:
+        return set()
+    text = " ".join(cmd) if isinstance(cmd, list) else str(cmd)
+    return set(re.findall(r"celery\s+-A\s+([\w.:]+)", text))
+
+
 def _active_when(service: dict) -> set[str] | None:
     """Profiles that activate a service; None: active in every run."""
     profiles = service.get("profiles") or []
@@ -378,6 +386,9 @@ def check_compose(compose_path: Path = REPO / "docker-compose.yml", env_example:
         for key in cenv:
             if key.startswith("AERIE_") and key not in known and key not in PLUGIN_ENV:
                 problems.append(f"{at}.environment: {key} is not an aerie setting (shared/aerie/settings.py): aerie refuses unknown AERIE_* variables")
+        cmd_apps, probe_apps = _celery_apps(svc.get("command")), _celery_apps((svc.get("healthcheck") or {}).get("test"))
+        if cmd_apps and probe_apps and probe_apps != cmd_apps:
+            problems.append(f"{at}.healthcheck: pings Celery app {sorted(probe_apps)} but the command runs {sorted(cmd_apps)}")
         for where, script in _shell_scripts(svc):
             for m in _SHELL_VAR.finditer(script):
                 var = m.group("b") or m.group("n")
@@ -677,6 +688,9 @@ def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "d
                         for probe in ("livenessProbe", "readinessProbe"):
                             if not c.get(probe):
                                 problems.append(f"{cat}: no {probe}")
+                            apps = _celery_apps(((c.get(probe) or {}).get("exec") or {}).get("command"))
+                            if apps and apps != _celery_apps((c.get("command") or []) + (c.get("args") or [])):
+                                problems.append(f"{cat}: {probe} pings Celery app {sorted(apps)}, not the one the container runs")
             if gpu and not pod.get("nodeSelector"):
                 problems.append(f"{at}: requests GPUs but has no nodeSelector: it could land on a node without them")
 

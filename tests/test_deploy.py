@@ -227,6 +227,8 @@ COMPOSE_BREAKS = [
      "docker-compose.yml", "image: redis:7.4.2-alpine", "image: redis:latest", "uses `latest`"),
     ("a build arg the Dockerfile does not declare",
      "docker-compose.yml", "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG is not an ARG"),
+    ("a healthcheck pinging another Celery app",
+     "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping", "celery -A aerie_extractor.worker inspect ping", "pings Celery app ['aerie_extractor.worker']"),
     ("a .env.example variable nothing uses",
      ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1", "OLD_KNOB is not used"),
 ]
@@ -276,6 +278,7 @@ K8S_BREAKS = [
     ("a container without a readiness probe", "base/extractor.yaml", "          readinessProbe:", "          x-readinessProbe:", "OpenAPI schema"),
     ("a ConfigMap key that is not there", "base/minio-init.yaml", "key: AERIE_BUCKET", "key: BUCKET", "has no key 'BUCKET'"),
     ("a ScaledObject on a missing Deployment", "components/keda/scaledobject.yaml", "    kind: Deployment\n    name: extractor", "    kind: Deployment\n    name: extractors", "scaleTargetRef Deployment/extractors"),
+    ("a probe pinging another Celery app", "base/trainer.yaml", "celery -A aerie_trainer.worker inspect ping", "celery -A aerie_extractor.worker inspect ping", "not the one the container runs"),
     ("a missing resource file", "base/kustomization.yaml", "  - trainer.yaml", "  - trainers.yaml", "kustomize build failed"),
     ("an unknown AERIE_* setting", "base/kustomization.yaml", "AERIE_ENGINE=sglang", "AERIE_ENGIN=sglang", "AERIE_ENGIN, not an aerie setting"),
     ("a GPU pod without a nodeSelector", "base/trainer.yaml", "      nodeSelector:\n        nvidia.com/gpu.present: \"true\"\n", "", "requests GPUs but has no nodeSelector"),
@@ -471,3 +474,49 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser():
                          env=_clean_env(), cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}, f"SGLang rejects: {out.stdout}"
+
+
+@pytest.mark.parametrize("service", CELERY_SERVICES)
+def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(service, redis_url, tmp_path):
+    """The compose command, run as it is with the compose environment (broker pointed at the test
+    Redis), starts a worker that the compose healthcheck command then finds alive."""
+    import signal
+    import socket
+    import time
+
+    svc = _compose()["services"][service]
+    env = _clean_env(**cd._env_of(svc))
+    env.update(AERIE_BROKER=redis_url, AERIE_RESULT_BACKEND=redis_url, HOSTNAME=socket.gethostname())
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log = (tmp_path / f"{service}.log").open("w")
+    worker = subprocess.Popen(svc["command"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    health = svc["healthcheck"]["test"]
+    assert health[0] == "CMD-SHELL"
+    log_path = tmp_path / f"{service}.log"
+    try:
+        deadline, answered = time.monotonic() + 120, None
+        # wait with a quick ping first: the healthcheck's own 20 s timeout is spent on a worker still starting
+        app = svc["command"][svc["command"].index("-A") + 1]
+        quick = ["celery", "-A", app, "inspect", "ping", "-d", f"celery@{env['HOSTNAME']}", "--timeout", "1"]
+        while time.monotonic() < deadline and worker.poll() is None:
+            if subprocess.run(quick, env=env, capture_output=True, timeout=60, cwd=tmp_path).returncode == 0:
+                break
+            time.sleep(1)
+        while time.monotonic() < deadline and worker.poll() is None:
+            probe = subprocess.run(["sh", "-c", health[1]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            if probe.returncode == 0:
+                answered = probe.stdout
+                break
+            time.sleep(2)
+        log.flush()
+        assert answered is not None, f"{service}: healthcheck never passed (worker exit {worker.poll()}):\n{log_path.read_text()[-3000:]}"
+        assert "pong" in answered
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=30)
+        log.close()

@@ -38,7 +38,7 @@ APP = "aerie_extractor.worker"
 
 def worker_env(store, redis_url: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}  # only what we set
-    env.update(store_env(store), AERIE_BROKER=redis_url, AERIE_ENGINE="hf", OMP_NUM_THREADS="1", **extra)
+    env.update(store_env(store), AERIE_BROKER=redis_url, AERIE_ENGINE="hf", OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", **extra)
     return env
 
 
@@ -77,6 +77,33 @@ class Worker:
 
 
 @pytest.fixture
+def redis_url(tmp_path):
+    """A private redis-server: worker processes of other test sessions can never share its queues."""
+    from tests.services import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"redis-server on port {port} did not start")
+            time.sleep(0.1)
+    client.close()
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
 def workers():
     started: list[Worker] = []
     yield started
@@ -90,7 +117,17 @@ def celery_cli(env: dict[str, str], *args: str, timeout: float = 120) -> str:
     return out.stdout
 
 
-def wait_complete(store, run: str, workers: list[Worker], timeout: float) -> RunStatus:
+def broker_state(redis_url: str) -> str:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        queues = {q: client.llen(q) for q in ("ingest", "extract", "train")}
+        unacked = [json.loads(v)[0]["headers"]["id"] for v in client.hvals("unacked")]
+        return f"queues {queues}, unacked {unacked}, keys {sorted(k.decode() for k in client.keys('*') if b'celery-task-meta' not in k)}"
+    finally:
+        client.close()
+
+
+def wait_complete(store, run: str, workers: list[Worker], timeout: float, redis_url: str = "") -> RunStatus:
     from aerie_extractor.extract import run_status
 
     deadline = time.monotonic() + timeout
@@ -100,7 +137,8 @@ def wait_complete(store, run: str, workers: list[Worker], timeout: float) -> Run
             return status
         assert status.failed == 0, f"run {run}: {status}\n" + "\n".join(w.log()[-3000:] for w in workers)
         time.sleep(1)
-    pytest.fail(f"run {run} not complete within {timeout} s: {run_status(store, run)}\n" + "\n".join(w.log()[-3000:] for w in workers))
+    state = broker_state(redis_url) if redis_url else ""
+    pytest.fail(f"run {run} not complete within {timeout} s: {run_status(store, run)}\n{state}\n" + "\n".join(w.log()[-3000:] for w in workers))
 
 
 def check_against_reference(store, run: str, reference) -> int:  # noqa: F811
@@ -192,7 +230,7 @@ def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(s3_store, 
     # two fresh workers race for the remaining shards and the redelivered one
     for name in ("rescuer1", "rescuer2"):
         workers.append(Worker(env, name, tmp_path))
-    status = wait_complete(s3_store, "kill-run", workers, 400)
+    status = wait_complete(s3_store, "kill-run", workers, 240, redis_url)
     assert status.hidden_done == status.shards_total == 3 and status.sequences == 3 and status.failed == 0
     rescuers = workers[1:]
     assert any(f"aerie.extract[{killed}] received" in w.log() for w in rescuers), "the killed task was not redelivered"

@@ -209,7 +209,12 @@ def _shell_scripts(service: dict) -> list[tuple[str, str]]:
     out = []
     for key in ("command", "entrypoint"):
         cmd = service.get(key)
-        if isinstance(cmd, list) and len(cmd) >= 3 and cmd[0] in ("sh", "bash", "/bin/sh", "/bin/bash") and cmd[1] == "-c":
+        if (
+            isinstance(cmd, list)
+            and len(cmd) >= 3
+            and cmd[0] in ("sh", "bash", "/bin/sh", "/bin/bash")
+            and cmd[1] == "-c"
+        ):
             out.append((key, cmd[2]))
     test = (service.get("healthcheck") or {}).get("test")
     if isinstance(test, list) and test and test[0] == "CMD-SHELL":
@@ -249,165 +254,172 @@ def _active_when(service: dict) -> set[str] | None:
     return set(profiles) if profiles else None
 
 
-def check_compose(compose_path: Path = REPO / "docker-compose.yml", env_example: Path = REPO / ".env.example") -> list[str]:
-    import jsonschema
-
-    problems: list[str] = []
-    cname = compose_path.name
+def check_compose(
+    compose_path: Path = REPO / "docker-compose.yml", env_example: Path = REPO / ".env.example"
+) -> list[str]:
     if not env_example.exists():
         return [f"{env_example}: missing (the user copies it to .env)"]
     documented = read_env_file(env_example)
-    raw_text = compose_path.read_text()
     try:
-        raw = yaml.safe_load(raw_text)
-    except yaml.YAMLError as e:
-        return [f"{cname}: not YAML: {e}"]
+        raw = yaml.safe_load(compose_path.read_text())
+        refs = [r for path, s in _walk(raw) for r in var_refs(s, path)]
+    except (yaml.YAMLError, InterpolationError) as e:
+        return [f"{compose_path.name}: {e}"]
+    problems = _check_variables(compose_path.name, env_example.name, refs, documented)
 
-    # ${VAR}: every reference documented in .env.example, defaults agreeing, secrets required
-    refs: list[VarRef] = []
+    # the model `docker compose` sees once the user has filled in .env
     try:
-        for path, s in _walk(raw):
-            refs.extend(var_refs(s, path))
-    except InterpolationError as e:
-        return [f"{cname}: {e}"]
-    defaults: dict[str, set[str]] = {}
-    for r in refs:
-        if r.name not in documented:
-            problems.append(f"{cname}: {r.where}: ${{{r.name}}} is not in {env_example.name}: add `{r.name}=<default>` there with a comment")
-        if r.op in (":-", "-"):
-            defaults.setdefault(r.name, set()).add(r.arg)
-        elif r.op is None:
-            problems.append(f"{cname}: {r.where}: ${{{r.name}}} has neither a default nor `:?`: write ${{{r.name}:-default}} or ${{{r.name}:?Variable not set}}")
-        if SECRET_NAME.search(r.name) and r.op != ":?":
-            problems.append(f"{cname}: {r.where}: secret ${{{r.name}}} must be required: ${{{r.name}:?Variable not set}}")
-    for name, ds in sorted(defaults.items()):
-        if len(ds) > 1:
-            problems.append(f"{cname}: ${{{name}}} has different defaults {sorted(ds)}: use one")
-        elif name in documented and documented[name] != next(iter(ds)):
-            problems.append(f"{cname}: default of ${{{name}}} is {next(iter(ds))!r} but {env_example.name} says {documented[name]!r}: make them agree")
-    referenced = {r.name for r in refs}
-    for name in sorted(set(documented) - referenced):
-        problems.append(f"{env_example.name}: {name} is not used by {cname}: remove it or use it")
-    for name, value in documented.items():
-        if SECRET_NAME.search(name) and name.endswith(("PASSWORD", "SECRET_KEY", "TOKEN")) and value:
-            problems.append(f"{env_example.name}: {name} has a value: leave secrets empty so compose refuses to start until the user sets one")
-    known = aerie_setting_names()
-    for name in sorted(documented):
-        if name.startswith("AERIE_") and name not in known and name not in COMPOSE_ONLY_AERIE_VARS:
-            problems.append(f"{env_example.name}: {name} is not an aerie setting (shared/aerie/settings.py): an unknown AERIE_* variable is an error there; rename it without the prefix")
-
-    # interpolate as compose would with a filled-in .env
-    required = {r.name for r in refs if r.op in (":?", "?")}
-    env = filled_env(documented, required)
-    try:
-        doc = load_compose(compose_path, env)
+        doc = load_compose(compose_path, filled_env(documented, {r.name for r in refs if r.op in (":?", "?")}))
     except InterpolationError as e:
         return problems + [str(e)]
-
-    # schema
-    validator = jsonschema.Draft202012Validator(compose_schema())
+    validator = jsonschema_validator(compose_schema())
     for err in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):
         where = ".".join(str(p) for p in err.absolute_path) or "(top)"
-        problems.append(f"{cname}: {where}: {err.message} (Compose Specification schema)")
+        problems.append(f"{compose_path.name}: {where}: {err.message} (Compose Specification schema)")
 
     services: dict = doc.get("services") or {}
     declared = {kind: set((doc.get(kind) or {}).keys()) for kind in ("volumes", "networks", "secrets", "configs")}
     for name, svc in services.items():
-        if not isinstance(svc, dict):
-            continue
-        at = f"{cname}: services.{name}"
-        # depends_on
-        deps = svc.get("depends_on") or {}
-        if isinstance(deps, list):
-            deps = {d: {"condition": "service_started"} for d in deps}
-        mine = _active_when(svc)
-        for dep, spec in deps.items():
-            spec = spec or {}
-            if dep not in services:
-                problems.append(f"{at}.depends_on: {dep!r} is not a service (services: {', '.join(sorted(services))})")
-                continue
-            theirs = _active_when(services[dep])
-            required = spec.get("required", True)
-            if required and theirs is not None and (mine is None or not mine <= theirs):
-                when = "in every run" if mine is None else f"in profile(s) {sorted(mine - theirs)}"
-                problems.append(f"{at}.depends_on.{dep}: {name} runs {when} but {dep} only in {sorted(theirs)}: add `required: false` or share a profile")
-            cond = spec.get("condition", "service_started")
-            hc = services[dep].get("healthcheck") or {}
-            if cond == "service_healthy" and (not hc or hc.get("disable")):
-                problems.append(f"{at}.depends_on.{dep}: waits for service_healthy but {dep} has no healthcheck: add one")
-        # healthcheck on everything compose keeps running
-        if svc.get("restart") in ("always", "unless-stopped", "on-failure") and not svc.get("healthcheck"):
-            problems.append(f"{at}: restarts automatically but has no healthcheck: add one")
-        # volumes / networks / secrets / configs
-        for i, v in enumerate(svc.get("volumes") or []):
-            if isinstance(v, str):
-                src = v.split(":", 1)[0] if ":" in v else None  # "/path" alone: an anonymous volume
-            else:
-                src = v.get("source")
-            if not src:
-                continue
-            if not src.startswith(("/", ".", "~")) and "/" not in src:
-                if src not in declared["volumes"]:
-                    problems.append(f"{at}.volumes[{i}]: named volume {src!r} is not declared under top-level volumes")
-            elif src.startswith(".") and Path(src).suffix:
-                # a missing bind *file* becomes an empty directory in the container: refuse it
-                if not (compose_path.parent / src).exists():
-                    problems.append(f"{at}.volumes[{i}]: bind source {src} does not exist")
-        nets = svc.get("networks") or []
-        for net in nets if isinstance(nets, list) else nets.keys():
-            if net not in declared["networks"] and net != "default":
-                problems.append(f"{at}.networks: {net!r} is not declared under top-level networks")
+        if isinstance(svc, dict):
+            problems += _check_service(compose_path, name, svc, services, declared)
+    used: dict[str, set] = {kind: set() for kind in declared}
+    for svc in services.values():
+        used["volumes"] |= {
+            v.split(":", 1)[0] if isinstance(v, str) else v.get("source") for v in svc.get("volumes") or []
+        }
+        used["networks"] |= set(svc.get("networks") or [])
         for kind in ("secrets", "configs"):
-            for i, s in enumerate(svc.get(kind) or []):
-                ref = s if isinstance(s, str) else s.get("source")
-                if ref not in declared[kind]:
-                    problems.append(f"{at}.{kind}[{i}]: {ref!r} is not declared under top-level {kind}")
-        # images
-        image = svc.get("image")
-        if image:
-            why = _image_pinned(image)
-            if why:
-                problems.append(f"{at}.image: {why}")
-        elif not svc.get("build"):
-            problems.append(f"{at}: neither image nor build")
-        build = svc.get("build")
-        if isinstance(build, dict):
-            ctx = (compose_path.parent / build.get("context", ".")).resolve()
-            dockerfile = ctx / build.get("dockerfile", "Dockerfile")
-            if not dockerfile.exists():
-                problems.append(f"{at}.build.dockerfile: {dockerfile.relative_to(ctx) if dockerfile.is_relative_to(ctx) else dockerfile} does not exist")
-            else:
-                declared_args = set(dockerfile_args(dockerfile.read_text()))
-                for arg in (build.get("args") or {}):
-                    if arg not in declared_args:
-                        problems.append(f"{at}.build.args: {arg} is not an ARG of {dockerfile.name} ({dockerfile.parent.name}): the build would ignore it")
-        # container environment
-        cenv = _env_of(svc)
-        for key in cenv:
-            if key.startswith("AERIE_") and key not in known and key not in PLUGIN_ENV:
-                problems.append(f"{at}.environment: {key} is not an aerie setting (shared/aerie/settings.py): aerie refuses unknown AERIE_* variables")
-        cmd_apps, probe_apps = _celery_apps(svc.get("command")), _celery_apps((svc.get("healthcheck") or {}).get("test"))
-        if cmd_apps and probe_apps and probe_apps != cmd_apps:
-            problems.append(f"{at}.healthcheck: pings Celery app {sorted(probe_apps)} but the command runs {sorted(cmd_apps)}")
-        for where, script in _shell_scripts(svc):
-            for m in _SHELL_VAR.finditer(script):
-                var = m.group("b") or m.group("n")
-                if var not in cenv and var not in SHELL_BUILTIN_VARS:
-                    problems.append(f"{at}.{where}: the container shell reads ${var} but {name}'s environment does not set it")
-    for kind in ("volumes", "networks", "secrets", "configs"):
-        used = set()
-        for svc in services.values():
-            for v in svc.get(kind) or []:
-                if kind == "volumes":
-                    used.add(v.split(":", 1)[0] if isinstance(v, str) else v.get("source"))
-                elif kind == "networks":
-                    used.add(v)
-                else:
-                    used.add(v if isinstance(v, str) else v.get("source"))
-            if kind == "networks" and isinstance(svc.get("networks"), dict):
-                used |= set(svc["networks"])
-        for unused in sorted(declared[kind] - used):
-            problems.append(f"{cname}: top-level {kind}.{unused} is used by no service")
+            used[kind] |= {v if isinstance(v, str) else v.get("source") for v in svc.get(kind) or []}
+    for kind in declared:
+        for unused in sorted(declared[kind] - used[kind]):
+            problems.append(f"{compose_path.name}: top-level {kind}.{unused} is used by no service")
+    return problems
+
+
+def jsonschema_validator(schema: dict):
+    import jsonschema
+
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def _check_variables(cname: str, ename: str, refs: list[VarRef], documented: dict[str, str]) -> list[str]:
+    """`${VAR}`: documented in .env.example with the same default; secrets required; no stale entries."""
+    problems = []
+    defaults: dict[str, set[str]] = {}
+    for r in refs:
+        if r.name not in documented:
+            problems.append(f"{cname}: {r.where}: ${{{r.name}}} is not in {ename}: add `{r.name}=<default>` there")
+        if r.op in (":-", "-"):
+            defaults.setdefault(r.name, set()).add(r.arg)
+        elif r.op is None:
+            problems.append(
+                f"{cname}: {r.where}: ${{{r.name}}} has neither a default nor `:?`: "
+                f"write ${{{r.name}:-default}} or ${{{r.name}:?Variable not set}}"
+            )
+        if SECRET_NAME.search(r.name) and r.op != ":?":
+            problems.append(
+                f"{cname}: {r.where}: secret ${{{r.name}}} must be required: ${{{r.name}:?Variable not set}}"
+            )
+    for name, ds in sorted(defaults.items()):
+        if len(ds) > 1:
+            problems.append(f"{cname}: ${{{name}}} has different defaults {sorted(ds)}: use one")
+        elif name in documented and documented[name] != next(iter(ds)):
+            problems.append(
+                f"{cname}: default of ${{{name}}} is {next(iter(ds))!r} but {ename} says {documented[name]!r}: make them agree"
+            )
+    for name in sorted(set(documented) - {r.name for r in refs}):
+        problems.append(f"{ename}: {name} is not used by {cname}: remove it or use it")
+    known = aerie_setting_names()
+    for name, value in documented.items():
+        if name.endswith(("PASSWORD", "SECRET_KEY", "TOKEN")) and value:
+            problems.append(f"{ename}: {name} has a value: leave secrets empty, so compose refuses to start until set")
+        if name.startswith("AERIE_") and name not in known and name not in COMPOSE_ONLY_AERIE_VARS:
+            problems.append(
+                f"{ename}: {name} is not an aerie setting (shared/aerie/settings.py refuses unknown AERIE_* "
+                "variables): rename it without the prefix"
+            )
+    return problems
+
+
+def _check_service(compose_path: Path, name: str, svc: dict, services: dict, declared: dict[str, set]) -> list[str]:
+    """One service's references: depends_on, healthcheck, volumes, networks, secrets, image, build, env."""
+    problems = []
+    at = f"{compose_path.name}: services.{name}"
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        deps = {d: {"condition": "service_started"} for d in deps}
+    mine = _active_when(svc)
+    for dep, spec in deps.items():
+        spec = spec or {}
+        if dep not in services:
+            problems.append(f"{at}.depends_on: {dep!r} is not a service (services: {', '.join(sorted(services))})")
+            continue
+        theirs = _active_when(services[dep])
+        if spec.get("required", True) and theirs is not None and (mine is None or not mine <= theirs):
+            when = "in every run" if mine is None else f"in profile(s) {sorted(mine - theirs)}"
+            problems.append(
+                f"{at}.depends_on.{dep}: {name} runs {when} but {dep} only in {sorted(theirs)}: "
+                "add `required: false` or share a profile"
+            )
+        hc = services[dep].get("healthcheck") or {}
+        if spec.get("condition") == "service_healthy" and (not hc or hc.get("disable")):
+            problems.append(f"{at}.depends_on.{dep}: waits for service_healthy but {dep} has no healthcheck: add one")
+    if svc.get("restart") in ("always", "unless-stopped", "on-failure") and not svc.get("healthcheck"):
+        problems.append(f"{at}: restarts automatically but has no healthcheck: add one")
+
+    for i, v in enumerate(svc.get("volumes") or []):
+        src = (v.split(":", 1)[0] if ":" in v else None) if isinstance(v, str) else v.get("source")
+        if not src:
+            continue  # "/path" alone: an anonymous volume
+        if not src.startswith(("/", ".", "~")) and "/" not in src:
+            if src not in declared["volumes"]:
+                problems.append(f"{at}.volumes[{i}]: named volume {src!r} is not declared under top-level volumes")
+        elif src.startswith(".") and Path(src).suffix and not (compose_path.parent / src).exists():
+            # a missing bind *file* becomes an empty directory in the container: refuse it
+            problems.append(f"{at}.volumes[{i}]: bind source {src} does not exist")
+    for net in svc.get("networks") or []:
+        if net not in declared["networks"] and net != "default":
+            problems.append(f"{at}.networks: {net!r} is not declared under top-level networks")
+    for kind in ("secrets", "configs"):
+        for i, s in enumerate(svc.get(kind) or []):
+            ref = s if isinstance(s, str) else s.get("source")
+            if ref not in declared[kind]:
+                problems.append(f"{at}.{kind}[{i}]: {ref!r} is not declared under top-level {kind}")
+
+    image, build = svc.get("image"), svc.get("build")
+    if image and (why := _image_pinned(image)):
+        problems.append(f"{at}.image: {why}")
+    if not image and not build:
+        problems.append(f"{at}: neither image nor build")
+    if isinstance(build, dict):
+        ctx = (compose_path.parent / build.get("context", ".")).resolve()
+        dockerfile = ctx / build.get("dockerfile", "Dockerfile")
+        if not dockerfile.exists():
+            problems.append(f"{at}.build.dockerfile: {build.get('dockerfile', 'Dockerfile')} does not exist")
+        else:
+            declared_args = set(dockerfile_args(dockerfile.read_text()))
+            for arg in build.get("args") or {}:
+                if arg not in declared_args:
+                    problems.append(f"{at}.build.args: {arg} is not an ARG of {dockerfile}: the build would ignore it")
+
+    cenv, known = _env_of(svc), aerie_setting_names()
+    for key in cenv:
+        if key.startswith("AERIE_") and key not in known and key not in PLUGIN_ENV:
+            problems.append(
+                f"{at}.environment: {key} is not an aerie setting (shared/aerie/settings.py refuses unknown AERIE_*)"
+            )
+    cmd_apps, probe_apps = _celery_apps(svc.get("command")), _celery_apps((svc.get("healthcheck") or {}).get("test"))
+    if cmd_apps and probe_apps and probe_apps != cmd_apps:
+        problems.append(
+            f"{at}.healthcheck: pings Celery app {sorted(probe_apps)} but the command runs {sorted(cmd_apps)}"
+        )
+    for where, script in _shell_scripts(svc):
+        for m in _SHELL_VAR.finditer(script):
+            var = m.group("b") or m.group("n")
+            if var not in cenv and var not in SHELL_BUILTIN_VARS:
+                problems.append(
+                    f"{at}.{where}: the container shell reads ${var} but {name}'s environment does not set it"
+                )
     return problems
 
 
@@ -486,7 +498,11 @@ def check_dockerfile(path: Path, context: Path = REPO) -> list[str]:
     stages: set[str] = set()
     froms = 0
     ignore_file = context / ".dockerignore"
-    ignore = [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")] if ignore_file.exists() else []
+    ignore = (
+        [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        if ignore_file.exists()
+        else []
+    )
     if not ignore_file.exists():
         problems.append(f"{ignore_file.name}: missing: the whole context (.env, .venv, .git) would go to the builder")
     for line, instr, rest in instrs:
@@ -545,7 +561,11 @@ def check_dockerfiles(repo: Path = REPO) -> list[str]:
     files = sorted(repo.glob("services/*/Dockerfile"))
     problems = [] if files else ["services/*/Dockerfile: none found"]
     for services_dir in sorted((repo / "services").iterdir()):
-        if services_dir.is_dir() and (services_dir / "pyproject.toml").exists() and not (services_dir / "Dockerfile").exists():
+        if (
+            services_dir.is_dir()
+            and (services_dir / "pyproject.toml").exists()
+            and not (services_dir / "Dockerfile").exists()
+        ):
             problems.append(f"services/{services_dir.name}: a service without a Dockerfile")
     for f in files:
         problems += check_dockerfile(f, repo)
@@ -572,7 +592,9 @@ def kustomize_build(directory: Path) -> list[dict]:
         if out.returncode:
             raise RuntimeError(out.stderr.strip())
         return [d for d in yaml.safe_load_all(out.stdout) if d]
-    raise RuntimeError("no kustomize: pip install --ignore-requires-python pykustomize==0.1.4 (or put `kustomize` on PATH)")
+    raise RuntimeError(
+        "no kustomize: pip install --ignore-requires-python pykustomize==0.1.4 (or put `kustomize` on PATH)"
+    )
 
 
 def overlays(repo: Path = REPO) -> list[Path]:
@@ -606,22 +628,48 @@ def _labels_match(selector: dict, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "docs" / "deploy.md", k8s_version: str = K8S_VERSION) -> list[str]:
+@dataclass
+class _Render:
+    """What references in one rendered overlay can point at."""
+
+    by_kind: dict[str, dict[str, dict]]
+    secrets: dict[str, set[str]]  # documented Secret name -> keys
+    settings: set[str]  # known AERIE_* names
+    problems: list[str] = field(default_factory=list)
+
+    def has(self, kind: str, name: str | None) -> bool:
+        return name in self.by_kind.get(kind, {})
+
+    def secret(self, at: str, name: str | None, key: str | None = None) -> None:
+        if name not in self.secrets:
+            self.problems.append(
+                f"{at}: Secret {name!r} is not created by a `kubectl create secret generic` in docs/deploy.md"
+            )
+        elif key is not None and key not in self.secrets[name]:
+            self.problems.append(
+                f"{at}: Secret {name} key {key!r} is not in the docs' `kubectl create secret generic {name}`"
+            )
+
+    def setting(self, at: str, key: str) -> None:
+        if key.startswith("AERIE_") and key not in self.settings and key not in PLUGIN_ENV:
+            self.problems.append(f"{at}: {key} is not an aerie setting: aerie refuses unknown AERIE_* variables")
+
+
+def check_rendered(
+    resources: list[dict], label: str, doc_path: Path = REPO / "docs" / "deploy.md", k8s_version: str = K8S_VERSION
+) -> list[str]:
+    """Schema validation and reference checks of one rendered overlay."""
     import kubernetes_validate
 
-    problems: list[str] = []
     by_kind: dict[str, dict[str, dict]] = {}
     for r in resources:
         by_kind.setdefault(r.get("kind", "?"), {})[(r.get("metadata") or {}).get("name", "?")] = r
-    secrets_doc = documented_secret_keys(doc_path)
-    known = aerie_setting_names()
-
+    ctx = _Render(by_kind, documented_secret_keys(doc_path), aerie_setting_names())
+    problems = ctx.problems
     for r in resources:
-        kind, name = r.get("kind"), (r.get("metadata") or {}).get("name")
-        at = f"{label}: {kind}/{name}"
-        if (r.get("apiVersion"), kind) in CRD_KINDS:
-            pass
-        else:
+        kind, spec = r.get("kind"), r.get("spec") or {}
+        at = f"{label}: {kind}/{(r.get('metadata') or {}).get('name')}"
+        if (r.get("apiVersion"), kind) not in CRD_KINDS:
             try:
                 kubernetes_validate.validate(r, k8s_version, strict=True)
             except kubernetes_validate.SchemaNotFoundError:
@@ -630,109 +678,116 @@ def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "d
                 where = ".".join(str(p) for p in e.path) or "(top)"
                 problems.append(f"{at}: {where}: {e.message} (Kubernetes {k8s_version} OpenAPI schema)")
         if kind == "Secret":
-            problems.append(f"{at}: a Secret is embedded in the manifests: create it out of band (docs/deploy.md) and reference it")
-
-        pod = _pod_spec(r)
-        if pod is not None:
-            one_shot = kind in ("Job", "CronJob")
-            volumes = {v.get("name"): v for v in pod.get("volumes") or []}
-            claim_templates = {(t.get("metadata") or {}).get("name") for t in (r.get("spec") or {}).get("volumeClaimTemplates") or []}
-            gpu = False
-            for v in volumes.values():
-                if "persistentVolumeClaim" in v:
-                    claim = v["persistentVolumeClaim"].get("claimName")
-                    if claim not in by_kind.get("PersistentVolumeClaim", {}):
-                        problems.append(f"{at}: volume {v.get('name')}: PersistentVolumeClaim {claim!r} is not in this render")
-                if "configMap" in v and v["configMap"].get("name") not in by_kind.get("ConfigMap", {}):
-                    problems.append(f"{at}: volume {v.get('name')}: ConfigMap {v['configMap'].get('name')!r} is not in this render")
-                if "secret" in v:
-                    _check_secret_ref(problems, at, secrets_doc, v["secret"].get("secretName"), None)
-            for group in ("initContainers", "containers"):
-                for c in pod.get(group) or []:
-                    cat = f"{at}: {group[:-1]} {c.get('name')}"
-                    image = c.get("image", "")
-                    why = _image_pinned(image) if image else "no image"
-                    if why:
-                        problems.append(f"{cat}: {why}")
-                    for vm in c.get("volumeMounts") or []:
-                        if vm.get("name") not in volumes and vm.get("name") not in claim_templates:
-                            problems.append(f"{cat}: volumeMount {vm.get('name')!r} names no volume of the pod")
-                    for e in c.get("env") or []:
-                        if e.get("name", "").startswith("AERIE_") and e["name"] not in known and e["name"] not in PLUGIN_ENV:
-                            problems.append(f"{cat}: env {e['name']} is not an aerie setting: aerie refuses unknown AERIE_* variables")
-                        src = e.get("valueFrom") or {}
-                        if "secretKeyRef" in src:
-                            _check_secret_ref(problems, cat, secrets_doc, src["secretKeyRef"].get("name"), src["secretKeyRef"].get("key"))
-                        if "configMapKeyRef" in src:
-                            ref = src["configMapKeyRef"]
-                            cm = by_kind.get("ConfigMap", {}).get(ref.get("name"))
-                            if cm is None:
-                                problems.append(f"{cat}: env {e.get('name')}: ConfigMap {ref.get('name')!r} is not in this render")
-                            elif ref.get("key") not in (cm.get("data") or {}):
-                                problems.append(f"{cat}: env {e.get('name')}: ConfigMap {ref.get('name')} has no key {ref.get('key')!r}")
-                    for ef in c.get("envFrom") or []:
-                        if "configMapRef" in ef:
-                            cm = by_kind.get("ConfigMap", {}).get(ef["configMapRef"].get("name"))
-                            if cm is None:
-                                problems.append(f"{cat}: envFrom ConfigMap {ef['configMapRef'].get('name')!r} is not in this render")
-                            else:
-                                for key in cm.get("data") or {}:
-                                    if key.startswith("AERIE_") and key not in known:
-                                        problems.append(f"{cat}: envFrom ConfigMap {ef['configMapRef'].get('name')} sets {key}, not an aerie setting")
-                        if "secretRef" in ef:
-                            _check_secret_ref(problems, cat, secrets_doc, ef["secretRef"].get("name"), None)
-                    res = c.get("resources") or {}
-                    if any("nvidia.com/gpu" in (res.get(k) or {}) for k in ("limits", "requests")):
-                        gpu = True
-                    if group == "containers" and not one_shot:
-                        for probe in ("livenessProbe", "readinessProbe"):
-                            if not c.get(probe):
-                                problems.append(f"{cat}: no {probe}")
-                            apps = _celery_apps(((c.get(probe) or {}).get("exec") or {}).get("command"))
-                            if apps and apps != _celery_apps((c.get("command") or []) + (c.get("args") or [])):
-                                problems.append(f"{cat}: {probe} pings Celery app {sorted(apps)}, not the one the container runs")
-            if gpu and not pod.get("nodeSelector"):
-                problems.append(f"{at}: requests GPUs but has no nodeSelector: it could land on a node without them")
-
+            problems.append(f"{at}: a Secret is embedded in the manifests: create it out of band (docs/deploy.md)")
+        if _pod_spec(r) is not None:
+            _check_pod(ctx, at, r)
         if kind == "Service":
-            selector = (r.get("spec") or {}).get("selector") or {}
-            pods = [((w.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {} for k in ("Deployment", "StatefulSet") for w in by_kind.get(k, {}).values()]
-            if not any(_labels_match(selector, lbl) for lbl in pods):
-                problems.append(f"{at}: selector {selector} matches no pod template in this render")
-        if kind == "StatefulSet":
-            svc = (r.get("spec") or {}).get("serviceName")
-            if svc and svc not in by_kind.get("Service", {}):
-                problems.append(f"{at}: serviceName {svc!r} is not a Service in this render")
+            templates = [
+                w["spec"]["template"] for k in ("Deployment", "StatefulSet") for w in by_kind.get(k, {}).values()
+            ]
+            labels = [(t.get("metadata") or {}).get("labels") or {} for t in templates]
+            if not any(_labels_match(spec.get("selector") or {}, lbl) for lbl in labels):
+                problems.append(f"{at}: selector {spec.get('selector')} matches no pod template in this render")
+        if kind == "StatefulSet" and spec.get("serviceName") and not ctx.has("Service", spec["serviceName"]):
+            problems.append(f"{at}: serviceName {spec['serviceName']!r} is not a Service in this render")
         if kind in ("Deployment", "StatefulSet"):
-            sel = ((r.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-            lbl = (((r.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
+            sel = (spec.get("selector") or {}).get("matchLabels") or {}
+            lbl = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
             if not _labels_match(sel, lbl):
                 problems.append(f"{at}: spec.selector {sel} does not match its pod template labels {lbl}")
         if kind in ("ScaledObject", "HorizontalPodAutoscaler"):
-            ref = (r.get("spec") or {}).get("scaleTargetRef") or {}
-            target_kind = ref.get("kind", "Deployment")
-            if ref.get("name") not in by_kind.get(target_kind, {}):
-                problems.append(f"{at}: scaleTargetRef {target_kind}/{ref.get('name')} is not in this render")
-        if kind == "ScaledObject":
-            for i, t in enumerate((r.get("spec") or {}).get("triggers") or []):
-                auth = (t.get("authenticationRef") or {}).get("name")
-                if auth and auth not in by_kind.get("TriggerAuthentication", {}):
-                    problems.append(f"{at}: triggers[{i}].authenticationRef {auth!r} is not a TriggerAuthentication in this render")
-        if kind == "TriggerAuthentication":
-            for s in (r.get("spec") or {}).get("secretTargetRef") or []:
-                _check_secret_ref(problems, at, secrets_doc, s.get("name"), s.get("key"))
-    scalers = [(r.get("kind"), ((r.get("spec") or {}).get("scaleTargetRef") or {}).get("name")) for r in resources if r.get("kind") in ("ScaledObject", "HorizontalPodAutoscaler")]
-    targets = [t for _, t in scalers]
+            ref = spec.get("scaleTargetRef") or {}
+            if not ctx.has(ref.get("kind", "Deployment"), ref.get("name")):
+                problems.append(
+                    f"{at}: scaleTargetRef {ref.get('kind', 'Deployment')}/{ref.get('name')} is not in this render"
+                )
+        for i, t in enumerate(spec.get("triggers") or [] if kind == "ScaledObject" else []):
+            auth = (t.get("authenticationRef") or {}).get("name")
+            if auth and not ctx.has("TriggerAuthentication", auth):
+                problems.append(f"{at}: triggers[{i}].authenticationRef {auth!r} is not a TriggerAuthentication here")
+        for ref in spec.get("secretTargetRef") or [] if kind == "TriggerAuthentication" else []:
+            ctx.secret(at, ref.get("name"), ref.get("key"))
+    targets = [
+        (r.get("spec") or {}).get("scaleTargetRef", {}).get("name")
+        for r in resources
+        if r.get("kind") in ("ScaledObject", "HorizontalPodAutoscaler")
+    ]
     for t in sorted({t for t in targets if targets.count(t) > 1}):
         problems.append(f"{label}: {t} has more than one autoscaler (KEDA and HPA would fight): use one")
     return problems
 
 
-def _check_secret_ref(problems: list[str], at: str, documented: dict[str, set[str]], name: str | None, key: str | None) -> None:
-    if name not in documented:
-        problems.append(f"{at}: Secret {name!r} is not created by any `kubectl create secret generic` command in docs/deploy.md")
-    elif key is not None and key not in documented[name]:
-        problems.append(f"{at}: Secret {name} key {key!r} is not in the docs' `kubectl create secret generic {name}` command")
+def _check_pod(ctx: _Render, at: str, workload: dict) -> None:
+    """Volumes, containers (images, env, probes), GPU placement of one workload's pod template."""
+    pod = _pod_spec(workload)
+    volumes = {v.get("name"): v for v in pod.get("volumes") or []}
+    templates = {
+        (t.get("metadata") or {}).get("name") for t in (workload.get("spec") or {}).get("volumeClaimTemplates") or []
+    }
+    for v in volumes.values():
+        if "persistentVolumeClaim" in v and not ctx.has(
+            "PersistentVolumeClaim", v["persistentVolumeClaim"].get("claimName")
+        ):
+            claim = v["persistentVolumeClaim"].get("claimName")
+            ctx.problems.append(f"{at}: volume {v.get('name')}: PersistentVolumeClaim {claim!r} is not in this render")
+        if "configMap" in v and not ctx.has("ConfigMap", v["configMap"].get("name")):
+            ctx.problems.append(
+                f"{at}: volume {v.get('name')}: ConfigMap {v['configMap'].get('name')!r} is not in this render"
+            )
+        if "secret" in v:
+            ctx.secret(at, v["secret"].get("secretName"))
+    # one-shot Jobs and init containers run to completion: Kubernetes has no readiness for them
+    long_running = workload.get("kind") not in ("Job", "CronJob")
+    gpu = False
+    for group in ("initContainers", "containers"):
+        for c in pod.get(group) or []:
+            cat = f"{at}: {group[:-1]} {c.get('name')}"
+            why = _image_pinned(c["image"]) if c.get("image") else "no image"
+            if why:
+                ctx.problems.append(f"{cat}: {why}")
+            for vm in c.get("volumeMounts") or []:
+                if vm.get("name") not in volumes and vm.get("name") not in templates:
+                    ctx.problems.append(f"{cat}: volumeMount {vm.get('name')!r} names no volume of the pod")
+            _check_env(ctx, cat, c)
+            resources = c.get("resources") or {}
+            gpu |= any("nvidia.com/gpu" in (resources.get(k) or {}) for k in ("limits", "requests"))
+            if group == "containers" and long_running:
+                for probe in ("livenessProbe", "readinessProbe"):
+                    if not c.get(probe):
+                        ctx.problems.append(f"{cat}: no {probe}")
+                    apps = _celery_apps(((c.get(probe) or {}).get("exec") or {}).get("command"))
+                    if apps and apps != _celery_apps((c.get("command") or []) + (c.get("args") or [])):
+                        ctx.problems.append(
+                            f"{cat}: {probe} pings Celery app {sorted(apps)}, not the one the container runs"
+                        )
+    if gpu and not pod.get("nodeSelector"):
+        ctx.problems.append(f"{at}: requests GPUs but has no nodeSelector: it could land on a node without them")
+
+
+def _check_env(ctx: _Render, at: str, container: dict) -> None:
+    for e in container.get("env") or []:
+        ctx.setting(f"{at}: env", e.get("name", ""))
+        src = e.get("valueFrom") or {}
+        if "secretKeyRef" in src:
+            ctx.secret(at, src["secretKeyRef"].get("name"), src["secretKeyRef"].get("key"))
+        if "configMapKeyRef" in src:
+            ref = src["configMapKeyRef"]
+            cm = ctx.by_kind.get("ConfigMap", {}).get(ref.get("name"))
+            if cm is None:
+                ctx.problems.append(f"{at}: env {e.get('name')}: ConfigMap {ref.get('name')!r} is not in this render")
+            elif ref.get("key") not in (cm.get("data") or {}):
+                ctx.problems.append(
+                    f"{at}: env {e.get('name')}: ConfigMap {ref.get('name')} has no key {ref.get('key')!r}"
+                )
+    for ef in container.get("envFrom") or []:
+        if "configMapRef" in ef:
+            cm = ctx.by_kind.get("ConfigMap", {}).get(ef["configMapRef"].get("name"))
+            if cm is None:
+                ctx.problems.append(f"{at}: envFrom ConfigMap {ef['configMapRef'].get('name')!r} is not in this render")
+            for key in (cm or {}).get("data") or {}:
+                ctx.setting(f"{at}: envFrom ConfigMap {ef['configMapRef'].get('name')} sets", key)
+        if "secretRef" in ef:
+            ctx.secret(at, ef["secretRef"].get("name"))
 
 
 def check_k8s(repo: Path = REPO, doc_path: Path | None = None) -> list[str]:
@@ -756,15 +811,57 @@ def check_k8s(repo: Path = REPO, doc_path: Path | None = None) -> list[str]:
 # docs
 # --------------------------------------------------------------------------------------------
 
-_COMPOSE_VALUE_OPTS = {"-f", "--file", "-p", "--project-name", "--profile", "--env-file", "--scale", "-v", "--volume",
-                       "-u", "--user", "-e", "--env", "--entrypoint", "-w", "--workdir", "--name", "-t", "--timeout",
-                       "--index", "--tail", "-l", "--label"}
-_COMPOSE_SUBCOMMANDS_SERVICES = {"up", "stop", "start", "restart", "logs", "ps", "build", "pull", "down", "rm", "kill", "pause", "unpause", "top", "images", "create", "config"}
+_COMPOSE_VALUE_OPTS = {
+    "-f",
+    "--file",
+    "-p",
+    "--project-name",
+    "--profile",
+    "--env-file",
+    "--scale",
+    "-v",
+    "--volume",
+    "-u",
+    "--user",
+    "-e",
+    "--env",
+    "--entrypoint",
+    "-w",
+    "--workdir",
+    "--name",
+    "-t",
+    "--timeout",
+    "--index",
+    "--tail",
+    "-l",
+    "--label",
+}
+_COMPOSE_SUBCOMMANDS_SERVICES = {
+    "up",
+    "stop",
+    "start",
+    "restart",
+    "logs",
+    "ps",
+    "build",
+    "pull",
+    "down",
+    "rm",
+    "kill",
+    "pause",
+    "unpause",
+    "top",
+    "images",
+    "create",
+    "config",
+}
 
 
 @dataclass
 class DocCommands:
-    compose: list[tuple[str, str, list[str], list[str], list[str]]] = field(default_factory=list)  # (line, sub, profiles, services, command)
+    compose: list[tuple[str, str, list[str], list[str], list[str]]] = field(
+        default_factory=list
+    )  # (line, sub, profiles, services, command)
     kubectl_paths: list[tuple[str, str]] = field(default_factory=list)
     celery_apps: list[tuple[str, str]] = field(default_factory=list)
     aerie_subcommands: list[tuple[str, str]] = field(default_factory=list)
@@ -815,7 +912,7 @@ def _inner(tokens: list[str], dc: DocCommands, line: str) -> None:
         if t == "celery" and i + 2 < len(tokens) and tokens[i + 1] == "-A":
             app = tokens[i + 2]
             dc.celery_apps.append((line, app))
-            rest = [x for x in tokens[i + 3:] if not x.startswith("-")]
+            rest = [x for x in tokens[i + 3 :] if not x.startswith("-")]
             if rest:
                 dc.celery_subcommands.append((line, app, rest[0]))
         if i == 0 and t == "aerie" and len(tokens) > 1 and not tokens[1].startswith("-"):
@@ -840,7 +937,7 @@ def doc_commands(markdown: str) -> DocCommands:
                     else:
                         positional.append(t)
                         if len(positional) >= 2 and positional[0] in ("run", "exec"):
-                            positional += tokens[i + 1:]
+                            positional += tokens[i + 1 :]
                             break
                         i += 1
                 sub = positional[0] if positional else ""
@@ -859,8 +956,8 @@ def doc_commands(markdown: str) -> DocCommands:
                     if t in ("-k", "-f", "--kustomize", "--filename") and j + 1 < len(tokens):
                         dc.kubectl_paths.append((line, tokens[j + 1]))
                 if "exec" in tokens and "--" in tokens:
-                    target = next((t for t in tokens[tokens.index("exec") + 1:] if "/" in t), "")
-                    argv = tokens[tokens.index("--") + 1:]
+                    target = next((t for t in tokens[tokens.index("exec") + 1 :] if "/" in t), "")
+                    argv = tokens[tokens.index("--") + 1 :]
                     dc.in_container.append((line, target.split("/", 1)[-1], argv))
                     _inner(argv, dc, line)
             else:
@@ -868,7 +965,11 @@ def doc_commands(markdown: str) -> DocCommands:
     return dc
 
 
-def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", compose_path: Path = REPO / "docker-compose.yml", env_example: Path = REPO / ".env.example") -> list[str]:
+def check_docs(
+    doc_path: Path = REPO / "docs" / "deploy.md",
+    compose_path: Path = REPO / "docker-compose.yml",
+    env_example: Path = REPO / ".env.example",
+) -> list[str]:
     if not doc_path.exists():
         return [f"{doc_path}: missing (the deployment guide)"]
     problems: list[str] = []
@@ -887,10 +988,12 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", compose_path: Path 
     dc = doc_commands(doc_path.read_text())
     if not dc.compose:
         problems.append(f"{name}: no `docker compose` command in a ```bash block")
-    for line, sub, profs, svcs, _ in dc.compose:
+    for line, _sub, profs, svcs, _ in dc.compose:
         for p in profs:
             if p not in profiles:
-                problems.append(f"{name}: `{line}`: profile {p!r} is not in {compose_path.name} (profiles: {', '.join(sorted(profiles))})")
+                problems.append(
+                    f"{name}: `{line}`: profile {p!r} is not in {compose_path.name} (profiles: {', '.join(sorted(profiles))})"
+                )
         for s in svcs:
             if s not in services:
                 problems.append(f"{name}: `{line}`: service {s!r} is not in {compose_path.name}")
@@ -899,7 +1002,9 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", compose_path: Path 
             problems.append(f"{name}: `{line}`: {path} does not exist")
     for line, app in dc.celery_apps:
         if app not in apps:
-            problems.append(f"{name}: `{line}`: Celery app {app!r} is not the app of any compose service ({', '.join(sorted(apps))})")
+            problems.append(
+                f"{name}: `{line}`: Celery app {app!r} is not the app of any compose service ({', '.join(sorted(apps))})"
+            )
     return problems
 
 

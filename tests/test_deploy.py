@@ -42,7 +42,9 @@ cd = _load_checker()
 
 def _compose(env_overrides: dict[str, str] | None = None) -> dict:
     documented = cd.read_env_file(REPO / ".env.example")
-    refs = [r for _, s in cd._walk(yaml.safe_load((REPO / "docker-compose.yml").read_text())) for r in cd.var_refs(s, "")]
+    refs = [
+        r for _, s in cd._walk(yaml.safe_load((REPO / "docker-compose.yml").read_text())) for r in cd.var_refs(s, "")
+    ]
     env = cd.filled_env(documented, {r.name for r in refs if r.op == ":?"})
     env.update(env_overrides or {})
     return cd.load_compose(REPO / "docker-compose.yml", env)
@@ -73,9 +75,16 @@ def test_k8s_overlays_render_with_kustomize_and_validate_against_kubernetes_sche
     assert cd.check_k8s() == []
     for overlay in cd.overlays():
         kinds = {(r["kind"], r["metadata"]["name"]) for r in cd.kustomize_build(overlay)}
-        for expected in [("Deployment", "inference"), ("Deployment", "extractor"), ("Deployment", "trainer"),
-                         ("StatefulSet", "redis"), ("StatefulSet", "minio"), ("Job", "minio-init"),
-                         ("ScaledObject", "extractor"), ("PersistentVolumeClaim", "aerie-models")]:
+        for expected in [
+            ("Deployment", "inference"),
+            ("Deployment", "extractor"),
+            ("Deployment", "trainer"),
+            ("StatefulSet", "redis"),
+            ("StatefulSet", "minio"),
+            ("Job", "minio-init"),
+            ("ScaledObject", "extractor"),
+            ("PersistentVolumeClaim", "aerie-models"),
+        ]:
             assert expected in kinds, f"{overlay.name}: {expected} missing from the render"
 
 
@@ -87,35 +96,46 @@ def _component_overlay(tmp_path: Path, components: list[str], literals: list[str
     """An overlay outside the repo (as a user writes one) over the base plus some components."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     rel = os.path.relpath(REPO / "k8s", tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "namespace": "aerie",
-        "resources": [f"{rel}/base"],
-        "components": [f"{rel}/components/{c}" for c in components],
-        "configMapGenerator": [{"name": "inference-config", "behavior": "merge", "literals": literals}],
-    }))
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": "aerie",
+                "resources": [f"{rel}/base"],
+                "components": [f"{rel}/components/{c}" for c in components],
+                "configMapGenerator": [{"name": "inference-config", "behavior": "merge", "literals": literals}],
+            }
+        )
+    )
     return tmp_path
 
 
 def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
-    serve = cd.kustomize_build(_component_overlay(tmp_path / "serve", ["keda", "serve"], ["DRAFTER=chat-eagle3", "CAPTURE_LAYER_IDS=1 14 26"]))
+    serve = cd.kustomize_build(
+        _component_overlay(tmp_path / "serve", ["keda", "serve"], ["DRAFTER=chat-eagle3", "CAPTURE_LAYER_IDS=1 14 26"])
+    )
     assert cd.check_rendered(serve, "serve") == []
     config = next(r for r in serve if r["kind"] == "ConfigMap" and r["metadata"]["name"].startswith("inference-config"))
     assert config["data"]["DRAFTER"] == "chat-eagle3", "the overlay's DRAFTER must survive the serve component"
-    pod = next(r for r in serve if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")["spec"]["template"]["spec"]
+    pod = next(r for r in serve if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")["spec"][
+        "template"
+    ]["spec"]
     assert "aerie pull" in pod["initContainers"][0]["command"][2]
     assert "--speculative-draft-model-path /drafters/current" in pod["containers"][0]["command"][2]
     assert not any(e["name"] == "AERIE_SGLANG_BINARY" for e in pod["containers"][0].get("env") or [])
 
     hpa = cd.kustomize_build(_component_overlay(tmp_path / "hpa", ["hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
     assert cd.check_rendered(hpa, "hpa") == []
-    assert [r["kind"] for r in hpa if r["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")] == ["HorizontalPodAutoscaler"]
+    assert [r["kind"] for r in hpa if r["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")] == [
+        "HorizontalPodAutoscaler"
+    ]
 
 
 def test_k8s_minio_init_script_is_the_compose_one():
-    assert filecmp.cmp(REPO / "scripts" / "minio_init.sh", REPO / "k8s" / "base" / "minio_init.sh", shallow=False), \
+    assert filecmp.cmp(REPO / "scripts" / "minio_init.sh", REPO / "k8s" / "base" / "minio_init.sh", shallow=False), (
         "k8s/base/minio_init.sh must be a copy of scripts/minio_init.sh: cp scripts/minio_init.sh k8s/base/"
+    )
 
 
 def test_compose_has_what_the_gpu_host_needs():
@@ -123,9 +143,19 @@ def test_compose_has_what_the_gpu_host_needs():
     s = doc["services"]
     assert cd.compose_profiles(doc) >= {"capture", "serve", "train", "monitoring"}
     capture, serve = _sh_script(s["inference-capture"]), _sh_script(s["inference-serve"])
-    for flag in ("--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "--disable-radix-cache", '--tp "${TP_SIZE}"'):
+    for flag in (
+        "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids",
+        "--disable-radix-cache",
+        '--tp "${TP_SIZE}"',
+    ):
         assert flag in capture
-    for flag in ("--speculative-algorithm EAGLE3", "--speculative-draft-model-path", "--speculative-num-steps", '--tp "${TP_SIZE}"'):
+    for flag in (
+        "--speculative-algorithm EAGLE3",
+        "--speculative-draft-model-path",
+        "--speculative-num-steps",
+        '--tp "${TP_SIZE}"',
+    ):
         assert flag in serve
     assert "--disable-radix-cache" not in serve
     for name in ("inference-capture", "inference-serve", "trainer"):
@@ -135,7 +165,9 @@ def test_compose_has_what_the_gpu_host_needs():
     assert not {"container_name", "ports", "deploy"} & set(s["extractor"])
     redis = _sh_script(s["redis"])
     assert "--requirepass" in redis and "--appendonly yes" in redis
-    assert any(v.endswith(":/data") for v in s["redis"]["volumes"]) and any(v.endswith(":/data") for v in s["minio"]["volumes"])
+    assert any(v.endswith(":/data") for v in s["redis"]["volumes"]) and any(
+        v.endswith(":/data") for v in s["minio"]["volumes"]
+    )
     for worker in ("extractor", "trainer"):
         assert s[worker]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
         assert s[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -146,7 +178,9 @@ def test_compose_has_what_the_gpu_host_needs():
 
 def test_compose_refuses_to_start_without_secrets():
     """With .env copied from .env.example and nothing filled in, interpolation stops on a secret."""
-    with pytest.raises(cd.InterpolationError, match=r"required variable (REDIS_PASSWORD|AERIE_S3_|MINIO_ROOT_|MODEL_DIR|FLOWER_)"):
+    with pytest.raises(
+        cd.InterpolationError, match=r"required variable (REDIS_PASSWORD|AERIE_S3_|MINIO_ROOT_|MODEL_DIR|FLOWER_)"
+    ):
         cd.load_compose(REPO / "docker-compose.yml", cd.read_env_file(REPO / ".env.example"))
 
 
@@ -154,7 +188,10 @@ def test_inference_image_is_the_sglang_version_the_code_targets():
     launch = (REPO / "services" / "inference" / "aerie_sglang" / "cpu" / "launch.py").read_text()
     version = re.search(r'SGLANG_VERSION = "([^"]+)"', launch).group(1)
     assert f"sglang=={version}" in (REPO / "scripts" / "sglang_env.sh").read_text()
-    assert cd.dockerfile_args((REPO / "services" / "inference" / "Dockerfile").read_text())["SGLANG_IMAGE_TAG"] == f"v{version}"
+    assert (
+        cd.dockerfile_args((REPO / "services" / "inference" / "Dockerfile").read_text())["SGLANG_IMAGE_TAG"]
+        == f"v{version}"
+    )
     assert cd.read_env_file(REPO / ".env.example")["SGLANG_IMAGE_TAG"] == f"v{version}"
 
 
@@ -196,41 +233,105 @@ def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
 
 
 COMPOSE_BREAKS = [
-    ("a depends_on target that is no service",
-     "docker-compose.yml", "      redis:\n        condition: service_healthy\n      minio-init:", "      redis-cache:\n        condition: service_healthy\n      minio-init:",
-     "'redis-cache' is not a service"),
-    ("an env reference missing from .env.example",
-     "docker-compose.yml", "${AERIE_BUCKET:-aerie}", "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example"),
-    ("an undeclared named volume",
-     "docker-compose.yml", "- redis-data:/data", "- redis-dat:/data", "named volume 'redis-dat' is not declared"),
-    ("an undeclared network",
-     "docker-compose.yml", "    networks: [aerie]\n    healthcheck:\n      test: [\"CMD\", \"mc\"", "    networks: [aerie, backend]\n    healthcheck:\n      test: [\"CMD\", \"mc\"",
-     "'backend' is not declared under top-level networks"),
-    ("a key the Compose Specification does not know",
-     "docker-compose.yml", "    restart: unless-stopped\n    # Password", "    restat: unless-stopped\n    # Password", "Compose Specification schema"),
-    ("an AERIE_* variable aerie does not know",
-     "docker-compose.yml", "AERIE_ENGINE: sglang", "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting"),
-    ("a container shell variable its environment does not set",
-     "docker-compose.yml", "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
-     "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS", "reads $TP_SIZE"),
-    ("a default that disagrees with .env.example",
-     ".env.example", "TP_SIZE=8", "TP_SIZE=4", "default of ${TP_SIZE} is '8' but .env.example says '4'"),
-    ("a secret that is not required",
-     "docker-compose.yml", "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}", "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}",
-     "secret ${REDIS_PASSWORD} must be required"),
-    ("a service waiting on a profiled service it cannot require",
-     "docker-compose.yml", "        required: false   # absent", "        # absent", "add `required: false`"),
-    ("service_healthy on a service without a healthcheck",
-     "docker-compose.yml", "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
-     "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:", "minio-init has no healthcheck"),
-    ("an unpinned image",
-     "docker-compose.yml", "image: redis:7.4.2-alpine", "image: redis:latest", "uses `latest`"),
-    ("a build arg the Dockerfile does not declare",
-     "docker-compose.yml", "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG is not an ARG"),
-    ("a healthcheck pinging another Celery app",
-     "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping", "celery -A aerie_extractor.worker inspect ping", "pings Celery app ['aerie_extractor.worker']"),
-    ("a .env.example variable nothing uses",
-     ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1", "OLD_KNOB is not used"),
+    (
+        "a depends_on target that is no service",
+        "docker-compose.yml",
+        "      redis:\n        condition: service_healthy\n      minio-init:",
+        "      redis-cache:\n        condition: service_healthy\n      minio-init:",
+        "'redis-cache' is not a service",
+    ),
+    (
+        "an env reference missing from .env.example",
+        "docker-compose.yml",
+        "${AERIE_BUCKET:-aerie}",
+        "${AERIE_BUCKT:-aerie}",
+        "${AERIE_BUCKT} is not in .env.example",
+    ),
+    (
+        "an undeclared named volume",
+        "docker-compose.yml",
+        "- redis-data:/data",
+        "- redis-dat:/data",
+        "named volume 'redis-dat' is not declared",
+    ),
+    (
+        "an undeclared network",
+        "docker-compose.yml",
+        '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
+        '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"',
+        "'backend' is not declared under top-level networks",
+    ),
+    (
+        "a key the Compose Specification does not know",
+        "docker-compose.yml",
+        "    restart: unless-stopped\n    # Password",
+        "    restat: unless-stopped\n    # Password",
+        "Compose Specification schema",
+    ),
+    (
+        "an AERIE_* variable aerie does not know",
+        "docker-compose.yml",
+        "AERIE_ENGINE: sglang",
+        "AERIE_ENGIN: sglang",
+        "AERIE_ENGIN is not an aerie setting",
+    ),
+    (
+        "a container shell variable its environment does not set",
+        "docker-compose.yml",
+        "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+        "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+        "reads $TP_SIZE",
+    ),
+    (
+        "a default that disagrees with .env.example",
+        ".env.example",
+        "TP_SIZE=8",
+        "TP_SIZE=4",
+        "default of ${TP_SIZE} is '8' but .env.example says '4'",
+    ),
+    (
+        "a secret that is not required",
+        "docker-compose.yml",
+        "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
+        "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}",
+        "secret ${REDIS_PASSWORD} must be required",
+    ),
+    (
+        "a service waiting on a profiled service it cannot require",
+        "docker-compose.yml",
+        "        required: false   # absent",
+        "        # absent",
+        "add `required: false`",
+    ),
+    (
+        "service_healthy on a service without a healthcheck",
+        "docker-compose.yml",
+        "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
+        "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:",
+        "minio-init has no healthcheck",
+    ),
+    ("an unpinned image", "docker-compose.yml", "image: redis:7.4.2-alpine", "image: redis:latest", "uses `latest`"),
+    (
+        "a build arg the Dockerfile does not declare",
+        "docker-compose.yml",
+        "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+        "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+        "SGLANG_TAG is not an ARG",
+    ),
+    (
+        "a healthcheck pinging another Celery app",
+        "docker-compose.yml",
+        "celery -A aerie_trainer.worker inspect ping",
+        "celery -A aerie_extractor.worker inspect ping",
+        "pings Celery app ['aerie_extractor.worker']",
+    ),
+    (
+        "a .env.example variable nothing uses",
+        ".env.example",
+        "FLOWER_PORT=5555",
+        "FLOWER_PORT=5555\nOLD_KNOB=1",
+        "OLD_KNOB is not used",
+    ),
 ]
 
 
@@ -265,24 +366,102 @@ def test_dockerfile_check_reports_a_broken_image(deploy_copy, what, old, new, ex
 def test_dockerfile_check_reports_a_dockerignored_copy_and_an_unpinned_arg(deploy_copy):
     (deploy_copy / ".dockerignore").write_text((deploy_copy / ".dockerignore").read_text().replace("!services/\n", ""))
     assert any("excluded by .dockerignore" in p for p in cd.check_dockerfiles(deploy_copy))
-    _edit(deploy_copy / "services" / "inference" / "Dockerfile", "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG=latest")
-    assert any("FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG}" in p and "latest" in p for p in cd.check_dockerfiles(deploy_copy))
+    _edit(
+        deploy_copy / "services" / "inference" / "Dockerfile",
+        "ARG SGLANG_IMAGE_TAG=v0.5.23",
+        "ARG SGLANG_IMAGE_TAG=latest",
+    )
+    assert any(
+        "FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG}" in p and "latest" in p for p in cd.check_dockerfiles(deploy_copy)
+    )
 
 
 K8S_BREAKS = [
-    ("a PVC that is not there", "base/extractor.yaml", "claimName: aerie-models", "claimName: aerie-model", "PersistentVolumeClaim 'aerie-model' is not in this render"),
-    ("a Service selecting no pod", "base/redis.yaml", "  selector:\n    app.kubernetes.io/component: redis", "  selector:\n    app.kubernetes.io/component: rediss", "matches no pod template"),
-    ("a field Kubernetes does not know", "base/trainer.yaml", "      terminationGracePeriodSeconds: 300", "      terminationGracePeriod: 300", "OpenAPI schema"),
+    (
+        "a PVC that is not there",
+        "base/extractor.yaml",
+        "claimName: aerie-models",
+        "claimName: aerie-model",
+        "PersistentVolumeClaim 'aerie-model' is not in this render",
+    ),
+    (
+        "a Service selecting no pod",
+        "base/redis.yaml",
+        "  selector:\n    app.kubernetes.io/component: redis",
+        "  selector:\n    app.kubernetes.io/component: rediss",
+        "matches no pod template",
+    ),
+    (
+        "a field Kubernetes does not know",
+        "base/trainer.yaml",
+        "      terminationGracePeriodSeconds: 300",
+        "      terminationGracePeriod: 300",
+        "OpenAPI schema",
+    ),
     ("a wrongly typed field", "base/extractor.yaml", "  replicas: 1", "  replicas: one", "OpenAPI schema"),
-    ("a Secret key the guide never creates", "base/minio.yaml", "key: MINIO_ROOT_PASSWORD", "key: MINIO_PASSWORD", "key 'MINIO_PASSWORD' is not in the docs"),
-    ("a container without a readiness probe", "base/extractor.yaml", "          readinessProbe:", "          x-readinessProbe:", "OpenAPI schema"),
-    ("a ConfigMap key that is not there", "base/minio-init.yaml", "key: AERIE_BUCKET", "key: BUCKET", "has no key 'BUCKET'"),
-    ("a ScaledObject on a missing Deployment", "components/keda/scaledobject.yaml", "    kind: Deployment\n    name: extractor", "    kind: Deployment\n    name: extractors", "scaleTargetRef Deployment/extractors"),
-    ("a probe pinging another Celery app", "base/trainer.yaml", "celery -A aerie_trainer.worker inspect ping", "celery -A aerie_extractor.worker inspect ping", "not the one the container runs"),
-    ("a missing resource file", "base/kustomization.yaml", "  - trainer.yaml", "  - trainers.yaml", "kustomize build failed"),
-    ("an unknown AERIE_* setting", "base/kustomization.yaml", "AERIE_ENGINE=sglang", "AERIE_ENGIN=sglang", "AERIE_ENGIN, not an aerie setting"),
-    ("a GPU pod without a nodeSelector", "base/trainer.yaml", "      nodeSelector:\n        nvidia.com/gpu.present: \"true\"\n", "", "requests GPUs but has no nodeSelector"),
-    ("an embedded Secret", "base/kustomization.yaml", "configMapGenerator:", "secretGenerator:\n  - name: aerie-credentials\n    literals: [REDIS_PASSWORD=x]\nconfigMapGenerator:", "a Secret is embedded"),
+    (
+        "a Secret key the guide never creates",
+        "base/minio.yaml",
+        "key: MINIO_ROOT_PASSWORD",
+        "key: MINIO_PASSWORD",
+        "key 'MINIO_PASSWORD' is not in the docs",
+    ),
+    (
+        "a container without a readiness probe",
+        "base/extractor.yaml",
+        "          readinessProbe:",
+        "          x-readinessProbe:",
+        "OpenAPI schema",
+    ),
+    (
+        "a ConfigMap key that is not there",
+        "base/minio-init.yaml",
+        "key: AERIE_BUCKET",
+        "key: BUCKET",
+        "has no key 'BUCKET'",
+    ),
+    (
+        "a ScaledObject on a missing Deployment",
+        "components/keda/scaledobject.yaml",
+        "    kind: Deployment\n    name: extractor",
+        "    kind: Deployment\n    name: extractors",
+        "scaleTargetRef Deployment/extractors",
+    ),
+    (
+        "a probe pinging another Celery app",
+        "base/trainer.yaml",
+        "celery -A aerie_trainer.worker inspect ping",
+        "celery -A aerie_extractor.worker inspect ping",
+        "not the one the container runs",
+    ),
+    (
+        "a missing resource file",
+        "base/kustomization.yaml",
+        "  - trainer.yaml",
+        "  - trainers.yaml",
+        "kustomize build failed",
+    ),
+    (
+        "an unknown AERIE_* setting",
+        "base/kustomization.yaml",
+        "AERIE_ENGINE=sglang",
+        "AERIE_ENGIN=sglang",
+        "AERIE_ENGIN is not an aerie setting",
+    ),
+    (
+        "a GPU pod without a nodeSelector",
+        "base/trainer.yaml",
+        '      nodeSelector:\n        nvidia.com/gpu.present: "true"\n',
+        "",
+        "requests GPUs but has no nodeSelector",
+    ),
+    (
+        "an embedded Secret",
+        "base/kustomization.yaml",
+        "configMapGenerator:",
+        "secretGenerator:\n  - name: aerie-credentials\n    literals: [REDIS_PASSWORD=x]\nconfigMapGenerator:",
+        "a Secret is embedded",
+    ),
 ]
 
 
@@ -303,10 +482,30 @@ def test_k8s_check_reports_a_missing_probe(deploy_copy):
 
 
 DOC_BREAKS = [
-    ("a profile that does not exist", "docker compose --profile capture up -d --scale extractor=4", "docker compose --profile captur up -d --scale extractor=4", "profile 'captur'"),
-    ("a service that does not exist", "docker compose --profile train up -d trainer", "docker compose --profile train up -d trainers", "service 'trainers'"),
-    ("a Celery app no service runs", "extractor celery -A aerie_extractor.worker progress --run chat-v1\n", "extractor celery -A aerie.worker progress --run chat-v1\n", "Celery app 'aerie.worker'"),
-    ("an overlay that does not exist", "kubectl apply -k k8s/overlays/single-host\nkubectl -n aerie get", "kubectl apply -k k8s/overlays/one-host\nkubectl -n aerie get", "k8s/overlays/one-host does not exist"),
+    (
+        "a profile that does not exist",
+        "docker compose --profile capture up -d --scale extractor=4",
+        "docker compose --profile captur up -d --scale extractor=4",
+        "profile 'captur'",
+    ),
+    (
+        "a service that does not exist",
+        "docker compose --profile train up -d trainer",
+        "docker compose --profile train up -d trainers",
+        "service 'trainers'",
+    ),
+    (
+        "a Celery app no service runs",
+        "extractor celery -A aerie_extractor.worker progress --run chat-v1\n",
+        "extractor celery -A aerie.worker progress --run chat-v1\n",
+        "Celery app 'aerie.worker'",
+    ),
+    (
+        "an overlay that does not exist",
+        "kubectl apply -k k8s/overlays/single-host\nkubectl -n aerie get",
+        "kubectl apply -k k8s/overlays/one-host\nkubectl -n aerie get",
+        "k8s/overlays/one-host does not exist",
+    ),
 ]
 
 
@@ -412,7 +611,9 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
             if sub not in celery_cmds:
                 missing.append(f"`celery {sub}` is not a command: {line}")
             elif celery_cmds[sub] is not None and celery_cmds[sub] not in have:
-                missing.append(f"`celery {sub}` comes from {celery_cmds[sub]}, not installed in the {where} image: {line}")
+                missing.append(
+                    f"`celery {sub}` comes from {celery_cmds[sub]}, not installed in the {where} image: {line}"
+                )
             if sub == "call":
                 task = argv[argv.index("call") + 1]
                 if task not in ROUTES:
@@ -421,13 +622,15 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
     serve = (REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text()
     assert "image: aerie/trainer:" in serve and "aerie pull" in serve
     if aerie_cmds.get("pull") not in image_packages("trainer"):
-        missing.append("`aerie pull` (k8s serve init container, trainer image) is not provided by a package the trainer image installs")
+        missing.append(
+            "`aerie pull` (k8s serve init container, trainer image) is not provided by a package the trainer image installs"
+        )
     assert not missing, "\n".join(missing)
 
 
 def _launch_args(script: str, env: dict[str, str]) -> list[str]:
     """The `python3 -m sglang.launch_server ...` arguments of a container script, as its shell expands them."""
-    body = script[script.index("exec python3 -m sglang.launch_server"):].replace("\\\n", " ")
+    body = script[script.index("exec python3 -m sglang.launch_server") :].replace("\\\n", " ")
     body = re.sub(r"\$\(echo \"\$\{CAPTURE_LAYER_IDS\}\" \| tr ',' ' '\)", env.get("CAPTURE_LAYER_IDS", ""), body)
 
     def sub(m):
@@ -445,19 +648,33 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser():
         if os.environ.get("AERIE_REQUIRE_SGLANG"):
             pytest.fail(f"{SGLANG_PY} missing: run scripts/sglang_env.sh")
         pytest.skip("no .venv-sglang (scripts/sglang_env.sh builds it)")
-    env = {"TP_SIZE": "8", "SERVED_MODEL_NAME": "target", "CAPTURE_LAYER_IDS": "1 14 26", "SGLANG_EXTRA_ARGS": "--mem-fraction-static 0.85",
-           "DRAFTER_NAME": "chat-eagle3", "SPEC_NUM_STEPS": "3", "SPEC_EAGLE_TOPK": "1", "SPEC_NUM_DRAFT_TOKENS": "4"}
+    env = {
+        "TP_SIZE": "8",
+        "SERVED_MODEL_NAME": "target",
+        "CAPTURE_LAYER_IDS": "1 14 26",
+        "SGLANG_EXTRA_ARGS": "--mem-fraction-static 0.85",
+        "DRAFTER_NAME": "chat-eagle3",
+        "SPEC_NUM_STEPS": "3",
+        "SPEC_EAGLE_TOPK": "1",
+        "SPEC_NUM_DRAFT_TOKENS": "4",
+    }
     s = _compose()["services"]
     base = yaml.safe_load_all((REPO / "k8s" / "base" / "inference.yaml").read_text())
-    k8s_capture = next(d for d in base if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"][2]
-    k8s_serve = yaml.safe_load((REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    k8s_capture = next(d for d in base if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ][2]
+    k8s_serve = yaml.safe_load((REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text())["spec"]["template"][
+        "spec"
+    ]["containers"][0]["command"][2]
     lines = {
         "compose capture": _launch_args(_sh_script(s["inference-capture"]), env),
         "compose serve": _launch_args(_sh_script(s["inference-serve"]), env),
         "k8s capture": _launch_args(k8s_capture, env),
         "k8s serve": _launch_args(k8s_serve, env),
     }
-    assert lines["compose capture"][lines["compose capture"].index("--return-aux-hidden-state-layer-ids") + 1:][:3] == ["1", "14", "26"]
+    assert lines["compose capture"][lines["compose capture"].index("--return-aux-hidden-state-layer-ids") + 1 :][
+        :3
+    ] == ["1", "14", "26"]
     probe = (
         "import argparse, json, sys\n"
         "from sglang.srt.server_args import ServerArgs\n"
@@ -470,8 +687,15 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser():
         "    except (argparse.ArgumentError, SystemExit) as e: bad[name] = str(e)\n"
         "print(json.dumps(bad))\n"
     )
-    out = subprocess.run([str(SGLANG_PY), "-c", probe], input=json.dumps(lines), capture_output=True, text=True, timeout=300,
-                         env=_clean_env(), cwd=REPO)
+    out = subprocess.run(
+        [str(SGLANG_PY), "-c", probe],
+        input=json.dumps(lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}, f"SGLang rejects: {out.stdout}"
 
@@ -489,7 +713,9 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
     env.update(AERIE_BROKER=redis_url, AERIE_RESULT_BACKEND=redis_url, HOSTNAME=socket.gethostname())
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = (tmp_path / f"{service}.log").open("w")
-    worker = subprocess.Popen(svc["command"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        svc["command"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     health = svc["healthcheck"]["test"]
     assert health[0] == "CMD-SHELL"
     log_path = tmp_path / f"{service}.log"
@@ -503,13 +729,17 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
                 break
             time.sleep(1)
         while time.monotonic() < deadline and worker.poll() is None:
-            probe = subprocess.run(["sh", "-c", health[1]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            probe = subprocess.run(
+                ["sh", "-c", health[1]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+            )
             if probe.returncode == 0:
                 answered = probe.stdout
                 break
             time.sleep(2)
         log.flush()
-        assert answered is not None, f"{service}: healthcheck never passed (worker exit {worker.poll()}):\n{log_path.read_text()[-3000:]}"
+        assert answered is not None, (
+            f"{service}: healthcheck never passed (worker exit {worker.poll()}):\n{log_path.read_text()[-3000:]}"
+        )
         assert "pong" in answered
     finally:
         if worker.poll() is None:

@@ -566,6 +566,17 @@ def test_compose_worker_command_builds_its_celery_app_from_the_compose_environme
     assert set(queues) <= routed, f"{service} consumes {queues}, aerie routes tasks to {sorted(routed)}"
 
 
+def _parse_error(command, argv: list[str]) -> str | None:
+    """Why click would refuse `argv` for `command` (unknown option, missing argument), or None."""
+    import click
+
+    try:
+        command.make_context(command.name, list(argv))
+    except click.UsageError as e:
+        return e.format_message()
+    return None
+
+
 def _registered_celery_commands() -> dict[str, str | None]:
     """celery sub-command -> distribution providing it (None: Celery's own)."""
     from importlib.metadata import entry_points
@@ -588,8 +599,11 @@ def _registered_aerie_commands() -> dict[str, str]:
 
 def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
     """`aerie SUB` / `celery -A APP SUB` in docs/deploy.md: the sub-command is registered, by a
-    package the image of the container it runs in installs; `celery call` names a routed task."""
+    package the image of the container it runs in installs, and accepts the guide's options and
+    arguments; `celery call` names a task aerie routes."""
+    from aerie.cli import main as aerie_main
     from aerie.queue import ROUTES
+    from celery.bin.celery import celery as celery_cli
 
     images = {"extractor": "extractor", "trainer": "trainer"}
     dc = cd.doc_commands((REPO / "docs" / "deploy.md").read_text())
@@ -606,6 +620,8 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
                 missing.append(f"`aerie {sub}` is not a command (aerie.cli or an `aerie.commands` entry point): {line}")
             elif dist not in have:
                 missing.append(f"`aerie {sub}` comes from {dist}, which the {where} image does not install: {line}")
+            elif why := _parse_error(aerie_main.get_command(None, sub), argv[2:]):
+                missing.append(f"`aerie {sub}` refuses its arguments ({why}): {line}")
         elif argv[0] == "celery":
             sub = next(a for a in argv[3:] if not a.startswith("-"))
             if sub not in celery_cmds:
@@ -614,6 +630,8 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
                 missing.append(
                     f"`celery {sub}` comes from {celery_cmds[sub]}, not installed in the {where} image: {line}"
                 )
+            elif why := _parse_error(celery_cli.commands[sub], argv[argv.index(sub) + 1 :]):
+                missing.append(f"`celery {sub}` refuses its arguments ({why}): {line}")
             if sub == "call":
                 task = argv[argv.index("call") + 1]
                 if task not in ROUTES:

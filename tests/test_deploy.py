@@ -600,9 +600,12 @@ def _registered_aerie_commands() -> dict[str, str]:
 def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
     """`aerie SUB` / `celery -A APP SUB` in docs/deploy.md: the sub-command is registered, by a
     package the image of the container it runs in installs, and accepts the guide's options and
-    arguments; `celery call` names a task aerie routes."""
+    arguments; `celery call` names a task aerie routes, with kwargs its contract accepts."""
     from aerie.cli import main as aerie_main
-    from aerie.queue import ROUTES
+    from aerie.contracts import ExtractRequest, IngestRequest, TrainRequest
+    from aerie.queue import EXTRACT_TASK, INGEST_TASK, ROUTES, TRAIN_TASK
+
+    CONTRACTS = {INGEST_TASK: IngestRequest, EXTRACT_TASK: ExtractRequest, TRAIN_TASK: TrainRequest}
     from celery.bin.celery import celery as celery_cli
 
     images = {"extractor": "extractor", "trainer": "trainer"}
@@ -636,6 +639,11 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
                 task = argv[argv.index("call") + 1]
                 if task not in ROUTES:
                     missing.append(f"task {task!r} is not one aerie routes ({sorted(ROUTES)}): {line}")
+                elif "--kwargs" in argv:  # the task validates its kwargs as this contract
+                    try:
+                        CONTRACTS[task].model_validate_json(argv[argv.index("--kwargs") + 1])
+                    except ValueError as e:
+                        missing.append(f"--kwargs of {task} are not a valid {CONTRACTS[task].__name__}: {e}: {line}")
     # the serve component's init container pulls the drafter with `aerie pull` in the trainer image
     serve = (REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text()
     assert "image: aerie/trainer:" in serve and "aerie pull" in serve

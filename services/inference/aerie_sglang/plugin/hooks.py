@@ -187,14 +187,14 @@ def _finish(req, state: _RequestCapture) -> None:
     state.aux_parts, state.final_parts = [], []
     rows, hidden = final.shape
     aux = aux.reshape(rows, -1, hidden)  # [T, K*H] -> [T, K, H]
+    # With overlap scheduling SGLang has already copied `hidden_states` (aux) to the host, but
+    # not `last_hidden_states`: each device tensor goes to pinned memory without waiting here;
+    # the writer thread waits on the event.
     ready = None
-    if aux.is_cuda:  # device -> pinned host, waited for by the writer thread, not here
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (aux, final)]
-        host[0].copy_(aux, non_blocking=True)
-        host[1].copy_(final, non_blocking=True)
+    if aux.is_cuda or final.is_cuda:
+        aux, final = (_to_pinned(t) if t.is_cuda else t for t in (aux, final))
         ready = torch.cuda.Event()
         ready.record()
-        aux, final = host
     capture_id = uuid.uuid4().hex
     layer_ids = _layer_ids() or []
     tensors = {"aux": aux, "final": final}
@@ -220,6 +220,12 @@ def _finish(req, state: _RequestCapture) -> None:
     _sinks.submit(Capture(capture_id, state.sink, tensors, metadata, nbytes, ready), state.reservation)
     state.reservation = None
     _answer(req, descriptor)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _answer(req, descriptor: dict) -> None:

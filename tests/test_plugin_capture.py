@@ -286,3 +286,11 @@ def test_a_lost_capture_fails_with_the_place_it_was_expected(tmp_path):
     descriptor = {"id": "0" * 32, "sink": "shm", "path": str(tmp_path / "gone.safetensors"), "tensors": {}}
     with pytest.raises(BinaryCaptureError, match="did not appear"):
         fetch_binary(descriptor, SinkConfig("shm", timeout_s=0.2))
+
+
+def test_a_capture_the_server_could_not_write_fails_with_its_reason(tmp_path):
+    (tmp_path / ("1" * 32 + ".error")).write_text("the SGLang server could not write x: No space left on device")
+    descriptor = {"id": "1" * 32, "sink": "shm", "path": str(tmp_path / ("1" * 32 + ".safetensors")), "tensors": {}}
+    with pytest.raises(BinaryCaptureError, match="No space left on device"):
+        fetch_binary(descriptor, SinkConfig("shm", timeout_s=5))
+    assert not list(tmp_path.iterdir()), "the reason is claimed too"

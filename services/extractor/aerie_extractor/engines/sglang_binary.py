@@ -124,6 +124,11 @@ def _wait_shm(path: Path, timeout_s: float) -> bytes:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
+            error = path.with_suffix(".error")
+            if error.exists():
+                reason = error.read_text(errors="replace")
+                error.unlink(missing_ok=True)
+                raise BinaryCaptureError(f"capture {path.name}: {reason}") from None
             if time.monotonic() > deadline:
                 raise BinaryCaptureError(
                     f"capture {path.name} did not appear in {path.parent} within {timeout_s:.0f} s: the shm sink "

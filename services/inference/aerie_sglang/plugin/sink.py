@@ -46,6 +46,7 @@ logger = logging.getLogger("aerie_sglang.capture")
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
+ERROR_SUFFIX = ".error"  # next to a capture that could not be written: the reason, for the client
 PARTIAL_PREFIX = "."
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -280,11 +281,20 @@ class Sinks:
         if capture.sink == "shm":
             final = self.config.shm_dir / f"{capture.capture_id}{SUFFIX}"
             partial = self.config.shm_dir / f"{PARTIAL_PREFIX}{capture.capture_id}.partial"
-            with open(partial, "wb") as f:
-                f.write(header)
-                for p in parts:
-                    f.write(p)
-            os.replace(partial, final)
+            try:
+                with open(partial, "wb") as f:
+                    f.write(header)
+                    for p in parts:
+                        f.write(p)
+                os.replace(partial, final)
+            except OSError as e:  # typically a full tmpfs: tell the waiting client, keep nothing
+                partial.unlink(missing_ok=True)
+                error = self.config.shm_dir / f"{capture.capture_id}{ERROR_SUFFIX}"
+                try:
+                    error.write_text(f"the SGLang server could not write {final}: {e}")
+                except OSError:
+                    pass
+                raise
         elif capture.sink == "s3":
             assert s3 is not None and self.config.s3 is not None
             body_sha = hashlib.sha256(header)
@@ -301,7 +311,7 @@ class Sinks:
         try:
             with os.scandir(self.config.shm_dir) as it:
                 for entry in it:
-                    if not (entry.name.endswith(SUFFIX) or entry.name.endswith(".partial")):
+                    if not entry.name.endswith((SUFFIX, ".partial", ERROR_SUFFIX)):
                         continue
                     try:
                         if entry.stat().st_mtime < cutoff:

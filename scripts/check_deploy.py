@@ -705,6 +705,17 @@ def check_rendered(
             auth = (t.get("authenticationRef") or {}).get("name")
             if auth and not ctx.has("TriggerAuthentication", auth):
                 problems.append(f"{at}: triggers[{i}].authenticationRef {auth!r} is not a TriggerAuthentication here")
+            # KEDA's operator resolves the address from its own namespace: it must name ours in full
+            address = (t.get("metadata") or {}).get("address", "")
+            host = address.rsplit(":", 1)[0].split(".")
+            namespace = (r.get("metadata") or {}).get("namespace")
+            if address and (
+                not ctx.has("Service", host[0]) or len(host) < 3 or host[1] != namespace or host[2] != "svc"
+            ):
+                problems.append(
+                    f"{at}: triggers[{i}].metadata.address {address!r} is not <service>.{namespace}.svc... of a Service "
+                    "in this render (KEDA resolves it from its own namespace)"
+                )
         for ref in spec.get("secretTargetRef") or [] if kind == "TriggerAuthentication" else []:
             ctx.secret(at, ref.get("name"), ref.get("key"))
     targets = [

@@ -435,6 +435,13 @@ K8S_BREAKS = [
         "not the one the container runs",
     ),
     (
+        "a KEDA address in another namespace",
+        "overlays/multi-node/kustomization.yaml",
+        "namespace: aerie\n",
+        "namespace: llm\n",
+        "is not <service>.llm.svc",
+    ),
+    (
         "a missing resource file",
         "base/kustomization.yaml",
         "  - trainer.yaml",

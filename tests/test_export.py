@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -178,6 +178,8 @@ def test_pull_command(fs_store, drafter, smollm2_path, tmp_path, monkeypatch):
                    engine=EngineSpec(name="hf", version="t", convention="hf", layer_ids=[2, 15, 27]))
     request = TrainRequest(runs=["r1"], drafter="smol", model=str(smollm2_path))
     export.publish(fs_store, drafter, RunSet([spec], []), request, "v7", {})
+    for name in [k for k in os.environ if k.startswith("AERIE_")]:  # the test command's AERIE_TEST_* too
+        monkeypatch.delenv(name)
     monkeypatch.setenv("AERIE_STORE", f"file://{fs_store.root}")
     result = CliRunner().invoke(pull, ["smol", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output

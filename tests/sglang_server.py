@@ -85,9 +85,13 @@ def serve_args(
     ]  # fmt: skip
 
 
+# The KV pool is capped by --max-total-tokens (4096 tokens: ~190 MB in float32 for SmolLM2).
+# --mem-fraction-static only sets SGLang's start-up check "free memory after loading the weights
+# > (1 - fraction) * free memory before": at 0.1, other processes allocating on this shared
+# machine while the weights load made servers fail to start; 0.8 leaves that room.
 CPU_ARGS = [
     "--device", "cpu", "--tp", "1", "--disable-cuda-graph", "--skip-server-warmup",
-    "--max-total-tokens", "4096", "--mem-fraction-static", "0.1",
+    "--max-total-tokens", "4096", "--mem-fraction-static", "0.8",
 ]  # fmt: skip
 
 

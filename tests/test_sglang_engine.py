@@ -12,16 +12,22 @@ import re
 import time
 
 import httpx
+import ml_dtypes
 import numpy as np
 import pytest
 
+from aerie import layout
 from aerie.capture import convention_for, to_engine_ids
-from aerie.contracts import EngineSpec, IngestOptions, RunSpec
+from aerie.contracts import EngineSpec, ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
 from aerie.settings import Settings
+from aerie.shard import Shard
 from aerie.target import describe
 from aerie_extractor.engines.base import EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
+from aerie_extractor.extract import run_extract, run_status
+from aerie_extractor.ingest import run_ingest
 from tests.sglang_server import capture_server
+from tests.test_ingest import DATA
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -51,20 +57,36 @@ def sequences(smollm2_path) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path, sequences):
-    """transformers float32: (hidden_states per sequence [N+1, T, H], log-softmax [T, V])."""
+def hf_forward(smollm2_path):
+    """token ids -> transformers float32 (hidden_states [N+1, T, H], log-softmax [T, V])."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for seq in sequences:
-            res = model(input_ids=torch.from_numpy(seq.astype(np.int64))[None], output_hidden_states=True, use_cache=False)
-            hs = torch.stack(res.hidden_states)[:, 0].numpy()  # (N+1, T, H)
-            logp = torch.log_softmax(res.logits[0].float(), dim=-1).numpy()  # (T, V)
-            out.append((hs, logp))
-    return out
+
+    def forward(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with torch.inference_mode():
+            res = model(input_ids=torch.from_numpy(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True, use_cache=False)
+        return torch.stack(res.hidden_states)[:, 0].numpy(), torch.log_softmax(res.logits[0].float(), dim=-1).numpy()
+
+    return forward
+
+
+def assert_matches_transformers(aux, topk_ids, topk_logprobs, hs, logp, points, label: str) -> None:
+    """aux [T, K, H] equals hidden_states[points]; top-k rows equal the log-softmax top-k."""
+    T = aux.shape[0]
+    for k, point in enumerate(points):
+        want = hs[point]  # capture point k == output_hidden_states[k]
+        np.testing.assert_allclose(aux[:, k], want, rtol=1e-4, atol=1e-4, err_msg=f"{label}: point {point}")
+        # an off-by-one would match a neighbour instead: it is measurably different
+        assert np.abs(aux[:, k] - hs[point + 1]).max() > 1e-2, f"{label}: point {point} also equals point {point + 1}"
+    # row t is the distribution over token t+1, the last row (the output step) included
+    ref_ids = np.argsort(-logp, axis=-1)[:, :TOPK]
+    ref_vals = np.take_along_axis(logp, ref_ids, axis=-1)
+    assert topk_ids.shape == (T, TOPK) and topk_ids.dtype == np.int32 and topk_logprobs.dtype == np.float32
+    np.testing.assert_allclose(topk_logprobs, ref_vals, atol=1e-4, err_msg=f"{label}: top-k log-probs")
+    sure = np.diff(ref_vals, axis=-1).min(axis=-1) < -1e-3  # rows without near-ties
+    np.testing.assert_array_equal(topk_ids[sure], ref_ids[sure], err_msg=f"{label}: top-k ids")
 
 
 # Default points [2, N//2, N-3] and the edges SGLang's Llama convention can name (1 and N-1).
@@ -75,15 +97,15 @@ def server(request, smollm2_path, tmp_path_factory):
         yield srv
 
 
-def make_run(target, points, version="0.5.23", **changes) -> RunSpec:
+def make_run(target, points, version="0.5.23", dtype="float32", **changes) -> RunSpec:
     convention = convention_for("sglang", target.architecture)
     engine = EngineSpec(
         name="sglang", version=version, convention=convention,
-        layer_ids=to_engine_ids(points, convention, target.num_layers), transport="json", dtype="float32",
+        layer_ids=to_engine_ids(points, convention, target.num_layers), transport="json", dtype=dtype,
     )  # fmt: skip
     return RunSpec(
         run="sgl-test", dataset="inline", target=target, engine=engine, capture_points=list(points),
-        dtype="float32", target_signal="topk", topk=TOPK, ingest=IngestOptions(), **changes,
+        dtype=dtype, target_signal="topk", topk=TOPK, ingest=IngestOptions(), **changes,
     )  # fmt: skip
 
 
@@ -98,7 +120,7 @@ def generate_requests(server) -> int:
 
 
 # --------------------------------------------------------------------------------------
-def test_aux_and_topk_equal_transformers(server, target, sequences, reference):
+def test_aux_and_topk_equal_transformers(server, target, sequences, hf_forward):
     points = server.extra["points"]
     run = make_run(target, points)
     spec = SGLangEngine.spec_for(settings_for(server), target, points, "float32")
@@ -108,26 +130,52 @@ def test_aux_and_topk_equal_transformers(server, target, sequences, reference):
     captured = engine.capture(sequences)
 
     assert len(captured) == len(sequences)
-    for seq, cap, (hs, logp) in zip(sequences, captured, reference):
-        T = len(seq)
-        assert cap.aux.shape == (T, len(points), target.hidden_size) and cap.aux.dtype == np.float32
+    for seq, cap in zip(sequences, captured):
+        hs, logp = hf_forward(seq)
+        assert cap.aux.shape == (len(seq), len(points), target.hidden_size) and cap.aux.dtype == np.float32
         for k, point in enumerate(points):
-            want = hs[point]  # capture point k == output_hidden_states[k]
-            np.testing.assert_allclose(cap.aux[:, k], want, rtol=1e-4, atol=1e-4, err_msg=f"point {point}, {T} tokens")
-            cos = (cap.aux[:, k] * want).sum(-1) / (np.linalg.norm(cap.aux[:, k], axis=-1) * np.linalg.norm(want, axis=-1))
+            a, b = cap.aux[:, k], hs[point]
+            cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
             assert cos.min() > 0.99999, f"point {point}: cosine {cos.min()}"
-        # an off-by-one would match a neighbour instead: make sure it is measurably different
-        for k, point in enumerate(points):
-            neighbour = hs[point + 1]
-            assert np.abs(cap.aux[:, k] - neighbour).max() > 1e-2, f"point {point} also equals point {point + 1}"
+        assert_matches_transformers(cap.aux, cap.topk_ids, cap.topk_logprobs, hs, logp, points, f"{len(seq)} tokens")
 
-        # row t is the distribution over token t+1, the last row included (output step)
-        ref_ids = np.argsort(-logp, axis=-1)[:, :TOPK]
-        ref_vals = np.take_along_axis(logp, ref_ids, axis=-1)
-        assert cap.topk_ids.shape == (T, TOPK) and cap.topk_ids.dtype == np.int32
-        np.testing.assert_allclose(cap.topk_logprobs, ref_vals, atol=1e-4, err_msg=f"top-k log-probs, {T} tokens")
-        sure = np.diff(ref_vals, axis=-1).min(axis=-1) < -1e-3  # rows without near-ties
-        np.testing.assert_array_equal(cap.topk_ids[sure], ref_ids[sure])
+
+def test_bfloat16_run_stores_the_rounded_states(server, target, sequences, hf_forward):
+    points = server.extra["points"]
+    run = make_run(target, points, dtype="bfloat16")
+    (cap,) = SGLangEngine(settings_for(server), run).capture(sequences[:1])
+    assert cap.aux.dtype == np.dtype(ml_dtypes.bfloat16)
+    hs, _ = hf_forward(sequences[0])
+    want = np.stack([hs[p] for p in points], axis=1).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(cap.aux.astype(np.float32), want, rtol=1e-2, atol=1e-2)
+
+
+def test_ingest_and_extract_through_sglang(server, fs_store, smollm2_path, hf_forward):
+    """The extractor's own path: ingest records the server's engine spec, run_extract stores
+    hidden shards through this engine, and every stored tensor equals transformers."""
+    points = server.extra["points"]
+    run = f"sgl-{len(points)}"
+    settings = settings_for(server)
+    run_ingest(fs_store, settings, IngestRequest(
+        run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=points,
+        engine="sglang", dtype="float32", target_signal="topk", topk=TOPK, fan_out=False,
+        options=IngestOptions(max_tokens=96, shard_tokens=80),
+    ))  # fmt: skip
+    spec = fs_store.get_json(layout.run_spec(run), RunSpec)
+    assert spec.engine.name == "sglang" and spec.engine.layer_ids == server.layer_ids and spec.engine.version == "0.5.23"
+    shards = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json")]
+    assert shards
+    checked = 0
+    for name in shards:
+        assert not run_extract(fs_store, settings, ExtractRequest(run=run, shard=name)).skipped
+        record = fs_store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
+        hidden = Shard.open(fs_store.local_path(record.key)).validate()
+        assert hidden.capture_points == points and hidden.target_signal == "topk"
+        for seq in hidden.sequences():
+            hs, logp = hf_forward(seq["input_ids"])
+            assert_matches_transformers(seq["aux"], seq["topk_ids"], seq["topk_logprobs"], hs, logp, points, f"shard {name}")
+            checked += 1
+    assert checked == run_status(fs_store, run).sequences > 0
 
 
 def test_refuses_other_layer_ids_before_any_request(server, target, sequences):

@@ -351,6 +351,11 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     Re-running the same request (a redelivered task) finds run.json and returns the shards
     already written; the same run name with another request is refused.
     """
+    if request.options.regenerate:
+        raise IngestError(
+            "options.regenerate (replacing assistant turns with the target's own answers) is not "
+            "implemented in this extractor: ingest the dataset as is (regenerate=false)"
+        )
     spec = build_run_spec(settings, request)
     summary = IngestSummary(run=request.run)
     try:

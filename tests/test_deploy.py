@@ -695,6 +695,7 @@ def _launch_args(script: str, env: dict[str, str]) -> list[str]:
     return shlex.split(body)[4:]
 
 
+@pytest.mark.slow  # importing SGLang's server_args takes 25-35 s on 2 cores
 def test_inference_command_lines_parse_with_sglangs_own_argument_parser():
     """The capture and serve command lines of compose and k8s, expanded as their shells would,
     are accepted by SGLang 0.5.23's ServerArgs parser (flags exist, values have the right types)."""

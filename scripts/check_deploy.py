@@ -932,12 +932,24 @@ _COMPOSE_SUBCOMMANDS_SERVICES = {
 }
 
 
+_KUBECTL_KINDS = {
+    "deploy": "Deployment",
+    "deployment": "Deployment",
+    "sts": "StatefulSet",
+    "statefulset": "StatefulSet",
+    "svc": "Service",
+    "service": "Service",
+    "job": "Job",
+}
+
+
 @dataclass
 class DocCommands:
     compose: list[tuple[str, str, list[str], list[str], list[str]]] = field(
         default_factory=list
     )  # (line, sub, profiles, services, command)
     kubectl_paths: list[tuple[str, str]] = field(default_factory=list)
+    kubectl_objects: list[tuple[str, str, str]] = field(default_factory=list)  # (line, kind, name)
     celery_apps: list[tuple[str, str]] = field(default_factory=list)
     aerie_subcommands: list[tuple[str, str]] = field(default_factory=list)
     celery_subcommands: list[tuple[str, str, str]] = field(default_factory=list)  # (line, app, sub)
@@ -1030,6 +1042,10 @@ def doc_commands(markdown: str) -> DocCommands:
                 for j, t in enumerate(tokens):
                     if t in ("-k", "-f", "--kustomize", "--filename") and j + 1 < len(tokens):
                         dc.kubectl_paths.append((line, tokens[j + 1]))
+                for t in tokens:
+                    kind, slash, obj = t.partition("/")
+                    if slash and kind in _KUBECTL_KINDS:
+                        dc.kubectl_objects.append((line, _KUBECTL_KINDS[kind], obj))
                 if "exec" in tokens and "--" in tokens:
                     target = next((t for t in tokens[tokens.index("exec") + 1 :] if "/" in t), "")
                     argv = tokens[tokens.index("--") + 1 :]
@@ -1075,6 +1091,16 @@ def check_docs(
     for line, path in dc.kubectl_paths:
         if path.startswith(("k8s/", "./k8s/")) and not (doc_path.parent.parent / path).exists():
             problems.append(f"{name}: `{line}`: {path} does not exist")
+    repo = doc_path.parent.parent
+    objects = {
+        (d.get("kind"), (d.get("metadata") or {}).get("name"))
+        for f in sorted((repo / "k8s" / "base").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if isinstance(d, dict)
+    }
+    for line, kind, obj in dc.kubectl_objects:
+        if (kind, obj) not in objects:
+            problems.append(f"{name}: `{line}`: there is no {kind} {obj!r} in k8s/base")
     for line, app in dc.celery_apps:
         if app not in apps:
             problems.append(

@@ -511,6 +511,12 @@ def test_k8s_check_reports_a_missing_probe(deploy_copy):
 
 DOC_BREAKS = [
     (
+        "a Deployment that does not exist",
+        "kubectl -n aerie scale deploy/trainer --replicas 1",
+        "kubectl -n aerie scale deploy/trainers --replicas 1",
+        "no Deployment 'trainers'",
+    ),
+    (
         "a profile that does not exist",
         "docker compose --profile capture up -d --scale extractor=4",
         "docker compose --profile captur up -d --scale extractor=4",

@@ -23,6 +23,9 @@ def train(self, **kwargs) -> dict:
     store = open_store(settings)
 
     def progress(info: dict) -> None:
+        hook = getattr(self.app, "aerie_progress", None)  # set by `aerie run` (in-process, eager)
+        if hook is not None:
+            hook(info)
         if not self.request.called_directly and not self.app.conf.task_always_eager:
             self.update_state(state="PROGRESS", meta=info)
 

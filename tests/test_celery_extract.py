@@ -9,6 +9,7 @@ Stories:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -150,8 +151,6 @@ def check_against_reference(store, run: str, reference) -> int:  # noqa: F811
     for key in hidden:
         record = store.get_json(key, ShardRecord)
         data = store.get_bytes(record.key)
-        import hashlib
-
         assert hashlib.sha256(data).hexdigest() == record.sha256
         shard = Shard.from_buffer(data).validate()
         toks = Shard.from_buffer(store.get_bytes(layout.shard(run, "tokens", record.shard)))

@@ -196,3 +196,23 @@ def test_same_run_name_with_another_dataset_is_refused(fs_store, smollm2_path):
 def test_missing_dataset_names_what_was_tried(fs_store, smollm2_path):
     with pytest.raises(IngestError, match=r"datasets/nope\.jsonl"):
         run_ingest(fs_store, settings_for(fs_store), IngestRequest(run="nope", dataset="nope", model=str(smollm2_path)))
+
+
+def test_generation_tagged_template_gives_the_same_mask(smollm2_path, chat):
+    """A template with {% generation %} blocks marks the loss itself; both routes must agree."""
+    tagged = ChatTokenizer(smollm2_path)
+    plain_turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    assert plain_turn in tagged.tokenizer.chat_template
+    tagged.tokenizer.chat_template = tagged.tokenizer.chat_template.replace(plain_turn, (
+        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+        "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}" + plain_turn + "{% endif %}"
+    ))
+    tagged.generation_tags = True
+    messages = normalize({"conversations": [
+        {"from": "system", "value": "Be terse."}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
+        {"from": "human", "value": "Times 3?"}, {"from": "gpt", "value": "12."},
+    ]})
+    for loss_on in ("all", "last"):
+        ids_a, mask_a = chat.encode(messages, loss_on)
+        ids_b, mask_b = tagged.encode(messages, loss_on)
+        assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b), loss_on

@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,8 @@ class ChatTokenizer:
                 f"the tokenizer in {model_folder} has no chat template: aerie renders conversations with "
                 "the target's own template (add chat_template.jinja to the model folder)"
             )
+        # a template that marks assistant text with {% generation %} says where the loss goes itself
+        self.generation_tags = bool(re.search(r"\{%-?\s*generation\s*-?%\}", self.tokenizer.chat_template))
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -280,6 +283,8 @@ class ChatTokenizer:
         return spans
 
     def encode(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.generation_tags:
+            return self._encode_tagged(messages, loss_on)
         try:
             text = self.render(messages)
         except Exception as e:  # jinja raises for conversations the template refuses
@@ -294,6 +299,19 @@ class ChatTokenizer:
         for a, b in spans:
             # a token belongs to the turn when it starts inside the span
             mask[(offsets[:, 0] >= a) & (offsets[:, 0] < b) & (offsets[:, 1] > offsets[:, 0])] = 1
+        return ids, mask
+
+
+    def _encode_tagged(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        except Exception as e:
+            raise Rejected(f"chat template refused the conversation: {e}") from None
+        ids = np.asarray(out["input_ids"], dtype=np.int32)
+        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        if loss_on == "last" and mask.any():
+            starts = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8)])) == 1)
+            mask[: starts[-1]] = 0  # only the last contiguous assistant span
         return ids, mask
 
 

@@ -39,3 +39,10 @@ def test_lists_and_numbers_parse_from_env(monkeypatch):
     monkeypatch.setenv("AERIE_WORKER_CONCURRENCY", "0")
     with pytest.raises(ValueError, match="worker_concurrency"):
         Settings.load()
+
+
+def test_reserved_prefixes_are_not_settings(monkeypatch):
+    # the test harness and the SGLang plugin own these names; they never reach Settings
+    monkeypatch.setenv("AERIE_TEST_S3_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setenv("AERIE_CAPTURE_DIR", "/dev/shm/x")
+    Settings.load()

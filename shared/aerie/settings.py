@@ -15,6 +15,9 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "AERIE_"
+# Names under AERIE_ that are not settings of this model: the test harness's own variables and
+# the SGLang plugin's (read in SGLang's processes, documented in aerie_sglang.plugin.sink).
+RESERVED_PREFIXES = ("AERIE_TEST_", "AERIE_REQUIRE_", "AERIE_CAPTURE_", "AERIE_SGLANG_")
 
 
 class Settings(BaseSettings):
@@ -34,6 +37,9 @@ class Settings(BaseSettings):
     broker: str = Field(default="memory://", description="redis://[:password@]host:port/db, or memory:// (eager)")
     result_backend: str | None = None
     worker_concurrency: int = Field(default=1, ge=1)
+    broker_visibility_timeout_s: int = Field(
+        default=3600, ge=1, description="seconds before Redis hands a lost worker's unacknowledged task to another"
+    )
 
     # --- engines ------------------------------------------------------------------------
     engine: Literal["hf", "sglang"] = "hf"
@@ -65,7 +71,9 @@ class Settings(BaseSettings):
     def load(cls, **overrides) -> "Settings":
         """Read the environment, refusing unknown AERIE_* variables by name."""
         known = {f"{ENV_PREFIX}{name}".upper() for name in cls.model_fields}
-        unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+        unknown = sorted(
+            k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known and not k.startswith(RESERVED_PREFIXES)
+        )
         if unknown:
             raise ValueError(
                 f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"

@@ -147,7 +147,8 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
         while accepted < len(draft) and draft[accepted] == greedy[accepted]:
             accepted += 1
         new_tokens = draft[:accepted] + [greedy[accepted]]
-        cache.crop(len(tokens) + accepted)  # keep the last committed token and the accepted drafts
+        if accepted < len(draft):  # drop the rejected drafts' keys (negative: tokens to remove)
+            cache.crop(accepted - len(draft))
         new_aux = _aux(out, indices)[:, : accepted + 1]
         for tok in new_tokens:
             tokens.append(tok)

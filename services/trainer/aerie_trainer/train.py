@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import math
 import os
 import time
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from aerie.contracts import TrainConfig, TrainRequest
 from aerie.settings import Settings
 from aerie.store import ObjectStore, open_store
+from aerie.target import describe
 
 from aerie_trainer.checkpoint import Checkpointer, TrainerState
 from aerie_trainer.data import Batch, HiddenData, load_runs
@@ -209,10 +211,10 @@ class Trainer:
                                prefetch=cfg.prefetch, rank=dist.rank, world_size=dist.world_size)
         torch.manual_seed(cfg.seed)
         target = self.runset.spec.target
+        if describe(request.model).weights_sha256 != target.weights_sha256:
+            raise ValueError(f"target folder {request.model} holds other weights than the model runs {request.runs} were "
+                             f"captured from ({target.model}, sha256 {target.weights_sha256[:12]}…): pass that model")
         self.drafter = build_drafter(request.model, len(self.runset.capture_points), draft_vocab_size(cfg.draft_vocab_size, target.vocab_size))
-        if self.drafter.config.hidden_size != target.hidden_size:
-            raise ValueError(f"target folder {request.model} has hidden size {self.drafter.config.hidden_size}, "
-                             f"runs {request.runs} were captured from one with {target.hidden_size}: wrong --model?")
         self.drafter.to(dist.device)
         self.names = {i: n for i, (n, p) in enumerate((n, p) for n, p in self.drafter.named_parameters() if p.requires_grad)}
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -251,16 +253,17 @@ class Trainer:
             while st.step < cfg.steps:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr_at(st.step, cfg)
-                loss = 0.0
+                loss, tokens = 0.0, 0
                 for micro in range(cfg.grad_accum):
                     (st.epoch, st.batch), batch = next(batches)
-                    st.tokens += batch.tokens * self.dist.world_size
+                    tokens += batch.tokens
                     loss += self.micro_step(batch.to(self.dist.device), sync=micro == cfg.grad_accum - 1) / cfg.grad_accum
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 st.step += 1
                 st.losses.append(self.dist.mean(loss))
+                st.tokens += round(self.dist.mean(tokens) * self.dist.world_size)
                 now = time.perf_counter()
                 st.train_seconds += now - t0
                 st.data_wait_seconds += self.data.wait_s - wait0
@@ -299,7 +302,7 @@ def run_train(store: ObjectStore, settings: Settings, request: TrainRequest, pro
     dist = setup_dist(settings.device)
     train_id = request.train_id or default_train_id(request)
     version = train_id.rsplit("-", 1)[-1] if request.train_id is None else train_id
-    if request.publish and dist.main:
+    if request.publish:  # every rank sees it and stops
         done = export.published_lineage(store, request.drafter, version)
         if done is not None:
             progress({"stage": "done", "message": f"drafter {request.drafter}:{version} already published"})
@@ -326,7 +329,7 @@ def run_train(store: ObjectStore, settings: Settings, request: TrainRequest, pro
             lineage = export.publish(store, trainer.drafter, trainer.runset, request, version, st.metrics)
             result["key"] = f"drafters/{request.drafter}/{version}/"
             result["layer_ids"] = lineage.exported_layer_ids
-        trainer.save()  # the final metrics live with the last checkpoint too
+        trainer.checkpointer.save(trainer.drafter, trainer.optimizer, trainer.names, st)  # final metrics kept too
     dist.barrier()
     result.update(_summary(st.metrics))
     return result
@@ -353,13 +356,16 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings.load()
 
     def show(info: dict) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
         if info.get("stage") != "train" or info["step"] % 10 == 0 or info["step"] == info["steps"]:
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in info.items()}, flush=True)
 
     result = run_train(open_store(settings), settings, request, progress=show)
-    import json
-
-    print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1), flush=True)
 
 
 if __name__ == "__main__":

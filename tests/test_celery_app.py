@@ -79,6 +79,13 @@ def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
     again = app.tasks["aerie.extract"].apply_async(kwargs={"run": "eager", "shard": "000000"}).get()
     assert again["skipped"] and not again["train_enqueued"]
     assert store.exists(layout.shard_record("eager", "hidden", "000002"))
+    # the progress command shows the run as a table
+    shown = subprocess.run(
+        [CELERY, "-A", "aerie_extractor.worker", "progress", "--run", "eager"],
+        env=clean_env(AERIE_STORE=f"file://{tmp_path / 'store'}"), capture_output=True, text=True, timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "run eager" in shown.stdout and "yes" in shown.stdout, shown.stdout
     # a refused extraction fails at once (no retry) and is counted by the run's status
     from aerie_extractor.extract import ExtractError
 

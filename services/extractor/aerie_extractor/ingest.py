@@ -452,7 +452,8 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     if pending:
         flush_shard()
     flush_rejects(summary.shards[-1] if summary.shards else layout.shard_name(0))
-    store.put_json(layout.run_spec(request.run), spec)
+    if not store.exists(layout.run_spec(request.run)):  # a twin delivery may have finished first
+        store.put_json(layout.run_spec(request.run), spec)
     log.info(
         "ingest %s: %d shards, %d sequences, %d tokens, %d rejects",
         request.run, len(summary.shards), summary.sequences, summary.tokens, summary.rejects,

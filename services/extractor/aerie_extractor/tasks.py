@@ -116,7 +116,7 @@ def maybe_enqueue_train(app, settings: Settings, store: ObjectStore, run: str, o
     spec = load_run(store, run)
     if spec.train_after is None:
         return False
-    name = f"train:{run}:{spec.created_at}"
+    name = f"train:{run}"  # not keyed by anything a concurrent re-ingest could rewrite
     if not claim_once(settings, name, owner):
         return False
     enqueue(app, TRAIN_TASK, spec.train_after.model_dump(mode="json"))

@@ -22,11 +22,11 @@ from aerie.contracts import EngineSpec, ExtractRequest, IngestOptions, IngestReq
 from aerie.settings import Settings
 from aerie.shard import Shard
 from aerie.target import describe
-from aerie_extractor.engines.base import EngineMismatch
+from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
 from aerie_extractor.extract import run_extract, run_status
 from aerie_extractor.ingest import run_ingest
-from tests.sglang_server import capture_server
+from tests.sglang_server import capture_server, free_port
 from tests.test_ingest import DATA
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -210,6 +210,16 @@ def test_refuses_other_version_and_other_model(server, target):
     run = make_run(other_arch, points)
     with pytest.raises(EngineMismatch, match=r"LlamaForCausalLM.*Qwen2ForCausalLM"):
         SGLangEngine(settings_for(server), run).check(run)
+
+
+def test_every_configured_server_is_checked(server, target):
+    points = server.extra["points"]
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = make_run(target, points)
+    engine = SGLangEngine(Settings(engine="sglang", engine_urls=[server.url, dead], engine_timeout_s=30), run)
+    with pytest.raises(EngineError, match=re.escape(dead) + ".*unreachable") as err:
+        engine.check(run)
+    assert not isinstance(err.value, EngineMismatch) and err.value.retryable  # a server down is worth a retry
 
 
 def test_shape_check_names_the_cause(server, target):

@@ -197,7 +197,7 @@ class SGLangEngine(Engine):
         target = run.target
         served = str(model.get("model_path") or "")
         names = {served, str(model.get("served_model_name") or "")}
-        if Path(served, "config.json").is_file() and any(Path(served).glob("*.safetensors")):
+        if served and Path(served, "config.json").is_file() and any(Path(served).glob("*.safetensors")):
             from aerie.target import describe
 
             here = describe(served)

@@ -31,19 +31,23 @@ def test_installed_sgl_kernel_needs_cuda_and_the_shim_stands_in():
 
     shimmed = run_sglang_python(
         """
-        import sgl_kernel, sgl_kernel.kvcacheio, torch
+        import sys, sgl_kernel, sgl_kernel.kvcacheio, torch
         from sgl_kernel import copy_all_layer_kv_cache_cpu, __version__
         print(sgl_kernel.__file__)
         print(sgl_kernel.kvcacheio.__file__)
         print(__version__)
+        # the hook: importing sgl_kernel (as every SGLang process does) registered aerie's CPU ops
+        ops = sys.modules["aerie_sglang.cpu.ops"]
+        print(all(hasattr(torch.ops.sgl_kernel, name) for name in ops.SCHEMAS))
         """,
         pythonpath=str(SHIM),
     )
     assert shimmed.returncode == 0, shimmed.stderr[-3000:]
-    shim_file, submodule_file, version = shimmed.stdout.split()
+    shim_file, submodule_file, version, ops_registered = shimmed.stdout.split()
     assert shim_file.startswith(str(SHIM))  # the shim answers `import sgl_kernel` ...
     assert "site-packages/sgl_kernel/kvcacheio.py" in submodule_file  # ... submodules are the installed ones
     assert version == "0.4.10"
+    assert ops_registered == "True"
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@
   (with the generation prompt) and up to its end, and checking that each rendering is a prefix
   of the whole; tokens are mapped to spans by their character offsets. A template that is not
   prefix-stable (e.g. one that drops earlier turns' reasoning) is refused per record, by name.
+- Optional regeneration (`regenerate`): each assistant turn is replaced by the target's own
+  answer (aerie_extractor.regenerate) before templating.
 - Every refused record becomes a `RejectRecord` (1-based line, reason) in
   `runs/<run>/rejects/<part>.jsonl`; the run goes on.
 - Output: token shards of about `shard_tokens` tokens (whole sequences), each object written
@@ -333,6 +335,15 @@ class IngestSummary:
         return dict(self.__dict__)
 
 
+def regenerate_record(messages: list[dict[str, str]], answerer) -> list[dict[str, str]]:
+    from aerie_extractor.regenerate import RegenerateRefused, regenerate
+
+    try:
+        return regenerate(messages, answerer)
+    except RegenerateRefused as e:
+        raise Rejected(str(e)) from None
+
+
 def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
     """The run spec a request describes: target pinned by hashes, engine, capture points."""
     from aerie_extractor.engines import engine_spec
@@ -369,11 +380,6 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     Re-running the same request (a redelivered task) finds run.json and returns the shards
     already written; the same run name with another request is refused.
     """
-    if request.options.regenerate:
-        raise IngestError(
-            "options.regenerate (replacing assistant turns with the target's own answers) is not "
-            "implemented in this extractor: ingest the dataset as is (regenerate=false)"
-        )
     spec = build_run_spec(settings, request)
     summary = IngestSummary(run=request.run)
     try:
@@ -392,6 +398,11 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
 
     opts: IngestOptions = request.options
     chat = ChatTokenizer(request.model)
+    answerer = None
+    if opts.regenerate:
+        from aerie_extractor.regenerate import make_answerer
+
+        answerer = make_answerer(settings, spec.engine.name, request.model, opts)
     source, chunks = _byte_chunks(store, request.dataset)
     pending: list[dict[str, np.ndarray]] = []
     pending_tokens = 0
@@ -429,6 +440,8 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
             if isinstance(record, Rejected):
                 raise record
             messages = normalize(record)
+            if answerer is not None:
+                messages = regenerate_record(messages, answerer)
             ids, mask = chat.encode(messages, opts.loss_on)
             if len(ids) > opts.max_tokens:
                 if opts.overlong == "reject":
@@ -449,6 +462,8 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
         accepted += 1
         if opts.max_records and accepted >= opts.max_records:
             break
+    if answerer is not None:
+        answerer.close()
     if pending:
         flush_shard()
     flush_rejects(summary.shards[-1] if summary.shards else layout.shard_name(0))

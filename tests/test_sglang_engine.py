@@ -8,6 +8,7 @@ other layers, runs another version or serves another model is refused before any
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -18,15 +19,14 @@ import pytest
 
 from aerie import layout
 from aerie.capture import convention_for, to_engine_ids
-from aerie.contracts import EngineSpec, ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
+from aerie.contracts import EngineSpec, IngestOptions, RunSpec, ShardRecord
 from aerie.settings import Settings
 from aerie.shard import Shard
 from aerie.target import describe
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
-from aerie_extractor.extract import run_extract, run_status
-from aerie_extractor.ingest import run_ingest
 from tests.sglang_server import capture_server, free_port
+from tests.test_celery_extract import Worker, celery_cli, redis_url, wait_complete, worker_env, workers  # noqa: F401 (fixtures)
 from tests.test_ingest import DATA
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -150,32 +150,34 @@ def test_bfloat16_run_stores_the_rounded_states(server, target, sequences, hf_fo
     np.testing.assert_allclose(cap.aux.astype(np.float32), want, rtol=1e-2, atol=1e-2)
 
 
-def test_ingest_and_extract_through_sglang(server, fs_store, smollm2_path, hf_forward):
-    """The extractor's own path: ingest records the server's engine spec, run_extract stores
-    hidden shards through this engine, and every stored tensor equals transformers."""
+def test_enqueue_through_real_celery_workers(server, s3_store, redis_url, smollm2_path, workers, tmp_path, hf_forward):
+    """The user's story with this engine: `celery enqueue` -> a real worker ingests (recording the
+    server's engine spec) and extracts through SGLang into S3 -> every stored tensor equals transformers."""
     points = server.extra["points"]
-    run = f"sgl-{len(points)}"
-    settings = settings_for(server)
-    run_ingest(fs_store, settings, IngestRequest(
-        run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=points,
-        engine="sglang", dtype="float32", target_signal="topk", topk=TOPK, fan_out=False,
-        options=IngestOptions(max_tokens=96, shard_tokens=80),
-    ))  # fmt: skip
-    spec = fs_store.get_json(layout.run_spec(run), RunSpec)
-    assert spec.engine.name == "sglang" and spec.engine.layer_ids == server.layer_ids and spec.engine.version == "0.5.23"
-    shards = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json")]
-    assert shards
+    run = f"celery-sgl-{len(points)}"
+    env = worker_env(s3_store, redis_url)
+    env.update(AERIE_ENGINE="sglang", AERIE_ENGINE_URLS=json.dumps([server.url]), AERIE_ENGINE_CONCURRENCY="2")
+    workers.append(Worker(env, "sgl", tmp_path))
+    workers[0].wait_for(r"ready\.", 120)
+    celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", run, "--model", str(smollm2_path),
+               "--capture-points", ",".join(map(str, points)), "--engine", "sglang", "--dtype", "float32",
+               "--target-signal", "topk", "--topk", str(TOPK), "--max-tokens", "96", "--shard-tokens", "64")  # fmt: skip
+    status = wait_complete(s3_store, run, workers, 600, redis_url)
+
+    spec = s3_store.get_json(layout.run_spec(run), RunSpec)
+    assert (spec.engine.name, spec.engine.version, spec.engine.transport) == ("sglang", "0.5.23", "json")
+    assert spec.engine.layer_ids == server.layer_ids and spec.capture_points == points
     checked = 0
-    for name in shards:
-        assert not run_extract(fs_store, settings, ExtractRequest(run=run, shard=name)).skipped
-        record = fs_store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
-        hidden = Shard.open(fs_store.local_path(record.key)).validate()
+    for key in sorted(k for k in s3_store.list(layout.shards_prefix(run, "hidden")) if k.endswith(".json")):
+        record = s3_store.get_json(key, ShardRecord)
+        assert record.engine == spec.engine
+        hidden = Shard.from_buffer(s3_store.get_bytes(record.key)).validate()
         assert hidden.capture_points == points and hidden.target_signal == "topk"
         for seq in hidden.sequences():
             hs, logp = hf_forward(seq["input_ids"])
-            assert_matches_transformers(seq["aux"], seq["topk_ids"], seq["topk_logprobs"], hs, logp, points, f"shard {name}")
+            assert_matches_transformers(seq["aux"], seq["topk_ids"], seq["topk_logprobs"], hs, logp, points, record.shard)
             checked += 1
-    assert checked == run_status(fs_store, run).sequences > 0
+    assert checked == status.sequences == 3 and status.shards_total >= 2
 
 
 def test_refuses_other_layer_ids_before_any_request(server, target, sequences):

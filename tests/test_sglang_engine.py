@@ -1,9 +1,12 @@
 """The `sglang` engine against a real SGLang 0.5.23 server on the CPU, checked against transformers.
 
-One capture server at a time (module-scoped, parametrized over capture-point choices): every
-aux tensor the engine returns equals transformers' `output_hidden_states[point]` in float32,
-the top-k signal equals transformers' log-softmax top-k row for row, and a server that captures
-other layers, runs another version or serves another model is refused before any request.
+One capture server at a time (module-scoped, parametrized over capture-point choices: the
+default [2, 15, 27] and the edges [1, 5, 9, 29]):
+- every aux tensor the engine returns equals transformers' `output_hidden_states[point]` in
+  float32, and the top-k signal equals transformers' log-softmax top-k row for row;
+- the same through the user's path: `celery enqueue` -> a real worker -> SGLang -> S3;
+- a server that captures other layers, runs another version or serves another model is refused
+  before any request, with a message naming both sides.
 """
 
 from __future__ import annotations

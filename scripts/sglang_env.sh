@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare .venv-sglang: real SGLang for the tests, in its own venv as in its own container.
-# Idempotent: reuses the venv when its stamp matches these pins. Fresh build ~160 s, ~11 GB.
+# Idempotent: reuses the venv when its stamp matches these pins (and the inference package).
+# Fresh build: ~160 s on an idle machine (4 min measured on a busy 2-core one), ~11 GB.
 #   scripts/sglang_env.sh            # build or reuse
 #   SGLANG_VENV=/path scripts/sglang_env.sh
 set -euo pipefail

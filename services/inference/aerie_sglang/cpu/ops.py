@@ -113,17 +113,18 @@ def attend(
     logit_cap: float,
     allowed: torch.Tensor | None,  # (Lq, Lk) bool, True = may attend; None = everything
 ) -> torch.Tensor:  # (Lq, H, Dv) float32
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if heads != kv_heads:  # grouped-query attention: each kv head serves heads // kv_heads q heads
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale  # (H, Lq, Lk)
+    q_len, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads  # grouped-query attention: q heads h*group..h*group+group-1 share kv head h
+    q = q.float().view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, dim)
+    scores = torch.bmm(q, k.float().permute(1, 2, 0)).mul_(sm_scale)  # (Hkv, group*Lq, Lk)
     if logit_cap > 0:
         scores = logit_cap * torch.tanh(scores / logit_cap)
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float())
+        scores = scores.view(kv_heads, group, q_len, -1).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(kv_heads, group * q_len, -1)
+    out = torch.bmm(probs, v.float().transpose(0, 1))  # (Hkv, group*Lq, Dv)
+    return out.view(kv_heads, group, q_len, -1).permute(2, 0, 1, 3).reshape(q_len, heads, -1)
 
 
 def _kv_rows(buffer: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:

@@ -127,7 +127,7 @@ def extend_case(seed, heads=4, kv_heads=2, dim=16):
     seq_lens = torch.tensor([9, 4, 12])
     extend_seq_lens = torch.tensor([4, 4, 3], dtype=torch.int32)
     extend_start_loc = torch.tensor([0, 4, 8], dtype=torch.int32)
-    q = torch.randn(11, heads, dim)
+    q = torch.randn(11, heads + 2 * kv_heads, dim)[:, :heads]  # strided, as SGLang splits q out of qkv
     # the new tokens' k/v, already in the cache as SGLang's forward_extend writes them first
     k_new, v_new = torch.randn(11, kv_heads, dim), torch.randn(11, kv_heads, dim)
     for i in range(3):

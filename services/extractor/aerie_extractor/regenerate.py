@@ -31,8 +31,8 @@ def regenerate(messages: Messages, answer: Callable[[Messages], str]) -> Message
     out: Messages = []
     for j, m in enumerate(messages):
         if m["role"] == "assistant":
-            text = answer(out)
-            if not text.strip():
+            text = answer(out).strip()
+            if not text:
                 raise RegenerateRefused(f"regenerated answer for turn {j + 1} is empty")
             out.append({"role": "assistant", "content": text})
         else:

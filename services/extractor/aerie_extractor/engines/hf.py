@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -58,6 +59,9 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         self.settings, self.run = settings, run_spec
+        if settings.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # prefork children share the cores: do not oversubscribe them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.worker_concurrency))
         self.model_path = str(model_path or run_spec.target.model)
         self.device = settings.device
         self.compute_dtype = _torch_dtype(torch, run_spec.dtype, self.device)

@@ -94,3 +94,12 @@ def test_the_table_shows_both_columns():
     text = console.export_text()
     for needle in ("acceptance length", "1.500", "—", "tokens/s", "30.00", "20.00", "1.50×", "2/2", "none"):
         assert needle in text, needle
+
+
+def test_registered_in_the_aerie_command_line():
+    from aerie.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    for option in ("--url", "--baseline-url", "--prompts", "--turns", "--max-tokens", "--json"):
+        assert option in result.output

@@ -111,6 +111,16 @@ class RejectRecord(Contract):
     reason: str
 
 
+class ShardFailure(Contract):
+    """`runs/<run>/failed/<shard>.json`: an extraction that gave up (retries spent or refused)."""
+
+    run: str
+    shard: str
+    error: str
+    attempts: int = Field(ge=1)
+    created_at: str = Field(default_factory=utcnow)
+
+
 class RunStatus(Contract):
     run: str
     shards_total: int

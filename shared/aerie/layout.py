@@ -45,6 +45,15 @@ def shards_prefix(run: str, kind: str) -> str:
     return f"runs/{run}/{kind}/"
 
 
+def shard_failure(run: str, name: str) -> str:
+    """A shard's extraction that failed for good (removed when a later attempt succeeds)."""
+    return f"runs/{run}/failed/{name}.json"
+
+
+def failures_prefix(run: str) -> str:
+    return f"runs/{run}/failed/"
+
+
 def rejects(run: str, part: str) -> str:
     return f"runs/{run}/rejects/{part}.jsonl"
 

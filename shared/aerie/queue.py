@@ -43,7 +43,12 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
         broker_connection_retry_on_startup=True,
         # a task is redelivered if its worker vanishes; the visibility timeout bounds how long
         # Redis waits before handing an unacknowledged task to another worker
-        broker_transport_options={"visibility_timeout": 3600},
+        broker_transport_options={
+            "visibility_timeout": settings.broker_visibility_timeout_s,
+            # sweep for a lost worker's tasks often enough to honour a short timeout
+            "unacked_restore_interval": min(10, settings.broker_visibility_timeout_s),
+            "unacked_restore_throttle": 1,
+        },
         result_expires=7 * 24 * 3600,
         task_always_eager=eager,
         task_eager_propagates=True,

@@ -1,9 +1,8 @@
 """Hidden-state runs for the trainer's tests, and the data pipeline's own tests.
 
-Until the extractor's `run_ingest` / `run_extract` land, `hidden_run` produces a run the way the
-`hf` engine does: ShareGPT conversations in SmolLM2's ChatML, loss on assistant turns, a real
-transformers forward with `output_hidden_states` at the capture points, packed with
-`aerie.shard.pack`. Runs are cached on disk by their inputs (the forward is the slow part).
+`hidden_run_folder` makes a real run the way the service does: ShareGPT conversations through
+the extractor's `run_ingest` and `run_extract` (the `hf` engine, SmolLM2-135M). Runs are cached
+on disk by their inputs (the target forward is the slow part) and copied into each test's store.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ import numpy as np
 import pytest
 
 from aerie import layout
-from aerie.capture import convention_for, default_capture_points, hf_hidden_state_indices
-from aerie.contracts import EngineSpec, IngestOptions, RunSpec, ShardRecord
-from aerie.shard import Shard, pack
+from aerie.capture import default_capture_points
+from aerie.contracts import IngestOptions, RunSpec, ShardRecord
+from aerie.shard import Shard
 
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 
 
 def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
@@ -51,105 +50,59 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
     return out
 
 
-def chatml(tokenizer, conversation: list[dict], max_tokens: int, max_user_tokens: int = 48) -> tuple[np.ndarray, np.ndarray]:
-    """SmolLM2's chat template, token by segment; loss on assistant content + <|im_end|>.
-
-    User turns are cut to `max_user_tokens` so short test sequences are mostly assistant text.
-    """
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
-    ids, mask = [], []
-
-    def add(text: str, trained: int, limit: int | None = None) -> None:
-        toks = tokenizer.encode(text, add_special_tokens=False)[:limit]
-        ids.extend(toks)
-        mask.extend([trained] * len(toks))
-
-    add("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n", 0)
-    for turn in conversation:
-        role = roles.get(turn.get("from"), "user")
-        add(f"<|im_start|>{role}\n", 0)
-        if role == "assistant":
-            add(turn["value"] + "<|im_end|>", 1)
-        else:
-            add(turn["value"], 0, max_user_tokens)
-            add("<|im_end|>", 0)
-        add("\n", 0)
-        if len(ids) >= max_tokens:
-            break
-    return np.array(ids[:max_tokens], dtype=np.int32), np.array(mask[:max_tokens], dtype=np.uint8)
-
-
 def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
                       shard_sequences: int = 16, signal: str = "final", topk: int = 20) -> Path:
-    """A folder with run.json and hidden/*.safetensors (+ records), built once per inputs."""
+    """A filesystem store holding run `RUN`: ShareGPT conversations (user turns cut to 200
+    characters, so short sequences are mostly assistant text) ingested and extracted by the
+    extractor's own `run_ingest` / `run_extract` with the `hf` engine. Built once per inputs."""
+    from aerie.contracts import ExtractRequest, IngestRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
     from aerie.target import describe
+    from aerie_extractor.extract import run_extract
+    from aerie_extractor.ingest import run_ingest
 
     target = describe(model_dir, name="SmolLM2-135M-Instruct")
     key = hashlib.sha256(json.dumps([CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-hidden-runs" / key
-    if (folder / "run.json").is_file():
+    if (folder / layout.run_spec("RUN")).is_file():
         return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    N = target.num_layers
-    points = default_capture_points(N)
-    indices = hf_hidden_state_indices(points, N)
     tmp = folder.with_name(folder.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "hidden").mkdir(parents=True)
-    bf16 = lambda t: t.to(torch.bfloat16).view(torch.uint16).numpy().view("bfloat16")  # noqa: E731
-    seqs = []
-    tokenized = [chatml(tok, conv, max_tokens) for conv in sharegpt_conversations(records, skip)]
-    for n in range(0, len(tokenized), 8):  # right-padded batches: causal rows are unaffected
-        group = tokenized[n : n + 8]
-        T = max(len(ids) for ids, _ in group)
-        ids_b = torch.zeros(len(group), T, dtype=torch.long)
-        attn = torch.zeros(len(group), T, dtype=torch.long)
-        for b, (ids, _) in enumerate(group):
-            ids_b[b, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
-            attn[b, : len(ids)] = 1
-        with torch.no_grad():
-            out = model(ids_b, attention_mask=attn, output_hidden_states=True)
-        for b, (ids, mask) in enumerate(group):
-            t = len(ids)
-            aux = torch.stack([out.hidden_states[i][b, :t] for i in indices], dim=1)  # (T, K, H)
-            seq = {"input_ids": ids, "loss_mask": mask, "aux": bf16(aux)}
-            if signal == "final":
-                seq["final"] = bf16(out.hidden_states[N][b, :t])  # post-final-norm: what the lm_head reads
-            else:
-                top = torch.log_softmax(out.logits[b, :t].float(), -1).topk(topk, -1)
-                seq["topk_ids"], seq["topk_logprobs"] = top.indices.int().numpy(), top.values.numpy()
-            seqs.append(seq)
-    engine = EngineSpec(name="hf", version="transformers-test", convention=convention_for("hf", target.architecture), layer_ids=points)
-    for n in range(0, len(seqs), shard_sequences):
-        name = layout.shard_name(n // shard_sequences)
-        shard = pack(seqs[n : n + shard_sequences], points)
-        path = tmp / "hidden" / f"{name}.safetensors"
-        shard.save(path)
-        sha = hashlib.sha256(path.read_bytes()).hexdigest()
-        rec = ShardRecord(run="RUN", shard=name, kind="hidden", key="KEY", sha256=sha, bytes=path.stat().st_size,
-                          sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()), engine=engine)
-        (tmp / "hidden" / f"{name}.json").write_bytes(rec.to_json())
-    spec = RunSpec(run="RUN", dataset="sharegpt", target=target, engine=engine, capture_points=points, dtype="bfloat16",
-                   target_signal=signal, topk=topk if signal == "topk" else None, ingest=IngestOptions(max_tokens=max_tokens))
-    (tmp / "run.json").write_bytes(spec.to_json())
+    tmp.mkdir(parents=True)
+    dataset = tmp / "sharegpt.jsonl"
+    with open(dataset, "w") as f:
+        for conv in sharegpt_conversations(records, skip):
+            turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    store = FsStore(tmp)
+    settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048)
+    points = default_capture_points(target.num_layers)
+    run_ingest(store, settings, IngestRequest(
+        run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype="bfloat16",
+        target_signal=signal, topk=topk, fan_out=False,
+        options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
+    ))
+    for k in store.list(layout.shards_prefix("RUN", "tokens")):
+        if k.endswith(".json"):
+            run_extract(store, settings, ExtractRequest(run="RUN", shard=k.rsplit("/", 1)[1][: -len(".json")]))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
 
 
 def upload_run(store, folder: Path, run: str) -> RunSpec:
-    """Put a cached run into a store under the name `run` (records rewritten to match)."""
-    spec = RunSpec.model_validate_json((folder / "run.json").read_bytes()).model_copy(update={"run": run})
-    for path in sorted((folder / "hidden").glob("*.safetensors")):
-        name = path.stem
-        store.put_file(layout.shard(run, "hidden", name), path)
-        rec = ShardRecord.model_validate_json((folder / "hidden" / f"{name}.json").read_bytes())
-        rec = rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)})
-        store.put_json(layout.shard_record(run, "hidden", name), rec)
+    """Copy run `RUN` of a cached store folder into `store` under the name `run`."""
+    from aerie.store import FsStore
+
+    cached = FsStore(folder)
+    spec = cached.get_json(layout.run_spec("RUN"), RunSpec).model_copy(update={"run": run})
+    for key in cached.list(layout.shards_prefix("RUN", "hidden")):
+        if key.endswith(".json"):
+            name = key.rsplit("/", 1)[1][: -len(".json")]
+            store.put_file(layout.shard(run, "hidden", name), cached.local_path(layout.shard("RUN", "hidden", name)))
+            rec = cached.get_json(key, ShardRecord).model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)})
+            store.put_json(layout.shard_record(run, "hidden", name), rec)
     store.put_json(layout.run_spec(run), spec)
     return spec
 
@@ -221,4 +174,4 @@ def test_mixed_runs_are_refused(fs_store, small_run):
     with pytest.raises(DataError, match="no runs/missing/run.json"):
         load_runs(fs_store, ["missing"])
     upload_run(fs_store, small_run, "r3")
-    assert len(load_runs(fs_store, ["r1", "r3"]).shards) == 2 * len(list((small_run / "hidden").glob("*.safetensors")))
+    assert len(load_runs(fs_store, ["r1", "r3"]).shards) == 2 * len(list((small_run / "runs" / "RUN" / "hidden").glob("*.safetensors")))

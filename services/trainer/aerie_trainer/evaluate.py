@@ -222,7 +222,8 @@ class Evaluator:
             req, n = self.trainer.request, self.cfg.eval_prompts
             if req.eval_prompts_file:
                 store = self.trainer.store
-                text = store.get_bytes(req.eval_prompts_file).decode() if store.exists(req.eval_prompts_file) else Path(req.eval_prompts_file).read_text()
+                local = Path(req.eval_prompts_file)
+                text = local.read_text() if local.is_file() else store.get_bytes(req.eval_prompts_file).decode()
                 self._prompts = prompts_from_file(text, req.model)[:n]
             else:
                 self._prompts = prompts_from_sequences(self.trainer.data.holdout_sequences(4 * n + 8))[:n]

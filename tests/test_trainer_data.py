@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -65,9 +66,9 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
     target = describe(model_dir, name="SmolLM2-135M-Instruct")
     key = hashlib.sha256(json.dumps([CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-hidden-runs" / key
-    if (folder / layout.run_spec("RUN")).is_file():
+    if _complete(folder):
         return folder
-    tmp = folder.with_name(folder.name + ".part")
+    tmp = folder.with_name(f"{folder.name}.part-{os.getpid()}")  # concurrent builders do not collide
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dataset = tmp / "sharegpt.jsonl"
@@ -86,9 +87,19 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
     for k in store.list(layout.shards_prefix("RUN", "tokens")):
         if k.endswith(".json"):
             run_extract(store, settings, ExtractRequest(run="RUN", shard=k.rsplit("/", 1)[1][: -len(".json")]))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    (tmp / "sharegpt.jsonl").unlink()
+    if _complete(folder):  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
     return folder
+
+
+def _complete(folder: Path) -> bool:
+    """run.json written and every token shard extracted."""
+    names = lambda kind: {p.stem for p in (folder / "runs" / "RUN" / kind).glob("*.json")}  # noqa: E731
+    return (folder / layout.run_spec("RUN")).is_file() and bool(names("tokens")) and names("tokens") == names("hidden")
 
 
 def upload_run(store, folder: Path, run: str) -> RunSpec:

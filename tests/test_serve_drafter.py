@@ -18,6 +18,8 @@ Servers: one plain (baseline) server for the module, one target+drafter server p
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import shutil
 import time
@@ -113,7 +115,20 @@ def trained_drafter(smollm2_path, cache_dir) -> tuple[Path, dict]:
 
 
 def train_and_pull(smollm2_path: Path, cache_dir: Path) -> tuple[Path, dict]:
-    import hashlib
+    from tests.test_trainer_data import hidden_run_folder
+
+    run_folder = hidden_run_folder(cache_dir, smollm2_path, records=160, max_tokens=192, shard_sequences=16)
+    key = hashlib.sha256(json.dumps([run_folder.name, TRAIN_CONFIG]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) / "test-drafters" / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another test process training the same drafter: wait for it
+        if not (folder / "train.json").is_file():
+            _train_into(folder, run_folder, smollm2_path)
+    return folder, json.loads((folder / "train.json").read_text())
+
+
+def _train_into(folder: Path, run_folder: Path, smollm2_path: Path) -> None:
     import tempfile
 
     from aerie.contracts import TrainConfig, TrainRequest
@@ -122,13 +137,8 @@ def train_and_pull(smollm2_path: Path, cache_dir: Path) -> tuple[Path, dict]:
 
     from aerie_trainer.export import pull
     from aerie_trainer.train import run_train
-    from tests.test_trainer_data import hidden_run_folder, upload_run
+    from tests.test_trainer_data import upload_run
 
-    run_folder = hidden_run_folder(cache_dir, smollm2_path, records=160, max_tokens=192, shard_sequences=16)
-    key = hashlib.sha256(json.dumps([run_folder.name, TRAIN_CONFIG]).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) / "test-drafters" / key
-    if (folder / "train.json").is_file():
-        return folder, json.loads((folder / "train.json").read_text())
     with tempfile.TemporaryDirectory(prefix="aerie-train-") as tmp:
         store = FsStore(Path(tmp) / "store")
         upload_run(store, run_folder, "sharegpt")
@@ -139,10 +149,8 @@ def train_and_pull(smollm2_path: Path, cache_dir: Path) -> tuple[Path, dict]:
         result["train_wall_s"] = time.monotonic() - started
         pulled = pull(store, "smol-eagle3", Path(tmp) / "pulled")
         (pulled / "train.json").write_text(json.dumps(result))
-        folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(pulled, folder)
-    return folder, result
 
 
 # --------------------------------------------------------------------------- helpers
@@ -204,7 +212,7 @@ def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(smollm2_pat
 
 @pytest.mark.slow
 def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
-    smollm2_path, trained_drafter, plain_server, plain_outputs, prompt_ids, tmp_path
+    smollm2_path, plain_server, plain_outputs, prompt_ids, trained_drafter, tmp_path
 ):
     from aerie_trainer import evaluate
     from aerie_trainer.export import load_exported
@@ -262,7 +270,7 @@ def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
 
 @pytest.mark.slow
 def test_one_renamed_tensor_is_refused_by_the_export_check_and_collapses_acceptance_when_served(
-    smollm2_path, trained_drafter, plain_outputs, prompt_ids, tmp_path
+    smollm2_path, plain_outputs, prompt_ids, trained_drafter, tmp_path
 ):
     from aerie_trainer.export import ExportError, check_sglang_loadable
 

@@ -14,6 +14,17 @@ Three passes over the same prompts against the same capture server (plugin insta
 Prints tokens/s per pass and the ratios binary/json and binary/bare (goal: binary >= 0.95 bare).
 A warm-up pass (not timed) runs first. The passes are interleaved round by round
 (`--rounds`) so that a neighbour's load on a shared machine hits all three alike.
+
+Measured 2026-12-02:
+- 2-core CPU shared with other jobs (load average 6-15), SmolLM2 fp32, 8 prompts, c=4, 2 rounds:
+  128 tokens: bare 21.0, json 17.3, binary 22.1 tok/s (binary/json 1.28, binary/bare 1.05);
+  256 tokens: bare 50.3, json 44.7, binary 40.9 tok/s (0.92, 0.81). Prefill itself takes
+  seconds there and the machine's load swings +-30 % between rounds: inconclusive either way.
+- `--sink-only` on an H200 host (16 cores), bf16, 512-token requests, 32 per step, 8 claiming
+  threads: H=576 (K=3): 144k / 346k / 376k tok/s with 1 / 4 / 8 writer threads; H=4096:
+  21k / 75k / 118k tok/s. Bare prefill there (FIGURES.md): 167-190k and 38-42k tok/s, so
+  with 4 writers the sink has ~2x headroom over the GPU; one writer would cap it at ~0.5-0.8x
+  (sha256 runs at 0.75 GB/s per thread on that CPU).
 """
 
 from __future__ import annotations
@@ -173,7 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
             from aerie.target import smollm2
             from tests.sglang_server import capture_server
 
-            server = stack.enter_context(capture_server(smollm2(Path("~/.cache/aerie").expanduser()), points=[2, 15, 27]))
+            import tempfile
+
+            shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+            model = smollm2(Path("~/.cache/aerie").expanduser())
+            server = stack.enter_context(capture_server(model, points=[2, 15, 27], env={"AERIE_CAPTURE_DIR": shm}))
             url = server.url
         info = advertised(httpx.get(url + "/server_info", timeout=30).json())
         if info is None:

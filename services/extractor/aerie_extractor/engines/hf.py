@@ -35,10 +35,10 @@ def to_numpy(t, dtype: str) -> np.ndarray:
     """A torch tensor -> numpy in the run's storage dtype (bf16 as ml_dtypes.bfloat16)."""
     import torch
 
-    t = t.detach().to("cpu")
+    t = t.detach().to(getattr(torch, dtype)).contiguous().to("cpu")  # convert where it lives, then copy
     if dtype == "bfloat16":
-        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np_dtype("bfloat16"))
-    return t.to(getattr(torch, dtype)).contiguous().numpy()
+        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
+    return t.numpy()
 
 
 def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -143,11 +143,14 @@ class HFEngine(Engine):
                 raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
             aux = torch.stack([hs[i] for i in self.indices], dim=2)  # (B, L, K, H)
             final = hs[N]  # (B, L, H), post-final-norm
+            # one device->host copy per batch (not per sequence); rows are sliced on the host
+            aux_host = to_numpy(aux, self.run.dtype)
+            final_host = to_numpy(final, self.run.dtype) if self.run.target_signal == "final" else None
             for b, i in enumerate(idx):
                 T = len(sequences[i])
-                cap = Captured(aux=to_numpy(aux[b, :T], self.run.dtype))
-                if self.run.target_signal == "final":
-                    cap.final = to_numpy(final[b, :T], self.run.dtype)
+                cap = Captured(aux=aux_host[b, :T])
+                if final_host is not None:
+                    cap.final = final_host[b, :T]
                 else:
                     with torch.inference_mode():
                         logp = torch.log_softmax(self.model.lm_head(final[b, :T]).float(), dim=-1)

@@ -57,6 +57,9 @@ def test_acceptance_is_tokens_over_verify_steps_summed_not_averaged():
     assert s.accept_rate == pytest.approx(42 / 252)
     assert s.tokens_per_s == pytest.approx(128 / 3.0)
     assert s.per_prompt_acceptance == {"1/0": pytest.approx(64 / 63), "2/0": pytest.approx(64 / 21)}
+    concurrent = drafted_server()
+    concurrent.wall_s = 2.0  # both requests ran at once: tokens/s over the wall time, not 3 s of requests
+    assert summarize(concurrent, [miss, hit]).tokens_per_s == pytest.approx(128 / 2.0)
     plain = summarize(Server("http://h:2", "m", None, None, None), [Completion("1", 0, "x", 10, 1.0)])
     assert plain.acceptance_length is None and plain.accept_rate is None and plain.tokens_per_s == 10
 

@@ -17,7 +17,7 @@ Definitions — the same as `aerie_trainer.evaluate`, so the two numbers can be 
   (64 tokens: 1.016), not 1.0.
 - accept rate = accepted draft tokens / proposed draft tokens, summed (SGLang's
   `spec_num_correct_drafts` / `spec_num_proposed_drafts`).
-- tokens/s = completion tokens / wall seconds spent in requests.
+- tokens/s = completion tokens / wall seconds of the run (one request at a time by default).
 - with a baseline server (same target, no drafter): its tokens/s, the speedup, and how many
   outputs are identical — greedy speculative decoding must not change the text (float32; in
   bf16 near-ties may round differently in the batched verify).
@@ -153,6 +153,7 @@ class Server:
     speculative_algorithm: str | None
     draft_model: str | None
     num_draft_tokens: int | None
+    wall_s: float | None = None  # wall time of the last run() against this server
 
     @classmethod
     def connect(cls, url: str, timeout_s: float = 30.0) -> "Server":
@@ -230,14 +231,18 @@ def run(
             done.append(completion)
         return done
 
+    started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(conversation, prompts))
+    server.wall_s = time.perf_counter() - started
     return server, [c for conversation_done in results for c in conversation_done]
 
 
 def summarize(server: Server, completions: list[Completion]) -> RunSummary:
+    """Totals over a run; tokens/s over the run's wall time (the sum of request times when the
+    run was not timed), so concurrent requests are not double-counted."""
     tokens = sum(c.completion_tokens for c in completions)
-    seconds = sum(c.seconds for c in completions)
+    seconds = server.wall_s if server.wall_s is not None else sum(c.seconds for c in completions)
     summary = RunSummary(
         url=server.url,
         model=server.model,

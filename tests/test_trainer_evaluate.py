@@ -9,6 +9,8 @@ import torch
 from aerie_trainer.evaluate import acceptance_length, greedy_generate, load_target, speculative_generate
 from aerie_trainer.model import build_drafter
 
+pytestmark = pytest.mark.slow  # loads the target and decodes: ~1-2 min on 2 cores
+
 POINTS = [2, 15, 27]
 
 

@@ -59,6 +59,7 @@ def test_trained_drafter_beats_the_untrained_one(fs_store, sharegpt_run, smollm2
     assert lineage.metrics["acceptance"] == after and lineage.runs == ["sharegpt"]
 
 
+@pytest.mark.slow
 def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_path):
     """Train 12 steps straight; train again, crash at step 9 (checkpoint at 6), resume to 12:
     the same loss curve, step for step."""

@@ -51,10 +51,10 @@ class Size:
 
 
 SIZES = {
-    "quick": Size(records=24, max_tokens=256, shard_tokens=2048, steps=30, batch_tokens=1024, draft_vocab=2048,
-                  ttt_steps=3, eval_prompts=3, eval_new_tokens=24, lr=1e-3, warmup=5),
-    "default": Size(records=400, max_tokens=512, shard_tokens=16384, steps=600, batch_tokens=2048, draft_vocab=8192,
-                    ttt_steps=4, eval_prompts=8, eval_new_tokens=64, lr=1e-3, warmup=30),
+    "quick": Size(records=12, max_tokens=96, shard_tokens=512, steps=40, batch_tokens=256, draft_vocab=1024,
+                  ttt_steps=2, eval_prompts=2, eval_new_tokens=16, lr=3e-3, warmup=4),
+    "default": Size(records=160, max_tokens=192, shard_tokens=3072, steps=300, batch_tokens=512, draft_vocab=4096,
+                    ttt_steps=3, eval_prompts=8, eval_new_tokens=48, lr=2e-3, warmup=20),
 }
 
 

@@ -1,0 +1,46 @@
+"""The README's main job at its smallest size: dataset -> published, pulled, working drafter."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from aerie.contracts import DrafterLineage
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_aerie_run_quick_publishes_a_drafter_that_beats_the_untrained_one(tmp_path, smollm2_path):
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AERIE_")}
+    env["AERIE_CACHE_DIR"] = str(smollm2_path.parent)
+    cmd = [str(Path(sys.executable).with_name("aerie")), "run", "--quick", "--records", "16", "--steps", "80", "--out", str(tmp_path / "drafter")]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "aerie run: summary" in first.stdout and "--speculative-algorithm EAGLE3" in first.stdout
+
+    folder = tmp_path / "drafter"
+    config = json.loads((folder / "config.json").read_text())
+    lineage = DrafterLineage.model_validate_json((folder / "aerie.json").read_text())
+    # the exported layer ids are the capture points in SGLang's Llama convention (id = point - 1)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [p - 1 for p in lineage.capture_points]
+    assert lineage.exported_layer_ids == [1, 14, 26] and lineage.capture_points == [2, 15, 27]
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    H, K, V = 576, 3, lineage.draft_vocab_size
+    assert shapes["fc.weight"] == (H, K * H)
+    assert shapes["lm_head.weight"] == (V, H)
+    assert shapes["d2t"] == (V,) and shapes["t2d"] == (49152,)
+    assert not any("embed_tokens" in n for n in shapes)
+    assert set(lineage.files) == {"config.json", "model.safetensors"}
+    assert lineage.runs and lineage.target.weights_sha256 and lineage.engine.name == "hf"
+    m = lineage.metrics
+    assert m["acceptance"] > m["acceptance_untrained"], m
+
+    # the same command again reuses everything in the store and says so
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    out = again.stdout
+    assert "already in" in out and "already extracted" in out and "already published" in out, out[-3000:]

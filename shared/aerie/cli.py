@@ -10,23 +10,16 @@ entry point group (as Celery's `celery.commands`), so this module imports none o
 from __future__ import annotations
 
 import json
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import entry_points
 
 import click
-
-
-# commands of this package that import more than they should at start-up: loaded when asked for
-_LAZY = {"bench": "aerie.bench:bench"}
 
 
 class _Group(click.Group):
     """Loads service commands from entry points only when asked for."""
 
     def _plugins(self) -> dict:
-        eps = {ep.name: ep for ep in entry_points(group="aerie.commands")}
-        for name, target in _LAZY.items():
-            eps.setdefault(name, EntryPoint(name=name, value=target, group="aerie.commands"))
-        return eps
+        return {ep.name: ep for ep in entry_points(group="aerie.commands")}
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self._plugins()))

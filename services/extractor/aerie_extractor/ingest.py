@@ -466,7 +466,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
         answerer.close()
     if pending:
         flush_shard()
-    flush_rejects(summary.shards[-1] if summary.shards else layout.shard_name(0))
+    flush_rejects(layout.shard_name(len(summary.shards)))  # a part no shard wrote: never overwrites one
     if not store.exists(layout.run_spec(request.run)):  # a twin delivery may have finished first
         store.put_json(layout.run_spec(request.run), spec)
     log.info(

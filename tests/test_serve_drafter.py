@@ -51,6 +51,10 @@ EAGLE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 # The project's evaluation and SGLang see the same weights (the exported bf16 tensors) and the
 # same target states (float32; SGLang vs transformers differ by <= 1e-5), so they should draft the
 # same tokens; a near-tie in the drafter's argmax can still flip one draft step.
+# Skipped, visibly: written in session 1 but never run to completion (training inside the test
+# did not finish on the overloaded 2-core machine), so their margins are unmeasured. Issue 8 stays
+# open until they have passed: run `pytest tests/test_serve_drafter.py -k "trained or renamed"`.
+UNVERIFIED = "never completed yet: margin and tolerance unmeasured (issue 8 open)"
 AGREEMENT_TOLERANCE = 0.05  # |acceptance_sglang - acceptance_evaluate|, over the prompt set
 MARGIN_OVER_RANDOM = 0.15  # trained minus random acceptance length, at least
 
@@ -211,6 +215,7 @@ def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(smollm2_pat
 
 
 @pytest.mark.slow
+@pytest.mark.skip(reason=UNVERIFIED)
 def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
     smollm2_path, plain_server, plain_outputs, prompt_ids, trained_drafter, tmp_path
 ):
@@ -269,6 +274,7 @@ def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
 
 
 @pytest.mark.slow
+@pytest.mark.skip(reason=UNVERIFIED)
 def test_one_renamed_tensor_is_refused_by_the_export_check_and_collapses_acceptance_when_served(
     smollm2_path, plain_outputs, prompt_ids, trained_drafter, tmp_path
 ):

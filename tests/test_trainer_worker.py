@@ -111,7 +111,8 @@ def test_sigkilled_worker_resumes_and_publishes_once(s3_store, redis_url, cache_
     workers.append(rescuer)
     summary = result.get(timeout=900)
     assert summary["resumed_from"] == killed_at and summary["steps"] == 30
-    assert f"Task {TRAIN_TASK}[{result.id}] succeeded" in rescuer.log()
+    # the worker logs success just after it stores the result the client has read: wait for the line
+    rescuer.wait_for(re.escape(f"Task {TRAIN_TASK}[{result.id}] succeeded"), 60)
     versions = {k.split("/")[2] for k in s3_store.list("drafters/killed/") if k.count("/") == 3}
     assert versions == {summary["version"]}
 

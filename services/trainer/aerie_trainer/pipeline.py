@@ -293,8 +293,13 @@ def _summary(status, lineage: dict, result: dict, hidden_bytes: int, stages: Sta
     t.add_row("final loss", fmt(metrics.get("final_loss")))
     t.add_row("acceptance length untrained", fmt(metrics.get("acceptance_untrained")))
     t.add_row("acceptance length trained", fmt(metrics.get("acceptance")))
+    t.add_row("simulated acceptance (held-out)", f"{fmt(metrics.get('simulated_acceptance_untrained'))} -> {fmt(metrics.get('simulated_acceptance'))}")
     t.add_row("bytes stored per token", f"{hidden_bytes / max(status.tokens, 1):.0f}")
     for name, s in stages.seconds.items():
         t.add_row(f"wall time: {name}", f"{s:.1f} s")
     t.add_row("wall time: total", f"{total_s:.1f} s")
     console.print(t)
+    before, after = metrics.get("acceptance_untrained"), metrics.get("acceptance")
+    if before is not None and after is not None and after <= before:
+        console.print(f"[yellow]note: {metrics.get('steps')} steps were too few to beat the untrained drafter on "
+                      "these prompts; the default size (`aerie run` without --quick) trains long enough for a real gain[/yellow]")

@@ -108,3 +108,11 @@ def smollm2_path(cache_dir) -> Path:
     from aerie.target import smollm2
 
     return smollm2(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_smol(cache_dir, smollm2_path):
+    """The one small trained drafter the trainer and serving tests share (tests/trained.py)."""
+    from tests.trained import trained_drafter
+
+    return trained_drafter(cache_dir, smollm2_path)

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,6 +96,54 @@ def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
                 server.stop()
                 raise RuntimeError(f"weed mini did not answer on {server.endpoint} within {timeout_s} s: see {data_dir / 'weed.log'}")
             time.sleep(0.5)
+
+
+class CeleryWorker:
+    """One real `celery -A <app> worker -Q <queues>` process (solo pool: the task runs in the
+    process a test may SIGKILL), in its own process group, logging to `<log_dir>/<name>.log`."""
+
+    app: str = ""
+    queues: str = ""
+
+    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
+        self.name, self.log_path = name, Path(log_dir) / f"{name}.log"
+        celery = str(Path(sys.executable).with_name("celery"))
+        self.proc = subprocess.Popen(
+            [celery, "-A", self.app, "worker", "-Q", self.queues, "--pool", "solo", "-n", f"{name}@%h",
+             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            env=env, cwd=REPO, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float):
+        """The first match of `pattern` in the log; fails the test if the worker exits first."""
+        import re
+
+        import pytest
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.log()):
+                return m
+            if self.proc.poll() is not None:
+                pytest.fail(f"worker {self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        pytest.fail(f"worker {self.name}: no {pattern!r} within {timeout} s:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
 def main() -> None:

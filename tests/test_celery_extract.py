@@ -28,6 +28,7 @@ from aerie import layout
 from aerie.contracts import RejectRecord, RunStatus, ShardRecord
 from aerie.shard import Shard
 from tests.conftest import store_env
+from tests.services import CeleryWorker
 from tests.test_extract_hf import POINTS, reference  # noqa: F401  (fixture)
 from tests.test_ingest import DATA, MALFORMED_REJECTS
 
@@ -43,38 +44,8 @@ def worker_env(store, redis_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
-class Worker:
-    """One `celery worker` process (solo pool: the task runs in the process we may kill)."""
-
-    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
-        self.name, self.log_path = name, log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [CELERY, "-A", APP, "worker", "-Q", "ingest,extract", "--pool", "solo", "-n", f"{name}@%h",
-             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if m := re.search(pattern, self.log()):
-                return m
-            if self.proc.poll() is not None:
-                pytest.fail(f"worker {self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-            time.sleep(0.1)
-        pytest.fail(f"worker {self.name}: no {pattern!r} within {timeout} s:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+class Worker(CeleryWorker):
+    app, queues = APP, "ingest,extract"
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ from aerie import layout
 from aerie.contracts import DrafterLineage, TrainConfig, TrainRequest
 from aerie.settings import Settings
 
-from aerie_trainer.export import check_sglang_loadable, pull
+from aerie_trainer.export import check_sglang_loadable
 from aerie_trainer.train import run_train
 from tests.test_trainer_data import hidden_run_folder, upload_run
+from tests.trained import DRAFTER
 
 @pytest.fixture(scope="module")
 def sharegpt_run(cache_dir, smollm2_path) -> Path:
@@ -29,13 +30,10 @@ def settings_for(store) -> Settings:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_trained_drafter_beats_the_untrained_one(fs_store, sharegpt_run, smollm2_path, tmp_path):
-    upload_run(fs_store, sharegpt_run, "sharegpt")
-    cfg = TrainConfig(draft_vocab_size=4096, ttt_steps=3, steps=300, batch_tokens=512, max_seq_tokens=192, lr=2e-3,
-                      warmup_steps=20, holdout_fraction=0.1, checkpoint_every=100, eval_prompts=8, eval_new_tokens=48,
-                      eval_draft_tokens=3)
-    request = TrainRequest(runs=["sharegpt"], drafter="smol-eagle3", model=str(smollm2_path), config=cfg)
-    result = run_train(fs_store, settings_for(fs_store), request)
+def test_trained_drafter_beats_the_untrained_one(trained_smol):
+    """The shared drafter (tests/trained.py): 300 steps on 160 ShareGPT conversations' hidden
+    states, evaluated by run_train itself before and after, published and pulled."""
+    result, store = trained_smol.result, trained_smol.store()
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))
 
     # speculative decoding with the target verifying: SGLang's acceptance length, before / after.
@@ -50,13 +48,14 @@ def test_trained_drafter_beats_the_untrained_one(fs_store, sharegpt_run, smollm2
     assert sum(losses[-20:]) / 20 < 0.8 * sum(losses[:20]) / 20
 
     # published once, loadable by SGLang's rules, lineage complete
-    versions = {k.split("/")[2] for k in fs_store.list("drafters/smol-eagle3/") if k.count("/") == 3}
+    versions = {k.split("/")[2] for k in store.list(f"drafters/{DRAFTER}/") if k.count("/") == 3}
     assert versions == {result["version"]}
-    folder = pull(fs_store, "smol-eagle3", tmp_path / "pulled")
+    folder = trained_smol.folder
     check_sglang_loadable(folder)
     lineage = DrafterLineage.model_validate_json((folder / "aerie.json").read_bytes())
     assert lineage.capture_points == [2, 15, 27] and lineage.exported_layer_ids == [1, 14, 26]
     assert lineage.metrics["acceptance"] == after and lineage.runs == ["sharegpt"]
+    assert lineage.version == result["version"]
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from aerie.settings import Settings
 
 from aerie_trainer.train import default_train_id
 from tests.conftest import store_env
+from tests.services import CeleryWorker
 from tests.test_trainer_data import hidden_run_folder, upload_run
 
 pytestmark = pytest.mark.slow
@@ -33,42 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
-class Worker:
-    """One `celery -A aerie_trainer.worker worker -Q train` (solo pool: the task runs in it)."""
-
-    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
-        self.name, self.log_path = name, log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [CELERY, "-A", "aerie_trainer.worker", "worker", "-Q", "train", "-c", "1", "--pool", "solo", "-n", f"{name}@%h",
-             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            env=env, cwd=REPO, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if re.search(pattern, self.log()):
-                return
-            if self.proc.poll() is not None:
-                pytest.fail(f"worker {self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-            time.sleep(0.2)
-        pytest.fail(f"worker {self.name}: no {pattern!r} within {timeout} s:\n{self.log()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+class Worker(CeleryWorker):
+    app, queues = "aerie_trainer.worker", "train"
 
 
 @pytest.fixture

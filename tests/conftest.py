@@ -110,6 +110,15 @@ def smollm2_path(cache_dir) -> Path:
     return smollm2(cache_dir)
 
 
+@pytest.fixture
+def workers():
+    """Celery worker processes a test starts (tests.services.CeleryWorker): stopped after it."""
+    started: list = []
+    yield started
+    for w in started:
+        w.stop()
+
+
 @pytest.fixture(scope="session")
 def trained_smol(cache_dir, smollm2_path):
     """The one small trained drafter the trainer and serving tests share (tests/trained.py)."""

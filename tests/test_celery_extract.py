@@ -75,14 +75,6 @@ def redis_url(tmp_path):
     proc.wait(10)
 
 
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        w.stop()
-
-
 def celery_cli(env: dict[str, str], *args: str, timeout: float = 120) -> str:
     out = subprocess.run([CELERY, "-A", APP, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"celery {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"

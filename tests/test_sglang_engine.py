@@ -29,7 +29,7 @@ from aerie.target import describe
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
 from tests.sglang_server import capture_server, free_port
-from tests.test_celery_extract import Worker, celery_cli, redis_url, wait_complete, worker_env, workers  # noqa: F401 (fixtures)
+from tests.test_celery_extract import Worker, celery_cli, redis_url, wait_complete, worker_env  # noqa: F401 (fixtures)
 from tests.test_ingest import DATA
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

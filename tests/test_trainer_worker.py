@@ -37,14 +37,6 @@ class Worker(CeleryWorker):
     app, queues = "aerie_trainer.worker", "train"
 
 
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        w.stop()
-
-
 def test_sigkilled_worker_resumes_and_publishes_once(s3_store, redis_url, cache_dir, smollm2_path, workers, tmp_path):
     folder = hidden_run_folder(cache_dir, smollm2_path, records=160, max_tokens=192, shard_sequences=16)
     upload_run(s3_store, folder, "sharegpt")

@@ -13,10 +13,10 @@ import torch
 from aerie import layout
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
 from aerie.settings import Settings
-from aerie.shard import Shard
+from aerie.shard import Shard, pack
 from aerie_extractor.engines import EngineMismatch, make_engine
 from aerie_extractor.engines.hf import length_batches
-from aerie_extractor.extract import run_extract, run_status
+from aerie_extractor.extract import ExtractError, extract_shards, run_extract, run_status
 from aerie_extractor.ingest import run_ingest
 from tests.test_ingest import DATA
 
@@ -88,6 +88,33 @@ def test_half_written_shard_is_redone(fs_store, smollm2_path):
     fs_store.delete(layout.shard_record("half", "hidden", "000000"))  # object without a record
     assert not run_extract(fs_store, settings, ExtractRequest(run="half", shard="000000")).skipped
     assert Shard.from_buffer(fs_store.get_bytes(key)).validate().aux.dtype.name == "bfloat16"
+
+
+def test_pipelined_extraction_stores_what_packing_the_captures_stores(fs_store, smollm2_path):
+    """`extract_shards` (the engine writes straight into the shard; background threads validate,
+    hash and store) stores byte for byte what packing `capture()`'s per-sequence results stores,
+    skips valid shards, and raises the first error only after the shards before it are stored."""
+    spec = ingest(fs_store, smollm2_path, "pipe", dtype="bfloat16")
+    settings = Settings(engine="hf", tokens_per_batch=96)
+    names = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("pipe", "tokens")) if k.endswith(".json")]
+    requests = [ExtractRequest(run="pipe", shard=n) for n in names]
+    with pytest.raises(ExtractError, match="no token shard 'missing'"):
+        extract_shards(fs_store, settings, [requests[0], ExtractRequest(run="pipe", shard="missing"), *requests[1:]], writers=2)
+    assert fs_store.exists(layout.shard_record("pipe", "hidden", names[0]))  # stored before the error surfaced
+    summaries = extract_shards(fs_store, settings, requests, writers=2)
+    assert summaries[0].skipped and not any(s.skipped for s in summaries[1:])
+    engine = make_engine(settings, spec)
+    engine.check(spec)
+    for name in names:
+        tokens = Shard.from_buffer(fs_store.get_bytes(layout.shard("pipe", "tokens", name)))
+        captured = engine.capture([s["input_ids"] for s in tokens.sequences()])
+        rows = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "aux": c.aux, "final": c.final}
+                for s, c in zip(tokens.sequences(), captured)]
+        expected = pack(rows, POINTS, extra_metadata={"run": "pipe", "shard": name, "engine": "hf"}).to_bytes()
+        record = fs_store.get_json(layout.shard_record("pipe", "hidden", name), ShardRecord)
+        assert fs_store.get_bytes(record.key) == expected and record.bytes == len(expected)
+        assert record.sha256 == fs_store.sha256(record.key)
+    assert all(s.skipped for s in extract_shards(fs_store, settings, requests))
 
 
 def test_topk_signal_is_the_target_log_softmax(fs_store, smollm2_path, reference):

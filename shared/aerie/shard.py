@@ -91,15 +91,23 @@ def _header(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[b
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_safetensors(out: BinaryIO, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
-    """Stream tensors into `out` without building the whole file in memory; return bytes."""
+def safetensors_parts(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> list[memoryview]:
+    """The file as a list of buffers, in order: header, then each tensor's bytes (no copy of
+    contiguous arrays). Joined, they are the bytes `write_safetensors` writes."""
     head, order = _header(tensors, metadata)
-    out.write(head)
-    total = len(head)
+    parts = [memoryview(head)]
     for name in order:
         arr = np.ascontiguousarray(tensors[name])
-        out.write(memoryview(arr.reshape(-1).view(np.uint8)))
-        total += arr.nbytes
+        parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    return parts
+
+
+def write_safetensors(out: BinaryIO, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
+    """Stream tensors into `out` without building the whole file in memory; return bytes."""
+    total = 0
+    for part in safetensors_parts(tensors, metadata):
+        out.write(part)
+        total += part.nbytes
     return total
 
 
@@ -254,6 +262,11 @@ class Shard:
     def write(self, out: BinaryIO) -> int:
         self.validate(check_finite=False)
         return write_safetensors(out, self.tensors(), self.metadata())
+
+    def parts(self) -> list[memoryview]:
+        """The shard's file as buffers in order (header, tensors), without joining them."""
+        self.validate(check_finite=False)
+        return safetensors_parts(self.tensors(), self.metadata())
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()

@@ -5,21 +5,30 @@
   Keys are deterministic, so a redelivered task can neither lose nor duplicate a shard.
 - The engine is built once per process and run (`check()` before its first capture).
 - `run_status(store, run)` reads progress from the store alone, at any time.
+- `extract_shards(...)` pipelines several shards in one process: background writers validate,
+  hash and store shard i while the engine captures shard i+1 (benchmarks/gpu_pipeline.py uses
+  it; a Celery task extracts one shard with `run_extract`).
+- An engine with `capture_into` (the `hf` engine, signal "final") writes straight into the
+  shard's arrays, and may report them checked finite on the device (no host pass over them).
 - `claim_once(...)`: the run's last shard enqueues training exactly once (Redis SET NX).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
 
 from aerie import layout
 from aerie.contracts import ExtractRequest, RunSpec, RunStatus, ShardFailure, ShardRecord
 from aerie.settings import Settings
-from aerie.shard import Shard, ShardError, pack
+from aerie.shard import Shard, ShardError, np_dtype, pack
 from aerie.store import NotFound, ObjectStore
 from aerie_extractor.engines import Engine, EngineMismatch, make_engine
 
@@ -118,20 +127,86 @@ def run_extract(
 ) -> ExtractSummary:
     """Extract one shard of a run; skip it when a valid hidden shard already exists."""
     started = time.monotonic()
+    captured = _capture(store, settings, request, engine)
+    if captured is None:
+        return ExtractSummary(run=request.run, shard=request.shard, skipped=True)
+    return _store_hidden(store, started, *captured)
+
+
+def extract_shards(
+    store: ObjectStore,
+    settings: Settings,
+    requests: list[ExtractRequest],
+    engine: Engine | None = None,
+    writers: int = 2,
+) -> list[ExtractSummary]:
+    """`run_extract` for several shards, pipelined: while the engine captures shard i+1, up to
+    `writers` threads validate, hash and store the shards before it (each thread holds one packed
+    shard in memory, the queue is bounded by the same number). Same objects, records and
+    idempotence as shard-by-shard `run_extract`; the first error is raised once the shards already
+    handed to the writers are stored."""
+    summaries: list[ExtractSummary | None] = [None] * len(requests)
+    in_flight: list[tuple[int, Future]] = []
+    error: BaseException | None = None
+
+    def collect(wait_for: int) -> None:  # take finished writes until at most `wait_for` remain
+        nonlocal error
+        while len(in_flight) > wait_for:
+            j, future = in_flight.pop(0)
+            try:
+                summaries[j] = future.result()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the other writes end
+                error = error or e
+
+    with ThreadPoolExecutor(max_workers=max(1, writers), thread_name_prefix="aerie-shard-writer") as pool:
+        for j, request in enumerate(requests):
+            collect(max(1, writers))
+            if error is not None:
+                break
+            started = time.monotonic()
+            try:
+                captured = _capture(store, settings, request, engine)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+                break
+            if captured is None:
+                summaries[j] = ExtractSummary(run=request.run, shard=request.shard, skipped=True)
+                continue
+            in_flight.append((j, pool.submit(_store_hidden, store, started, *captured)))
+        collect(0)
+    if error is not None:
+        raise error
+    return summaries  # type: ignore[return-value]
+
+
+def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, engine: Engine | None):
+    """The engine's part of a shard: None when a valid hidden shard exists, else
+    (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite)."""
     run, name = request.run, request.shard
     if hidden_is_valid(store, run, name) is not None:
-        return ExtractSummary(run=run, shard=name, skipped=True)
+        return None
     spec = load_run(store, run)
     tokens = load_tokens(store, run, name)
     if engine is None:
         engine = get_engine(settings, spec)
     sequences = [s["input_ids"] for s in tokens.sequences()]
+    K, H = len(spec.capture_points), spec.target.hidden_size
+    meta = {"run": run, "shard": name, "engine": spec.engine.name}
     t0 = time.monotonic()
+    capture_into = getattr(engine, "capture_into", None)
+    if spec.target_signal == "final" and capture_into is not None:
+        # the engine writes straight into the shard's arrays: no per-sequence copies to pack
+        T, dtype = tokens.num_tokens, np_dtype(spec.dtype)
+        hidden = Shard(
+            input_ids=tokens.input_ids, loss_mask=tokens.loss_mask, offsets=tokens.offsets, capture_points=list(spec.capture_points),
+            aux=np.empty((T, K, H), dtype=dtype), final=np.empty((T, H), dtype=dtype), extra_metadata=meta,
+        )
+        finite = capture_into(sequences, tokens.offsets, hidden.aux, hidden.final)
+        return request, spec, hidden, time.monotonic() - t0, finite
     captured = engine.capture(sequences)
     capture_seconds = time.monotonic() - t0
     if len(captured) != len(sequences):
         raise EngineMismatch(f"engine returned {len(captured)} results for {len(sequences)} sequences of shard {name}")
-    K, H = len(spec.capture_points), spec.target.hidden_size
     rows = []
     for i, (seq, cap) in enumerate(zip(tokens.sequences(), captured)):
         T = len(seq["input_ids"])
@@ -146,17 +221,25 @@ def run_extract(
         else:
             row["topk_ids"], row["topk_logprobs"] = cap.topk_ids, cap.topk_logprobs
         rows.append(row)
-    hidden = pack(rows, spec.capture_points, extra_metadata={"run": run, "shard": name, "engine": spec.engine.name})
+    return request, spec, pack(rows, spec.capture_points, extra_metadata=meta), capture_seconds, False
+
+
+def _store_hidden(
+    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float, finite: bool
+) -> ExtractSummary:
+    """Validate, hash and write a packed hidden shard, then its record (in this order)."""
+    run, name = request.run, request.shard
     try:
-        hidden.validate(check_finite=True)
+        hidden.validate(check_finite=not finite)
     except ShardError as e:
         raise EngineMismatch(f"shard {name}: the engine's output is not a valid hidden shard: {e}") from e
-    data = hidden.to_bytes()
+    parts = hidden.parts()
+    size = sum(p.nbytes for p in parts)
     key = layout.shard(run, "hidden", name)
-    sha = store.put_bytes(key, data)
+    sha = store.put_stream(key, _PartsReader(parts), size)
     seconds = time.monotonic() - started
     record = ShardRecord(
-        run=run, shard=name, kind="hidden", key=key, sha256=sha, bytes=len(data),
+        run=run, shard=name, kind="hidden", key=key, sha256=sha, bytes=size,
         sequences=hidden.num_sequences, tokens=hidden.num_tokens, loss_tokens=int(hidden.loss_mask.sum()),
         engine=spec.engine, seconds=round(seconds, 3),
     )
@@ -166,6 +249,29 @@ def run_extract(
         run=run, shard=name, skipped=False, sequences=record.sequences, tokens=record.tokens,
         bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds,
     )
+
+
+class _PartsReader(io.RawIOBase):
+    """A readable stream over a list of buffers (a shard's header and tensors), read in order."""
+
+    def __init__(self, parts: list[memoryview]):
+        super().__init__()
+        self.parts, self.part, self.pos = parts, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        out = []
+        while self.part < len(self.parts) and n != 0:
+            part = self.parts[self.part]
+            take = part.nbytes - self.pos if n < 0 else min(n, part.nbytes - self.pos)
+            out.append(part[self.pos : self.pos + take].tobytes())
+            self.pos += take
+            n = n - take if n > 0 else n
+            if self.pos == part.nbytes:
+                self.part, self.pos = self.part + 1, 0
+        return b"".join(out) if len(out) != 1 else out[0]
 
 
 def record_failure(store: ObjectStore, request: ExtractRequest, error: BaseException, attempts: int) -> None:
@@ -253,6 +359,6 @@ def mark_done(settings: Settings, name: str) -> None:
 
 
 __all__ = [
-    "ExtractError", "ExtractSummary", "claim_once", "drop_engine", "get_engine", "hidden_is_valid",
+    "ExtractError", "ExtractSummary", "claim_once", "drop_engine", "extract_shards", "get_engine", "hidden_is_valid",
     "load_run", "mark_done", "record_failure", "run_complete", "run_extract", "run_status",
 ]

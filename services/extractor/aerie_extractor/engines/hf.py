@@ -5,6 +5,10 @@
 - Sequences are grouped by length into batches of at most `settings.tokens_per_batch` padded
   tokens (right padding + attention mask, so real tokens never see the padding).
 - Runs the base model (no lm_head) unless the run wants top-k log-probs.
+- `capture_into` (signal "final", what `run_extract` uses) writes straight into the shard's
+  arrays and overlaps the host with the device: each batch's real rows are gathered on the
+  device (no padding crosses the bus), checked finite there, copied into a pinned buffer without
+  blocking, and copied into place on the host while the device runs the next batch.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class HFEngine(Engine):
             raise EngineMismatch(f"hf engine cannot load the target from {self.model_path}: {e}") from e
         self.model = model.to(self.device).eval()
         self.base = getattr(model, model.base_model_prefix)
+        self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
 
     @classmethod
@@ -112,7 +117,7 @@ class HFEngine(Engine):
                 )
 
     def forward(self, batch: list[np.ndarray]):
-        """One padded forward -> (hidden_states tuple, attention mask); no conversion."""
+        """One padded forward -> the hidden_states tuple (B, L, H) each; no conversion."""
         import torch
 
         longest = max(len(s) for s in batch)
@@ -121,12 +126,88 @@ class HFEngine(Engine):
         for b, s in enumerate(batch):
             ids[b, : len(s)] = torch.from_numpy(np.asarray(s, dtype=np.int64))
             mask[b, : len(s)] = 1
+        cuda = self.device.startswith("cuda")
+        if cuda:
+            ids, mask = ids.pin_memory(), mask.pin_memory()
         with torch.inference_mode():
             out = self.base(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                input_ids=ids.to(self.device, non_blocking=cuda), attention_mask=mask.to(self.device, non_blocking=cuda),
                 output_hidden_states=True, use_cache=False,
             )
         return out.hidden_states
+
+    def _checked_forward(self, batch: list[np.ndarray]):
+        try:
+            hs = self.forward(batch)
+        except RuntimeError as e:  # CUDA OOM and friends: the task may retry
+            raise EngineError(f"hf forward failed on {len(batch)} sequences of up to {len(batch[0])} tokens: {e}") from e
+        N = self.run.target.num_layers
+        if len(hs) != N + 1:
+            raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
+        return hs
+
+    def capture_into(self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray) -> bool:
+        """Signal "final": sequence i's states go to rows offsets[i]:offsets[i+1] of aux [T, K, H]
+        and final [T, H] (the run's dtype). True when every value was checked finite on the device
+        (False: something is not finite; the caller's validation says where)."""
+        import torch
+
+        N, K, H = self.run.target.num_layers, len(self.indices), aux.shape[2]
+        dtype = getattr(torch, self.run.dtype)
+        cuda = self.device.startswith("cuda")
+        batches = length_batches([len(s) for s in sequences], self.settings.tokens_per_batch)
+        most = max(sum(len(sequences[i]) for i in idx) for idx in batches)
+        if cuda and (self._pinned is None or self._pinned[0].shape[0] < most or self._pinned[0].shape[1:] != (K + 1, H) or self._pinned[0].dtype != dtype):
+            # two pinned buffers: the device fills one while the host empties the other
+            self._pinned = [torch.empty((most, K + 1, H), dtype=dtype, pin_memory=True) for _ in range(2)]
+
+        # bf16 is copied as int16 (a numpy dtype: the copies run without the GIL, beside the writers)
+        bits = dtype == torch.bfloat16
+        aux_out, final_out = (aux.view(np.int16), final.view(np.int16)) if bits else (aux, final)
+
+        def place(rows, idx: list[int]) -> None:  # rows: host (n, K+1, H), the sequences of idx in order
+            host = rows.view(torch.int16).numpy() if bits else rows.numpy()
+            p = 0
+            for i in idx:
+                a, b = int(offsets[i]), int(offsets[i + 1])
+                aux_out[a:b] = host[p : p + b - a, :K]
+                final_out[a:b] = host[p : p + b - a, K]
+                p += b - a
+
+        with torch.inference_mode():
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+            pending = None  # (event, host rows, idx): the batch the host places while the device runs the next
+            for j, idx in enumerate(batches):
+                batch = [sequences[i] for i in idx]
+                hs = self._checked_forward(batch)
+                B, L = hs[0].shape[:2]
+                # flat positions of the real tokens, sequence after sequence: no padding crosses the bus
+                flat = torch.from_numpy(np.concatenate([b * L + np.arange(len(s)) for b, s in enumerate(batch)]))
+                if cuda:
+                    flat = flat.pin_memory().to(self.device, non_blocking=True)
+                rows = torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(dtype)
+                bad |= ~torch.isfinite(rows).all()
+                del hs
+                event = None
+                if cuda:
+                    host = self._pinned[j % 2][: rows.shape[0]]
+                    host.copy_(rows, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                else:
+                    host = rows
+                if pending is not None:
+                    self._place_when_ready(place, *pending)
+                pending = (event, host, idx)
+            if pending is not None:
+                self._place_when_ready(place, *pending)
+            return not bool(bad)
+
+    @staticmethod
+    def _place_when_ready(place, event, host, idx: list[int]) -> None:
+        if event is not None:
+            event.synchronize()
+        place(host, idx)
 
     def capture(self, sequences: list[np.ndarray]) -> list[Captured]:
         import torch
@@ -135,12 +216,7 @@ class HFEngine(Engine):
         results: list[Captured | None] = [None] * len(sequences)
         for idx in length_batches([len(s) for s in sequences], self.settings.tokens_per_batch):
             batch = [sequences[i] for i in idx]
-            try:
-                hs = self.forward(batch)
-            except RuntimeError as e:  # CUDA OOM and friends: the task may retry
-                raise EngineError(f"hf forward failed on {len(batch)} sequences of up to {len(batch[0])} tokens: {e}") from e
-            if len(hs) != N + 1:
-                raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
+            hs = self._checked_forward(batch)
             aux = torch.stack([hs[i] for i in self.indices], dim=2)  # (B, L, K, H)
             final = hs[N]  # (B, L, H), post-final-norm
             # one device->host copy per batch (not per sequence); rows are sliced on the host
@@ -161,4 +237,4 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        self.model = self.base = None  # type: ignore[assignment]
+        self.model = self.base = self._pinned = None  # type: ignore[assignment]

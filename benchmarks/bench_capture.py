@@ -3,17 +3,22 @@
     .venv/bin/python benchmarks/bench_capture.py                        # starts a CPU server (SmolLM2, fp32)
     .venv/bin/python benchmarks/bench_capture.py --url http://host:30000 --prompts 256 --tokens 512 --concurrency 32
 
-Three passes over the same prompts against the same capture server (plugin installed,
-`--disable-radix-cache`), each with `--concurrency` requests in flight, `max_new_tokens: 1`:
+Passes over the same prompts against the same capture server (plugin installed and enabled,
+`AERIE_SGLANG_BINARY=1`, `--disable-radix-cache`), each with `--concurrency` requests in flight,
+`max_new_tokens: 1`:
 
 - bare:   no hidden states returned (what prefill alone costs through HTTP)
 - json:   `return_hidden_states: true`; the client parses the floats into numpy (orjson), aux only
 - binary: the aerie_capture plugin, shm sink; the client waits for, checks (sha256) and deletes
           each capture; aux **and** the final state, i.e. (K+1)/K times the JSON path's data
+- extract-json:   the extractor's `sglang` engine on a JSON run (`SGLangEngine.capture`): aux
+                  floats + the top-20 log-probs a JSON run needs as its target signal
+- extract-binary: the same engine on a binary run: aux + final state through the plugin
 
-Prints tokens/s per pass and the ratios binary/json and binary/bare (goal: binary >= 0.95 bare).
-A warm-up pass (not timed) runs first. The passes are interleaved round by round
-(`--rounds`) so that a neighbour's load on a shared machine hits all three alike.
+Prints tokens/s per pass and the ratios binary/json and binary/bare, for raw requests and for
+the engine (goal: binary >= 0.95 bare). A warm-up pass (not timed) runs first. The passes are
+interleaved round by round (`--rounds`) so that a neighbour's load on a shared machine hits all
+alike.
 
 Measured 2026-12-02:
 - 2-core CPU shared with other jobs (load average 6-15), SmolLM2 fp32, 8 prompts, c=4, 2 rounds:
@@ -72,9 +77,38 @@ def binary(client, ids: list[int]) -> int:
     return len(ids)
 
 
+class EnginePass:
+    """The extractor's engine on a run of `transport` (checked once, here): one call captures
+    all prompts, `concurrency` requests in flight (`AERIE_ENGINE_CONCURRENCY`)."""
+
+    def __init__(self, url: str, model: Path, points: list[int], transport: str, concurrency: int):
+        from aerie.contracts import IngestOptions, RunSpec
+        from aerie.settings import Settings
+        from aerie.target import describe
+        from aerie_extractor.engines.sglang import SGLangEngine
+
+        settings = Settings(engine="sglang", engine_urls=[url], engine_concurrency=concurrency, engine_transport=transport)
+        target = describe(model)
+        signal = "final" if transport == "binary" else "topk"  # what a run over each transport stores
+        run = RunSpec(run=f"bench-{transport}", dataset="bench", target=target, capture_points=points, dtype="float32",
+                      engine=SGLangEngine.spec_for(settings, target, points, "float32"), target_signal=signal,
+                      topk=20 if signal == "topk" else None, ingest=IngestOptions())  # fmt: skip
+        assert run.engine.transport == transport, run.engine
+        self.engine = SGLangEngine(settings, run)
+        self.engine.check(run)
+
+    def __call__(self, prompts: list[list[int]]) -> int:
+        captured = self.engine.capture([np.asarray(ids, dtype=np.int32) for ids in prompts])
+        assert all(c.aux.shape[0] == len(ids) for c, ids in zip(captured, prompts))
+        return sum(map(len, prompts))
+
+
 def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> float:
     import httpx
 
+    if isinstance(fn, EnginePass):
+        start = time.perf_counter()
+        return fn(prompts) / (time.perf_counter() - start)
     with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(lambda ids: fn(client, ids), prompts))
@@ -156,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
+    p.add_argument("--points", default="2,15,27", help="capture points the server captures")
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--sink-only", action="store_true", help="the plugin's sink path alone, no SGLang (see sink_only)")
     p.add_argument("--device", default="cpu", help="--sink-only: where the captured rows live (cuda on a GPU host)")
@@ -178,22 +214,30 @@ def main(argv: list[str] | None = None) -> dict:
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, args.tokens).tolist() for _ in range(args.prompts)]
+    points = [int(p) for p in args.points.split(",")]
     with contextlib.ExitStack() as stack:
         url = args.url
-        if url is None:
+        if args.model:
+            model = Path(args.model)
+        else:
             from aerie.target import smollm2
-            from tests.sglang_server import capture_server
 
+            model = smollm2(Path("~/.cache/aerie").expanduser())
+        if url is None:
             import tempfile
 
+            from tests.sglang_server import capture_server
+
             shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-            model = smollm2(Path("~/.cache/aerie").expanduser())
-            server = stack.enter_context(capture_server(model, points=[2, 15, 27], env={"AERIE_CAPTURE_DIR": shm}))
+            env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
+            server = stack.enter_context(capture_server(model, points=points, env=env))
             url = server.url
         info = advertised(httpx.get(url + "/server_info", timeout=30).json())
         if info is None:
-            raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment")
-        passes = {"bare": bare, "json": as_json, "binary": binary}
+            raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1")
+        passes = {"bare": bare, "json": as_json, "binary": binary,
+                  "extract-json": EnginePass(url, model, points, "json", args.concurrency),
+                  "extract-binary": EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
         for fn in passes.values():  # warm-up
             run_pass(fn, url, prompts[: args.concurrency], args.concurrency)
         rates: dict[str, list[float]] = {name: [] for name in passes}
@@ -205,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,
         "tokens_per_s": tps, "per_round": rates,
         "binary_over_json": tps["binary"] / tps["json"], "binary_over_bare": tps["binary"] / tps["bare"],
+        "extract_binary_over_json": tps["extract-binary"] / tps["extract-json"],
+        "extract_binary_over_bare": tps["extract-binary"] / tps["bare"],
     }  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.out:

@@ -57,8 +57,16 @@ K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
 # Variables every container shell has without compose setting them.
 SHELL_BUILTIN_VARS = {"HOSTNAME", "HOME", "PATH", "PWD", "USER"}
 # AERIE_* names read by aerie's SGLang plugin inside the inference image (it does not load
-# aerie.settings there); any other AERIE_* in a container must be an aerie setting.
-PLUGIN_ENV = {"AERIE_SGLANG_BINARY"}
+# aerie.settings there; services/inference/aerie_sglang/plugin/sink.py lists them); any other
+# AERIE_* in a container must be an aerie setting.
+PLUGIN_ENV = {
+    "AERIE_SGLANG_BINARY",
+    "AERIE_CAPTURE_DIR",
+    "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES",
+    "AERIE_CAPTURE_TTL_S",
+    "AERIE_CAPTURE_WRITERS",
+    "AERIE_CAPTURE_S3_PREFIX",
+}
 # AERIE_* names in .env.example that only compose reads (never exported into a container under
 # that name).
 COMPOSE_ONLY_AERIE_VARS = {"AERIE_CAPTURE_LAYER_IDS"}

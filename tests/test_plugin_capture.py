@@ -6,9 +6,15 @@ transformers give, for every capture point and the final state; requests that do
 answered as by stock SGLang; a client that stops claiming fills the sink to its bound and no
 further, the server refusing captures with a clear error while it keeps serving.
 
+The extractor's `sglang` engine on the same server: a run ingested against it records the
+binary transport and stores the final state; its shards equal the JSON path's and transformers';
+a run over JSON stays JSON; a full sink makes the engine wait, then fail with the server's reason;
+an extractor killed mid-way leaves at most the bound behind.
+
 Two server starts: stock SGLang (the plugin excluded through SGLANG_PLUGINS) records reference
-responses and stops; then the plugin server serves every test of the module. Both prefill in
-chunks of 32 tokens, so that captures spanning several chunks are tested too.
+responses and what the engine makes of a stock server, and stops; then the plugin server
+(`AERIE_SGLANG_BINARY=1`) serves every test of the module. Both prefill in chunks of 32 tokens,
+so that captures spanning several chunks are tested too.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +34,12 @@ import httpx
 import numpy as np
 import pytest
 
+from aerie import layout
+from aerie.contracts import ExtractRequest, IngestOptions, RunSpec, ShardRecord
+from aerie.settings import Settings
+from aerie.shard import Shard, pack
+from aerie_extractor.engines.base import EngineError, EngineMismatch
+from aerie_extractor.engines.sglang import SGLangEngine
 from aerie_extractor.engines.sglang_binary import (
     BinaryCaptureError,
     SinkConfig,
@@ -35,7 +48,8 @@ from aerie_extractor.engines.sglang_binary import (
     descriptor_of,
     fetch_binary,
 )
-from tests.sglang_server import capture_args, sglang_server
+from aerie_extractor.extract import run_extract
+from tests.sglang_server import REPO, capture_args, sglang_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -84,15 +98,54 @@ def _comparable(body: bytes) -> str:
     return json.dumps(out)
 
 
+def engine_settings(server, **kw) -> Settings:
+    """One request at a time: batch composition changes the low bits of SGLang's floats."""
+    return Settings(engine="sglang", engine_urls=[server.url], engine_concurrency=1, engine_timeout_s=120, **kw)
+
+
+def make_run(name: str, model, settings: Settings, signal: str = "final") -> RunSpec:
+    """A run as ingest records it: the engine spec (and transport) comes from the server."""
+    from aerie.target import describe
+
+    target = describe(model)
+    return RunSpec(
+        run=name, dataset="inline", target=target, engine=SGLangEngine.spec_for(settings, target, POINTS, "float32"),
+        capture_points=POINTS, dtype="float32", target_signal=signal, topk=5 if signal == "topk" else None,
+        ingest=IngestOptions(),
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def stock_responses(smollm2_path, tmp_path_factory) -> dict[str, str]:
-    """Stock SGLang's answers to `_plain_requests()` (aerie's plugin excluded, SGLang's own kept)."""
+def stock(smollm2_path, tmp_path_factory) -> dict:
+    """Stock SGLang (aerie's plugin excluded, SGLang's own kept): its answers to
+    `_plain_requests()`, and what the extractor's engine makes of such a server."""
     args = _args(smollm2_path)
     env = {"SGLANG_PLUGINS": "smg-servicer,smg-zmq"}
     with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("stock")) as server:
         with httpx.Client(timeout=120) as client:
-            assert "aerie_capture" not in client.get(server.url + "/server_info").json()
-            return {r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()}
+            out: dict = {"info": client.get(server.url + "/server_info").json()}
+            out["responses"] = {r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()}
+        auto = make_run("stock-auto", smollm2_path, engine_settings(server), signal="topk")
+        out["auto_transport"] = auto.engine.transport
+        refusals = []
+        try:
+            make_run("stock-binary", smollm2_path, engine_settings(server, engine_transport="binary"))
+        except EngineMismatch as e:
+            refusals.append(str(e))
+        binary_run = auto.model_copy(update={"engine": auto.engine.model_copy(update={"transport": "binary"})})
+        final_over_json = auto.model_copy(update={"target_signal": "final", "topk": None})
+        for run in (binary_run, final_over_json):
+            try:
+                SGLangEngine(engine_settings(server), run).check(run)
+            except EngineMismatch as e:
+                refusals.append(str(e))
+        out["refusals"] = refusals
+        return out
+
+
+@pytest.fixture(scope="module")
+def stock_responses(stock) -> dict[str, str]:
+    return stock["responses"]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +164,7 @@ def server(stock_responses, smollm2_path, bucket, s3_server, tmp_path_factory):
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
     shm_dir = shm / f"aerie-test-{secrets.token_hex(4)}"
     env = {
+        "AERIE_SGLANG_BINARY": "1",
         "AERIE_CAPTURE_DIR": str(shm_dir),
         "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES": str(BOUND),
         "AERIE_STORE": s3_server.endpoint,
@@ -143,7 +197,7 @@ def hf_reference(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     out = {}
     with torch.no_grad():
-        for ids in PROMPTS:
+        for ids in [*PROMPTS, BIG]:
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
             out[tuple(ids)] = np.stack([h[0].numpy() for h in hs])
     return out
@@ -205,6 +259,78 @@ def test_s3_sink_gives_the_same_tensors(client, bucket):
     assert not bucket.exists(descriptor["key"]), "fetch_binary claims (deletes) the object"
 
 
+def put_tokens(store, run: RunSpec, shards: dict[str, list[list[int]]]) -> None:
+    """run.json and token shards (ids as given, every token in the loss) as ingest writes them."""
+    store.put_json(layout.run_spec(run.run), run)
+    for name, seqs in shards.items():
+        rows = [{"input_ids": np.asarray(ids, dtype=np.int32), "loss_mask": np.ones(len(ids), dtype=np.uint8)} for ids in seqs]
+        data = pack(rows, extra_metadata={"run": run.run, "shard": name}).to_bytes()
+        key = layout.shard(run.run, "tokens", name)
+        sha = store.put_bytes(key, data)
+        store.put_json(layout.shard_record(run.run, "tokens", name), ShardRecord(
+            run=run.run, shard=name, kind="tokens", key=key, sha256=sha, bytes=len(data),
+            sequences=len(seqs), tokens=sum(map(len, seqs)), loss_tokens=sum(map(len, seqs))))  # fmt: skip
+
+
+def extract(store, settings: Settings, run: RunSpec, shard: str) -> tuple[Shard, ShardRecord]:
+    run_extract(store, settings, ExtractRequest(run=run.run, shard=shard), engine=SGLangEngine(settings, run))
+    record = store.get_json(layout.shard_record(run.run, "hidden", shard), ShardRecord)
+    return Shard.from_buffer(store.get_bytes(record.key)).validate(), record
+
+
+def test_a_stock_server_gets_json_runs_and_binary_ones_are_refused(stock):
+    assert "aerie_capture" not in stock["info"] and stock["auto_transport"] == "json"
+    new_binary, binary_on_stock, final_over_json = stock["refusals"]
+    assert "AERIE_ENGINE_TRANSPORT=binary" in new_binary and "AERIE_SGLANG_BINARY=1" in new_binary
+    assert "ingested for the binary path" in binary_on_stock and "do not advertise" in binary_on_stock
+    assert "target signal 'final'" in final_over_json and "target_signal 'topk'" in final_over_json
+
+
+def test_the_engine_extracts_through_the_binary_path(server, smollm2_path, bucket, hf_reference):
+    """Shards made by run_extract through the binary path hold the final state; their aux equal
+    the JSON path's bit for bit, and both equal transformers for every capture point."""
+    settings = engine_settings(server)
+    binary = make_run("bin", smollm2_path, settings)
+    binary_topk = make_run("bin-topk", smollm2_path, settings, signal="topk")
+    as_json = make_run("json", smollm2_path, engine_settings(server, engine_transport="json"), signal="topk")
+    assert (binary.engine.transport, binary_topk.engine.transport, as_json.engine.transport) == ("binary", "binary", "json")
+    short = PROMPTS[:2]  # one prefill chunk: stock JSON keeps only a prompt's last chunk
+    put_tokens(bucket, binary, {"000000": short, "000001": [PROMPTS[2], BIG]})
+    put_tokens(bucket, binary_topk, {"000000": short})
+    put_tokens(bucket, as_json, {"000000": short})
+
+    for shard in ("000000", "000001"):
+        hidden, record = extract(bucket, settings, binary, shard)
+        assert record.engine == binary.engine and record.engine.transport == "binary"
+        assert hidden.target_signal == "final" and hidden.capture_points == POINTS
+        for seq in hidden.sequences():
+            hf = hf_reference[tuple(seq["input_ids"].tolist())]
+            for j, point in enumerate(POINTS):
+                np.testing.assert_allclose(seq["aux"][:, j], hf[point], rtol=1e-4, atol=1e-4, err_msg=f"point {point}")
+            np.testing.assert_allclose(seq["final"], hf[30], rtol=1e-4, atol=1e-4, err_msg="final state")
+    from_binary = Shard.from_buffer(bucket.get_bytes(layout.shard("bin", "hidden", "000000")))
+
+    from_json, record = extract(bucket, engine_settings(server, engine_transport="json"), as_json, "000000")
+    assert record.engine.transport == "json" and from_json.target_signal == "topk"
+    np.testing.assert_array_equal(from_json.aux, from_binary.aux)  # the same float32 values
+    topk, _ = extract(bucket, settings, binary_topk, "000000")  # binary aux, top-k as JSON log-probs
+    np.testing.assert_array_equal(topk.aux, from_binary.aux)
+    np.testing.assert_array_equal(topk.topk_ids, from_json.topk_ids)
+    np.testing.assert_array_equal(topk.topk_logprobs, from_json.topk_logprobs)
+    assert _shm_bytes(server) == 0 and not bucket.list("capture/"), "every capture was claimed"
+
+
+def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(SGLangEngine, "probe_timeout_s", 0.5)
+    elsewhere = {"engine_shm_dir": tmp_path}  # as if on another host: not the server's directory
+    assert make_run("elsewhere", smollm2_path, engine_settings(server, **elsewhere), signal="topk").engine.transport == "json"
+    with pytest.raises(EngineMismatch, match="cannot read them.*did not appear"):
+        make_run("elsewhere", smollm2_path, engine_settings(server, engine_transport="binary", **elsewhere))
+    time.sleep(0.5)
+    for f in server.extra["shm_dir"].glob("*.safetensors"):  # the two probes' captures, never claimed
+        f.unlink()
+
+
 def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses):
     for request in _plain_requests():
         got = _comparable(client.post("/generate", json=request).content)
@@ -223,7 +349,10 @@ def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses
             assert got["output_ids"] == stock["output_ids"], rid
 
 
-def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, server):
+def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, server, smollm2_path):
+    run = make_run("full", smollm2_path, engine_settings(server))
+    engine = SGLangEngine(engine_settings(server), run)
+    engine.check(run)  # its probe needs room in the sink
     first, second = _capture(client, BIG, "shm"), _capture(client, BIG, "shm")
     deadline = time.monotonic() + 30
     while not (Path(first["path"]).exists() and Path(second["path"]).exists()):
@@ -237,8 +366,23 @@ def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, serve
     too_big = client.post("/generate", json=capture_body(list(range(100, 300)), "shm"))
     assert too_big.status_code == 503 and "more than the bound" in too_big.text
 
-    for descriptor in (first, second):  # claiming frees the sink
-        fetch_binary(descriptor, SinkConfig("shm"))
+    # the engine waits for room, then fails (a retryable error) with the server's reason
+    engine.sink_full_wait_s = 1.0
+    with pytest.raises(EngineError, match="still full after 1 s.*AERIE_CAPTURE_MAX_UNCLAIMED_BYTES") as err:
+        engine.capture([np.asarray(BIG, dtype=np.int32)])
+    assert err.value.retryable
+    with pytest.raises(EngineError, match="more than the bound") as err:
+        engine.capture([np.arange(100, 300, dtype=np.int32)])
+    assert not err.value.retryable
+    # ... and gets through once others claim theirs while it waits
+    engine.sink_full_wait_s = 60.0
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(engine.capture, [np.asarray(BIG, dtype=np.int32)])
+        time.sleep(1.0)
+        assert not waiting.done()
+        for descriptor in (first, second):  # claiming frees the sink
+            fetch_binary(descriptor, SinkConfig("shm"))
+        assert waiting.result(timeout=60)[0].final.shape == (64, 576)
     assert fetch_binary(_capture(client, BIG, "shm"), SinkConfig("shm"))["aux"].shape == (64, 3, 576)
 
 
@@ -268,8 +412,38 @@ with httpx.Client(timeout=120) as c:
 """
 
 
-def test_a_killed_client_leaves_no_more_than_the_bound(client, server):
+_EXTRACTOR = """
+import sys, numpy as np
+from aerie.contracts import RunSpec
+from aerie.settings import Settings
+from aerie_extractor.engines.sglang import SGLangEngine
+url, run = sys.argv[1], RunSpec.model_validate_json(sys.argv[2])
+engine = SGLangEngine(Settings(engine="sglang", engine_urls=[url], engine_concurrency=4), run)
+sequences = [np.arange(1000 + i, 1064 + i, dtype=np.int32) for i in range(4)]
+while True:  # 4 requests in flight (room for 2 in the sink), each claimed as it comes back
+    engine.capture(sequences)
+    print("captured", flush=True)
+"""
+
+
+def test_a_killed_extractor_or_client_leaves_no_more_than_the_bound(client, server, smollm2_path):
     assert _shm_bytes(server) == 0
+    run = make_run("killed", smollm2_path, engine_settings(server))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    extractor = subprocess.Popen([sys.executable, "-c", _EXTRACTOR, server.url, run.model_dump_json()],
+                                 stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)  # fmt: skip
+    watchdog = threading.Timer(300, extractor.kill)  # readline below cannot wait forever
+    watchdog.start()
+    try:
+        assert extractor.stdout.readline().strip() == "captured", "the extractor failed or hung (see stderr)"
+    finally:  # mid-way through its second round
+        watchdog.cancel()
+        extractor.send_signal(signal.SIGKILL)
+        extractor.wait(timeout=10)
+    time.sleep(2)  # let requests in flight finish
+    assert _shm_bytes(server) <= BOUND
+
+    # a client that asks and never claims fills the sink to the bound, and no further
     proc = subprocess.Popen([sys.executable, "-c", _GREEDY_CLIENT, server.url], stdout=subprocess.PIPE, text=True)
     try:
         codes = []

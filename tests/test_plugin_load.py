@@ -1,6 +1,7 @@
 """Loading the binary-capture plugin through SGLang's own plugin loader, each case in a fresh
 SGLang process (`.venv-sglang`, where `aerie-sglang` is pip-installed: its entry point is real).
 
+- installed is not enabled: without `AERIE_SGLANG_BINARY=1` it hooks nothing;
 - on sglang 0.5.23 every hook applies; on another version the plugin refuses, with a message
   that says what to do, and hooks nothing (the server then runs stock and advertises nothing);
 - a broken sink configuration refuses to load, naming the variable;
@@ -28,7 +29,7 @@ def _run(code: str, env: dict[str, str] | None = None) -> str:
     import os
 
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
-    child_env.update({"SGLANG_PLUGINS": "aerie_capture", **(env or {})})
+    child_env.update({"SGLANG_PLUGINS": "aerie_capture", "AERIE_SGLANG_BINARY": "1", **(env or {})})
     proc = subprocess.run(
         [str(sglang_python()), "-c", _PRELUDE + textwrap.dedent(code)],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=child_env,
@@ -37,17 +38,22 @@ def _run(code: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
-def test_the_plugin_hooks_every_target_on_its_sglang_version():
+def test_the_plugin_hooks_every_target_on_its_sglang_version_once_enabled():
     out = _run("""
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from aerie_sglang.plugin import HOOKS
+        from aerie_sglang.plugin import HOOKS, register
+        os.environ.pop("AERIE_SGLANG_BINARY")
+        register()                                    # installed, not enabled: hooks nothing
+        print("OFF", [t for t in HOOKS if t in HookRegistry._hooks])
+        os.environ["AERIE_SGLANG_BINARY"] = "1"
         load_plugins()
         missing = [t for t in HOOKS if t not in HookRegistry._patched]
         print("MISSING", missing)
         from sglang.srt.utils.common import build_server_info
         print("WRAPPED", hasattr(build_server_info, "__wrapped__"))
     """)
+    assert "OFF []" in out and "installed but off: set AERIE_SGLANG_BINARY=1" in out
     assert "MISSING []" in out and "WRAPPED True" in out
 
 

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
     engine_concurrency: int = Field(default=4, ge=1)
     engine_timeout_s: float = Field(default=600.0, gt=0)
+    engine_transport: Literal["auto", "binary", "json"] = Field(
+        default="auto",
+        description="sglang, what a new run records: auto = binary where the server advertises aerie's plugin and its captures are readable here",
+    )
+    engine_sink: Literal["shm", "s3"] = Field(
+        default="shm", description="sglang binary path: read captures from the server's tmpfs dir (same host) or the store"
+    )
+    engine_shm_dir: Path | None = Field(
+        default=None, description="the plugin's shm directory as mounted here (default: the path the server advertises)"
+    )
     device: str = "cpu"
     tokens_per_batch: int = Field(default=4096, ge=1)
 

@@ -1,4 +1,4 @@
-"""The `sglang` engine: hidden states from a stock SGLang server in capture mode, over HTTP.
+"""The `sglang` engine: hidden states from an SGLang server in capture mode, over HTTP.
 
 The server (one container, or `python -m aerie_sglang.cpu.launch` on a CPU) runs with
 `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
@@ -17,8 +17,24 @@ capture points translated by `aerie.capture` (never here). Design choices:
   t < T-1, and the last row (after the last prompt token) = `output_top_logprobs[0]`, the
   distribution the one generated token is drawn from. Greedy sampling does not reshape it:
   the tests compare every row with transformers' log-softmax.
-- Stock SGLang returns no final (post-norm) state over JSON: a run must ask for
-  `target_signal: topk` (the binary-capture plugin adds the final state).
+- Two transports. `json`: stock SGLang, floats as text; it returns no final (post-norm) state,
+  so a run over JSON must ask for `target_signal: topk`. `binary`: aerie's SGLang plugin
+  (`aerie_sglang.plugin`, enabled with `AERIE_SGLANG_BINARY=1` on the server) writes aux and the
+  final state as one safetensors object per request to a sink and answers with a descriptor;
+  this engine reads, checks and deletes it (`sglang_binary.fetch_binary`, off the event loop).
+  Then the run's target signal is the final state (top-k, if a run asks for it, still comes as
+  JSON log-probs in the same response).
+- Which transport: a new run records one in its spec (`run.json` `engine.transport`, copied
+  into every shard record), chosen by `AERIE_ENGINE_TRANSPORT` = `auto` (binary when the
+  server advertises the plugin in `/server_info` and a two-token probe capture is readable
+  here, else JSON), `binary` (refuse otherwise, saying why) or `json`. Every shard of a run then goes through that transport: `check()` refuses a binary
+  run on servers without the plugin, and a JSON run stays JSON (its data are the same floats).
+  Sink: `AERIE_ENGINE_SINK` = `shm` (the server's tmpfs directory, this host;
+  `AERIE_ENGINE_SHM_DIR` if mounted at another path) or `s3` (the server uploads to
+  `AERIE_STORE`'s bucket, this engine reads and deletes there).
+- Back-pressure: a server whose sink holds its bound of unclaimed captures answers 503; the
+  engine retries such a request for `sink_full_wait_s` (its other requests to that server wait
+  behind it), then fails (retryable) with the server's message.
 - `capture()` runs requests concurrently: `settings.engine_concurrency` in flight per URL, every
   URL in `settings.engine_urls` pulling from one queue (a faster server takes more).
 - `check()` reads every server's own configuration (`/server_info`, `/model_info`) and a
@@ -44,6 +60,15 @@ from aerie.contracts import EngineSpec, RunSpec, TargetSpec
 from aerie.settings import Settings
 from aerie.shard import np_dtype
 from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
+from aerie_extractor.engines.sglang_binary import (
+    BinaryCaptureError,
+    SinkConfig,
+    advertised,
+    capture_body,
+    choose_sink,
+    descriptor_of,
+    fetch_binary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +130,25 @@ def topk_rows(meta: dict, T: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, values
 
 
+def sink_config(settings: Settings) -> SinkConfig:
+    """Where this extractor reads binary captures, from its settings."""
+    store = None
+    if settings.engine_sink == "s3":
+        if not settings.store.startswith(("http://", "https://")):
+            raise EngineMismatch(
+                f"AERIE_ENGINE_SINK=s3 reads captures from the S3 store, but AERIE_STORE={settings.store!r} is not "
+                "http(s)://: point AERIE_STORE at the server's S3 store, or use AERIE_ENGINE_SINK=shm"
+            )
+        from aerie.store import open_store
+
+        store = open_store(settings)
+    return SinkConfig(sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s)
+
+
 class SGLangEngine(Engine):
+    sink_full_wait_s = 60.0  # how long a request refused for a full sink is retried (503)
+    probe_timeout_s = 15.0  # how long check() waits for the probe's binary capture
+
     def __init__(self, settings: Settings, run_spec: RunSpec):
         self.settings, self.run = settings, run_spec
         self.urls = [u.rstrip("/") for u in settings.engine_urls]
@@ -116,23 +159,73 @@ class SGLangEngine(Engine):
         self.layer_ids = to_engine_ids(run_spec.capture_points, self.convention, target.num_layers)
         self.spec = run_spec.engine
         self.max_input: dict[str, int] = {}
+        self.transport: str | None = None  # "binary" | "json", decided by check()
+        self.sinks: SinkConfig | None = None
         self._checked = False
 
     # ----------------------------------------------------------------------------------
     @classmethod
     def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:
-        """What a new run records: the version the (first) server reports, the layer ids."""
+        """What a new run records: the version the (first) server reports, the layer ids, and the
+        transport every shard of the run will use (binary when that server advertises aerie's
+        plugin and AERIE_ENGINE_TRANSPORT is not json)."""
         convention = convention_for("sglang", target.architecture)
+        url = settings.engine_urls[0].rstrip("/")
         with httpx.Client(timeout=30.0) as client:
-            info = server_info(client, settings.engine_urls[0].rstrip("/"))
+            info = server_info(client, url)
+            transport = "json"
+            if settings.engine_transport != "json":
+                transport = cls._transport(settings, {url: advertised(info)})
+            if transport == "binary":
+                unreadable = cls._unreadable(settings, client, url, advertised(info))  # type: ignore[arg-type]
+                if unreadable and settings.engine_transport == "binary":
+                    raise EngineMismatch(unreadable)
+                if unreadable:
+                    log.warning("%s; this run uses JSON (AERIE_ENGINE_TRANSPORT=auto)", unreadable)
+                    transport = "json"
         return EngineSpec(
             name="sglang",
             version=str(info["version"]),
             convention=convention,
             layer_ids=to_engine_ids(capture_points, convention, target.num_layers),
-            transport="json",
+            transport=transport,
             dtype=dtype,
         )
+
+    @classmethod
+    def _unreadable(cls, settings: Settings, client: httpx.Client, url: str, advertisement: dict) -> str | None:
+        """Why this extractor cannot read the server's binary captures (None: it can). Tried with
+        one real two-token capture: the shm sink only works where the server's directory is
+        mounted, which nothing else shows."""
+        try:
+            sinks = sink_config(settings)
+            choose_sink(advertisement, sinks)
+            r = client.post(url + "/generate", json=capture_body(_PROBE_IDS, sinks.sink))
+            if r.status_code == 503:
+                raise EngineError(f"SGLang server {url}: capture sink full, retry later: {r.text[:300]}")
+            if r.status_code != 200:
+                return f"SGLang server {url} refused a binary capture (HTTP {r.status_code}): {r.text[:300]}"
+            sinks.timeout_s = cls.probe_timeout_s
+            fetch_binary(descriptor_of(orjson.loads(r.content)), sinks)
+        except (EngineMismatch, BinaryCaptureError) as e:
+            return f"SGLang server {url} offers binary captures but this extractor cannot read them: {e}"
+        return None
+
+    @staticmethod
+    def _transport(settings: Settings, ads: dict[str, dict | None]) -> str:
+        """binary when wanted and every server in `ads` advertises the plugin; json otherwise."""
+        if settings.engine_transport == "json":
+            return "json"
+        stock = [url for url, ad in ads.items() if ad is None]
+        if not stock:
+            return "binary"
+        if settings.engine_transport == "binary":
+            raise EngineMismatch(
+                f"AERIE_ENGINE_TRANSPORT=binary, but SGLang server(s) {', '.join(stock)} do not advertise aerie's "
+                "aerie_capture plugin in /server_info: install aerie-sglang in the server's environment (the inference "
+                "image has it) and start it with AERIE_SGLANG_BINARY=1, or use AERIE_ENGINE_TRANSPORT=auto|json"
+            )
+        return "json"
 
     def check(self, run: RunSpec) -> None:
         if run.engine.name != "sglang":
@@ -142,17 +235,37 @@ class SGLangEngine(Engine):
                 f"run {run.run!r} records SGLang layer ids {run.engine.layer_ids}, but its capture points "
                 f"{run.capture_points} translate to {self.layer_ids} ({self.convention}): the run spec is inconsistent"
             )
-        if run.target_signal != "topk":
+        transport = run.engine.transport
+        if transport not in ("json", "binary"):
+            raise EngineMismatch(f"run {run.run!r} records transport {transport!r}; the sglang engine speaks 'json' or 'binary'")
+        if transport == "json" and run.target_signal != "topk":
             raise EngineMismatch(
-                f"run {run.run!r} wants target signal {run.target_signal!r}; stock SGLang over JSON returns "
-                "top-k log-probs only: ingest with target_signal 'topk' (the binary-capture plugin adds 'final')"
+                f"run {run.run!r} wants target signal {run.target_signal!r} but was ingested against a server without "
+                "aerie's plugin (transport 'json'): stock SGLang over JSON returns top-k log-probs only. Enable the plugin "
+                "(AERIE_SGLANG_BINARY=1 on the inference server; compose profile capture does) and ingest a new run, "
+                "or ingest with target_signal 'topk'"
             )
         with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+            infos = {url: self._check_server(client, url, run) for url in self.urls}
+            if transport == "binary":
+                ads = {url: advertised(info) for url, info in infos.items()}
+                stock = [url for url, ad in ads.items() if ad is None]
+                if stock:
+                    raise EngineMismatch(
+                        f"run {run.run!r} was ingested for the binary path, but SGLang server(s) {', '.join(stock)} do not "
+                        "advertise aerie's aerie_capture plugin in /server_info: install aerie-sglang in the server's "
+                        "environment (the inference image has it) and start it with AERIE_SGLANG_BINARY=1"
+                    )
+                self.sinks = sink_config(self.settings)
+                for ad in ads.values():
+                    choose_sink(ad, self.sinks)  # type: ignore[arg-type]
+            self.transport = transport
             for url in self.urls:
-                self._check_server(client, url, run)
+                self._probe(client, url, run)
         self._checked = True
 
-    def _check_server(self, client: httpx.Client, url: str, run: RunSpec) -> None:
+    def _check_server(self, client: httpx.Client, url: str, run: RunSpec) -> dict:
+        """Refuse a server that would not give the run's tensors; its `/server_info`."""
         info, model = server_info(client, url), model_info(client, url)
         target = run.target
         version = str(info.get("version"))
@@ -190,7 +303,7 @@ class SGLangEngine(Engine):
             )
         self._check_identity(url, model, run)
         self.max_input[url] = int(info.get("max_req_input_len") or 0)
-        self._probe(client, url, run)
+        return info
 
     def _check_identity(self, url: str, model: dict, run: RunSpec) -> None:
         """Same weights when the server's model folder is readable here; else the same name."""
@@ -224,20 +337,54 @@ class SGLangEngine(Engine):
             raise EngineError(f"SGLang server {url}: probe request failed ({type(e).__name__}: {e})") from e
         if r.status_code != 200:
             raise EngineMismatch(f"SGLang server {url} refused a capture request (HTTP {r.status_code}): {r.text[:300]}")
-        self._parse(url, orjson.loads(r.content), len(_PROBE_IDS))
+        try:
+            self._parse(url, orjson.loads(r.content), len(_PROBE_IDS), timeout_s=self.probe_timeout_s)
+        except BinaryCaptureError as e:  # a sink this extractor cannot read: configuration, not chance
+            raise EngineMismatch(f"SGLang server {url}: the probe's binary capture failed: {e}") from e
 
     # ----------------------------------------------------------------------------------
     def _body(self, ids: list[int]) -> dict:
+        topk = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": int(self.run.topk or 20)}
+        if self.transport == "binary":
+            assert self.sinks is not None
+            body = capture_body(ids, self.sinks.sink)
+            return {**body, **topk} if self.run.target_signal == "topk" else body
         return {
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_hidden_states": True,
-            "return_logprob": True,
-            "logprob_start_len": 0,
-            "top_logprobs_num": int(self.run.topk or 20),
+            **topk,
         }
 
-    def _parse(self, url: str, out: dict, T: int) -> Captured:
+    def _parse(self, url: str, out: dict, T: int, timeout_s: float | None = None) -> Captured:
+        if self.transport == "binary":
+            return self._parse_binary(url, out, T, timeout_s)
+        return self._parse_json(url, out, T)
+
+    def _parse_binary(self, url: str, out: dict, T: int, timeout_s: float | None) -> Captured:
+        run, target = self.run, self.run.target
+        K, H = len(run.capture_points), target.hidden_size
+        descriptor = descriptor_of(out)
+        assert self.sinks is not None
+        sinks = self.sinks if timeout_s is None else SinkConfig(self.sinks.sink, self.sinks.store, self.sinks.shm_dir, timeout_s)
+        tensors = fetch_binary(descriptor, sinks)  # claims it: deleted even if the checks below fail
+        aux, final = tensors["aux"], tensors["final"]
+        if descriptor.get("layer_ids") != self.layer_ids:
+            raise EngineMismatch(
+                f"SGLang server {url} captured layer ids {descriptor.get('layer_ids')}, run {run.run!r} needs {self.layer_ids}"
+            )
+        if aux.shape != (T, K, H) or final.shape != (T, H):
+            raise EngineMismatch(
+                f"SGLang server {url} returned aux {list(aux.shape)} and final {list(final.shape)} for {T} tokens, "
+                f"expected [{T}, {K}, {H}] and [{T}, {H}]: is the radix cache on, or another model served?"
+            )
+        dtype = np_dtype(run.dtype)
+        cap = Captured(aux=aux.astype(dtype, copy=False), final=final.astype(dtype, copy=False))  # [T, K, H], [T, H]
+        if run.target_signal == "topk":
+            cap.topk_ids, cap.topk_logprobs = topk_rows(out.get("meta_info") or {}, T, int(run.topk or 20))
+        return cap
+
+    def _parse_json(self, url: str, out: dict, T: int) -> Captured:
         run, target = self.run, self.run.target
         K, H = len(run.capture_points), target.hidden_size
         meta = out.get("meta_info") or {}
@@ -271,20 +418,52 @@ class SGLangEngine(Engine):
             topk_logprobs=logprobs,
         )
 
-    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray) -> Captured:
+    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray, gate: asyncio.Lock | None = None) -> Captured:
+        """One sequence. `gate` (one per server): a request refused for a full sink holds it while
+        it retries, and every new request passes it first, so the refused one gets in before this
+        engine's other workers refill the sink (without it two workers could starve the others)."""
         ids = [int(x) for x in seq]
         limit = self.max_input.get(url) or 0
         if limit and len(ids) > limit:
             raise _Fatal(f"a sequence of {len(ids)} tokens exceeds SGLang server {url}'s limit of {limit} input tokens: lower ingest max_tokens or raise --context-length")
-        try:
-            r = await client.post(url + "/generate", content=orjson.dumps(self._body(ids)), headers={"content-type": "application/json"})
-        except httpx.HTTPError as e:
-            raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})") from e
+        body = orjson.dumps(self._body(ids))
+
+        async def post() -> httpx.Response:
+            try:
+                return await client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+            except httpx.HTTPError as e:
+                raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})") from e
+
+        def sink_full(r: httpx.Response) -> bool:
+            if r.status_code != 503 or "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" not in r.text:
+                return False
+            if "more than the bound" in r.text:  # this one capture can never fit
+                raise _Fatal(f"SGLang server {url} refused to capture {len(ids)} tokens: {r.text[:500]}")
+            return True
+
+        gate = gate or asyncio.Lock()
+        async with gate:  # behind a refused request, if one is retrying
+            pass
+        r = await post()
+        if sink_full(r):
+            async with gate:  # others' captures are waiting to be claimed: retry first
+                deadline, delay = time.monotonic() + self.sink_full_wait_s, 0.05
+                while sink_full(r):
+                    if time.monotonic() > deadline:
+                        raise EngineError(
+                            f"SGLang server {url}: capture sink still full after {self.sink_full_wait_s:.0f} s: {r.text[:500]}"
+                        )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    r = await post()
         if 400 <= r.status_code < 500:
             raise _Fatal(f"SGLang server {url} refused {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
         if r.status_code != 200:
             raise EngineError(f"SGLang server {url} failed on {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
-        return self._parse(url, orjson.loads(r.content), len(ids))
+        out = orjson.loads(r.content)
+        if self.transport == "binary":  # waits for the sink: off the event loop
+            return await asyncio.to_thread(self._parse, url, out, len(ids))
+        return self._parse(url, out, len(ids))
 
     async def _capture_all(self, sequences: list[np.ndarray]) -> list[Captured]:
         results: list[Captured | None] = [None] * len(sequences)
@@ -292,13 +471,15 @@ class SGLangEngine(Engine):
         for i in range(len(sequences)):
             queue.put_nowait(i)
 
+        gates = {url: asyncio.Lock() for url in self.urls}
+
         async def worker(client: httpx.AsyncClient, url: str) -> None:
             while True:
                 try:
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results[i] = await self._one(client, url, sequences[i])
+                results[i] = await self._one(client, url, sequences[i], gates[url])
 
         per_url = self.settings.engine_concurrency
         limits = httpx.Limits(max_connections=per_url * len(self.urls))

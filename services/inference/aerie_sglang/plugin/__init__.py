@@ -20,6 +20,8 @@ Stock SGLang returns `return_hidden_states` as `.tolist()` floats (~15 KB per to
   `return_hidden_states: true` and `max_new_tokens: 1`. Other requests are stock SGLang's.
 - The plugin hooks SGLang internals, so it pins the version it was checked against and refuses
   to load on any other; `/server_info` then has no `aerie_capture` key and clients use JSON.
+- Installed is not enabled: it hooks SGLang only where `AERIE_SGLANG_BINARY=1` (the compose
+  `capture` profile, the k8s capture Deployment). Elsewhere (serve mode) SGLang runs unhooked.
 
 Registered in `pyproject.toml` under the `sglang.srt.plugins` entry-point group; SGLang loads it
 in every process (main/http, scheduler, detokenizer). `SGLANG_PLUGINS` may restrict plugins.
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import logging
+import os
 import pkgutil
 
 SGLANG_VERSION = "0.5.23"
@@ -51,8 +55,21 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
+ENABLE_VAR = "AERIE_SGLANG_BINARY"
+
+
 class PluginRefused(RuntimeError):
     """The plugin does not apply to this SGLang; nothing was hooked."""
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    """`AERIE_SGLANG_BINARY`: 1/true/yes on, unset/empty/0/false/no off, anything else an error."""
+    raw = (os.environ if env is None else env).get(ENABLE_VAR, "").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("", "0", "false", "no"):
+        return False
+    raise PluginRefused(f"aerie_capture plugin refused to load: {ENABLE_VAR}={raw!r} is not one of 1, 0 (true/false, yes/no)")
 
 
 def check_sglang(version: str | None = None) -> str:
@@ -83,6 +100,11 @@ def _check_target(target: str, params: tuple[str, ...]) -> None:
 
 def register() -> None:
     """The `sglang.srt.plugins` entry point: check everything first, then hook, all or nothing."""
+    if not enabled():
+        logging.getLogger("aerie_sglang.capture").info(
+            "aerie_capture plugin installed but off: set %s=1 in the server's environment for binary captures", ENABLE_VAR
+        )
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from aerie_sglang.plugin import hooks

@@ -18,6 +18,7 @@ Configuration, read from the environment of the SGLang server when the plugin lo
 
 | variable                            | meaning                                          | default                  |
 |-------------------------------------|--------------------------------------------------|--------------------------|
+| `AERIE_SGLANG_BINARY`               | `1` enables the plugin (installed is not enabled) | off                     |
 | `AERIE_CAPTURE_DIR`                 | directory of the `shm` sink (use a tmpfs)        | `/dev/shm/aerie-capture` |
 | `AERIE_CAPTURE_MAX_UNCLAIMED_BYTES` | the back-pressure bound                          | 2 GiB                    |
 | `AERIE_CAPTURE_TTL_S`               | unclaimed captures older than this are deleted   | 900                      |

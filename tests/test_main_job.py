@@ -14,13 +14,12 @@ from aerie.contracts import DrafterLineage
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_aerie_run_quick_publishes_a_trained_drafter_and_reruns_idempotently(tmp_path, smollm2_path):
-    """At this size the real speculative loop evaluates 2 prompts x 16 tokens: too few to rank
-    drafters (measured 2026-12-02: untrained 1.14, trained 1.07). The held-out TTT metrics
-    are the signal here; tests/test_trainer_train.py asserts the real-loop acceptance gain at
-    300 steps."""
+    """The smallest size, as a newcomer's first look runs it. Its real speculative loop (4 held-out
+    prompts x 16 tokens, greedy, chain of 3) ranks the drafters: measured 2026-12-02, untrained
+    1.143, trained 1.333 (the run is deterministic on the CPU)."""
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AERIE_")}
     env["AERIE_CACHE_DIR"] = str(smollm2_path.parent)
-    cmd = [str(Path(sys.executable).with_name("aerie")), "run", "--quick", "--records", "16", "--steps", "80", "--out", str(tmp_path / "drafter")]
+    cmd = [str(Path(sys.executable).with_name("aerie")), "run", "--quick", "--out", str(tmp_path / "drafter")]
     first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1400)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "aerie run: summary" in first.stdout and "--speculative-algorithm EAGLE3" in first.stdout
@@ -43,7 +42,8 @@ def test_aerie_run_quick_publishes_a_trained_drafter_and_reruns_idempotently(tmp
     m = lineage.metrics
     assert m["heldout_loss"] < m["heldout_loss_untrained"], m
     assert m["simulated_acceptance"] > m["simulated_acceptance_untrained"], m
-    assert m["acceptance"] >= 1.0 and m["acceptance_untrained"] >= 1.0 and m["eval_prompts"] >= 1, m
+    assert m["eval_prompts"] == 4 and m["acceptance_untrained"] >= 1.0, m
+    assert m["acceptance"] > m["acceptance_untrained"], m  # the real loop: after > before
 
     # the same command again reuses everything in the store and says so
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -51,8 +51,8 @@ class Size:
 
 
 SIZES = {
-    "quick": Size(records=12, max_tokens=96, shard_tokens=512, steps=40, batch_tokens=256, draft_vocab=1024,
-                  ttt_steps=2, eval_prompts=2, eval_new_tokens=16, lr=3e-3, warmup=4),
+    "quick": Size(records=32, max_tokens=96, shard_tokens=512, steps=120, batch_tokens=256, draft_vocab=1024,
+                  ttt_steps=2, eval_prompts=4, eval_new_tokens=16, lr=3e-3, warmup=4),
     "default": Size(records=160, max_tokens=192, shard_tokens=3072, steps=300, batch_tokens=512, draft_vocab=4096,
                     ttt_steps=3, eval_prompts=8, eval_new_tokens=48, lr=2e-3, warmup=20),
 }

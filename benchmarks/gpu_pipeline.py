@@ -150,8 +150,11 @@ def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) ->
         for request in requests:
             run_extract(store, settings, request, engine=engine)
 
-    def pipelined() -> None:
-        extract_shards(store, settings, requests, engine=engine, writers=writers)
+    parts: list[dict] = []
+
+    def pipelined() -> None:  # keeps where the time went: engine (foreground) vs writers (background)
+        done = extract_shards(store, settings, requests, engine=engine, writers=writers)
+        parts.append({"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)})
 
     bares, serials, pipes = [], [], []
     for _ in range(repeat):
@@ -169,7 +172,7 @@ def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) ->
     return {"tokens": tokens, "shards": len(shards), "writers": writers, "tokens_per_batch": settings.tokens_per_batch,
             "bare_tok_per_s": tokens / b, "pipelined_tok_per_s": tokens / p, "ratio": b / p,
             "serial_tok_per_s": tokens / e, "serial_ratio": b / e,
-            "seconds": {"bare": bares, "serial": serials, "pipelined": pipes},
+            "seconds": {"bare": bares, "serial": serials, "pipelined": pipes, "pipelined_parts": parts},
             "stored_bytes_per_token": stored / tokens, "raw_bytes_per_token": raw / tokens, "bytes_ratio": stored / raw}
 
 

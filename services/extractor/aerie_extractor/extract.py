@@ -48,7 +48,8 @@ class ExtractSummary:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    capture_seconds: float = 0.0
+    capture_seconds: float = 0.0  # the engine's part (forwards, copies into the shard's arrays)
+    store_seconds: float = 0.0  # validation, sha256 and the store write (a writer thread's part)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -229,6 +230,7 @@ def _store_hidden(
 ) -> ExtractSummary:
     """Validate, hash and write a packed hidden shard, then its record (in this order)."""
     run, name = request.run, request.shard
+    stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
     except ShardError as e:
@@ -247,7 +249,7 @@ def _store_hidden(
     store.delete(layout.shard_failure(run, name))
     return ExtractSummary(
         run=run, shard=name, skipped=False, sequences=record.sequences, tokens=record.tokens,
-        bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds,
+        bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds, store_seconds=time.monotonic() - stored,
     )
 
 

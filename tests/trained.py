@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.services import REPO
+
 SOURCES = [REPO / "shared" / "aerie", REPO / "services" / "trainer" / "aerie_trainer"]
 DRAFTER = "smol-eagle3"
 RUN = "sharegpt"

@@ -145,6 +145,15 @@ def sink_config(settings: Settings) -> SinkConfig:
     return SinkConfig(sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s)
 
 
+def _no_plugin(why: str, stock: list[str], alternative: str = "") -> EngineMismatch:
+    """The refusal for servers that do not advertise aerie's plugin where a binary run needs it."""
+    return EngineMismatch(
+        f"{why}, but SGLang server(s) {', '.join(stock)} do not advertise aerie's aerie_capture plugin in "
+        "/server_info: install aerie-sglang in the server's environment (the inference image has it) and start it "
+        f"with AERIE_SGLANG_BINARY=1{alternative}"
+    )
+
+
 class SGLangEngine(Engine):
     sink_full_wait_s = 60.0  # how long a request refused for a full sink is retried (503)
     probe_timeout_s = 15.0  # how long check() waits for the probe's binary capture
@@ -220,11 +229,7 @@ class SGLangEngine(Engine):
         if not stock:
             return "binary"
         if settings.engine_transport == "binary":
-            raise EngineMismatch(
-                f"AERIE_ENGINE_TRANSPORT=binary, but SGLang server(s) {', '.join(stock)} do not advertise aerie's "
-                "aerie_capture plugin in /server_info: install aerie-sglang in the server's environment (the inference "
-                "image has it) and start it with AERIE_SGLANG_BINARY=1, or use AERIE_ENGINE_TRANSPORT=auto|json"
-            )
+            raise _no_plugin("AERIE_ENGINE_TRANSPORT=binary", stock, ", or use AERIE_ENGINE_TRANSPORT=auto|json")
         return "json"
 
     def check(self, run: RunSpec) -> None:
@@ -251,11 +256,7 @@ class SGLangEngine(Engine):
                 ads = {url: advertised(info) for url, info in infos.items()}
                 stock = [url for url, ad in ads.items() if ad is None]
                 if stock:
-                    raise EngineMismatch(
-                        f"run {run.run!r} was ingested for the binary path, but SGLang server(s) {', '.join(stock)} do not "
-                        "advertise aerie's aerie_capture plugin in /server_info: install aerie-sglang in the server's "
-                        "environment (the inference image has it) and start it with AERIE_SGLANG_BINARY=1"
-                    )
+                    raise _no_plugin(f"run {run.run!r} was ingested for the binary path", stock)
                 self.sinks = sink_config(self.settings)
                 for ad in ads.values():
                     choose_sink(ad, self.sinks)  # type: ignore[arg-type]

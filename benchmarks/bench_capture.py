@@ -71,11 +71,11 @@ def as_json(client, ids: list[int]) -> int:
 def binary(client, ids: list[int]) -> int:
     import orjson
 
-    from aerie_extractor.engines.sglang_binary import SinkConfig, capture_body, descriptor_of, fetch_binary
+    from aerie_extractor.engines.sglang_binary import CaptureReader, capture_body, descriptor_of, fetch_binary
 
     r = client.post("/generate", json=capture_body(ids, "shm"))
     r.raise_for_status()
-    tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), SinkConfig("shm"))
+    tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), CaptureReader("shm"))
     assert tensors["aux"].shape[0] == len(ids)
     return len(ids)
 
@@ -133,12 +133,12 @@ def sink_only(args) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "inference"))
     from aerie_sglang.plugin import hooks
-    from aerie_sglang.plugin.sink import Capture, Sinks, SinkConfig, planned_size
+    from aerie_sglang.plugin.sink import Capture, Sinks, CaptureReader, planned_size
 
     dtype = getattr(torch, args.dtype)
     T, K, H, B = args.tokens, args.layers, args.hidden, args.concurrency
     shm = Path(tempfile.mkdtemp(prefix="aerie-sink-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    sinks = Sinks(SinkConfig(shm_dir=shm, max_unclaimed_bytes=1 << 40, ttl_s=900, writers=args.writers))
+    sinks = Sinks(CaptureReader(shm_dir=shm, max_unclaimed_bytes=1 << 40, ttl_s=900, writers=args.writers))
     sinks.start()
     aux_batch = torch.randn(B * T, K * H, device=args.device).to(dtype)
     final_batch = torch.randn(B * T, H, device=args.device).to(dtype)

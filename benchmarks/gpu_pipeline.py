@@ -111,17 +111,16 @@ def regenerate(model_dir: Path, src: Path, dst: Path, n: int, answer_tokens: int
 def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) -> dict:
     """Figures 1 and 2: the bare forward, `extract_shards` (pipelined) and `run_extract` shard by
     shard, on the same batches, alternated `repeat` times, best kept."""
-    from aerie import layout
+    from aerie import layout, stages
     from aerie.contracts import ExtractRequest
+    from aerie.runs import load_run, shard_names
     from aerie.shard import Shard, raw_bytes_per_token
-    from aerie_extractor.engines import make_engine
     from aerie_extractor.engines.hf import length_batches
-    from aerie_extractor.extract import extract_shards, load_run, load_tokens, run_extract
+    from aerie_extractor.extract import drop_engine, extract_shards, get_engine, load_tokens
 
     spec = load_run(store, run)
-    engine = make_engine(settings, spec)
-    engine.check(spec)
-    names = [k.rsplit("/", 1)[1][:-5] for k in store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json")]
+    engine = get_engine(settings, spec)  # the worker process's engine, which the extract stage uses too
+    names = shard_names(store, run, "tokens")
     shards = {n: [s["input_ids"] for s in load_tokens(store, run, n).sequences()] for n in names}
     tokens = sum(len(s) for seqs in shards.values() for s in seqs)
     engine.forward([next(iter(shards.values()))[0]])
@@ -146,9 +145,9 @@ def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) ->
         sync(device)
         return time.perf_counter() - t0
 
-    def serial() -> None:
+    def serial() -> None:  # one Celery task's path, shard after shard
         for request in requests:
-            run_extract(store, settings, request, engine=engine)
+            stages.extract(store, settings, request)
 
     parts: list[dict] = []
 
@@ -168,7 +167,7 @@ def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) ->
         stored += store.size(key)
         raw += raw_bytes_per_token(shard) * shard.num_tokens
     b, e, p = min(bares), min(serials), min(pipes)
-    engine.close()
+    drop_engine()
     return {"tokens": tokens, "shards": len(shards), "writers": writers, "tokens_per_batch": settings.tokens_per_batch,
             "bare_tok_per_s": tokens / b, "pipelined_tok_per_s": tokens / p, "ratio": b / p,
             "serial_tok_per_s": tokens / e, "serial_ratio": b / e,
@@ -182,14 +181,13 @@ def drafter_flops_per_token(drafter, ttt_steps: int) -> float:
     return 6.0 * params * ttt_steps
 
 
-def speedup(model_dir: Path, store, drafter_name: str, prompts: list[list[int]], points: list[int], new_tokens: int, device: str) -> dict:
+def speedup(model_dir: Path, folder: Path, prompts: list[list[int]], points: list[int], new_tokens: int, device: str) -> dict:
     """Wall-clock decode speed of speculative vs plain greedy decoding, same loop, same prompts."""
     import torch
 
     from aerie_trainer.evaluate import eos_token_ids, greedy_generate, load_target, speculative_generate
-    from aerie_trainer.export import load_exported, pull
+    from aerie_trainer.export import load_exported
 
-    folder = pull(store, drafter_name, Path(f"/tmp/pulled-{drafter_name}"))
     target = load_target(model_dir, device)
     drafter = load_exported(folder, model_dir).to(device).to(next(target.parameters()).dtype).eval()
     eos = eos_token_ids(model_dir)
@@ -300,7 +298,7 @@ def sglang_serving(a, model_dir: Path, drafter_folder: Path, prompts: list[list[
             "max_tokens": eval_tokens, "served": served, "plain": plain}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
@@ -320,10 +318,76 @@ def main() -> None:
     ap.add_argument("--sglang-args", default="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.2",
                     help="extra flags of both servers (the device recipe's)")
     a = ap.parse_args()
-    stages = [x for x in a.stages.split(",") if x]
-    unknown = sorted(set(stages) - set(STAGES))
+    a.stage_list = [x for x in a.stages.split(",") if x]
+    unknown = sorted(set(a.stage_list) - set(STAGES))
     if unknown:
         ap.error(f"--stages: unknown {unknown}; choose from {','.join(STAGES)}")
+    return a
+
+
+class Pipeline:
+    """The project's own stages (aerie.stages) on a filesystem store, one run per data size."""
+
+    def __init__(self, a: argparse.Namespace, sc: dict, model_dir: Path, answers: Path, eval_file: Path):
+        from aerie.settings import Settings
+        from aerie.store import FsStore
+
+        self.sc, self.model_dir, self.answers, self.eval_file, self.work = sc, model_dir, answers, eval_file, Path(a.work)
+        self.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+        self.settings = Settings(store=f"file://{a.store}", device=a.device, tokens_per_batch=sc["tokens_per_batch"], engine="hf")
+        self.store = FsStore(a.store)
+
+    def ingested(self, n: int) -> str:
+        """The run of the first n answers, ingested and extracted (each stage skips what is done)."""
+        from aerie import stages
+        from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest
+
+        run = f"regen-{n}"
+        result = stages.ingest(self.store, self.settings, IngestRequest(
+            run=run, dataset=str(self.answers), model=str(self.model_dir), engine="hf", dtype=self.dtype,
+            options=IngestOptions(max_tokens=1024, shard_tokens=65536, max_records=n), fan_out=False))
+        for shard in result.shards:
+            stages.extract(self.store, self.settings, ExtractRequest(run=run, shard=shard))
+        return run
+
+    def train(self, n: int) -> dict:
+        from aerie import runs, stages
+        from aerie.contracts import TrainConfig, TrainRequest
+
+        sc, run = self.sc, self.ingested(n)
+        st = runs.run_status(self.store, run)
+        steps = max(10, int(sc["epochs"] * st.tokens * 0.9 / sc["batch_tokens"]))
+        cfg = TrainConfig(draft_vocab_size=sc["draft_vocab"], ttt_steps=7, steps=steps, batch_tokens=sc["batch_tokens"],
+                          max_seq_tokens=1024, lr=sc["lr"], warmup_steps=max(5, steps // 20), checkpoint_every=max(50, steps // 2),
+                          holdout_fraction=0.05, eval_prompts=sc["eval_prompts"], eval_new_tokens=sc["eval_tokens"], eval_draft_tokens=3)
+        request = TrainRequest(runs=[run], drafter=f"smollm2-eagle3-{n}", model=str(self.model_dir), config=cfg,
+                               eval_prompts_file=str(self.eval_file))
+        done = self.work / f"train-{n}-{hashlib.sha256(request.model_dump_json().encode()).hexdigest()[:12]}.json"
+        if done.is_file():  # trained by an earlier call on this machine
+            return json.loads(done.read_text())
+        t1 = time.perf_counter()
+        result = stages.train(self.store, self.settings, request).model_dump(exclude={"losses"})
+        result["wall_s"] = time.perf_counter() - t1
+        result["conversations"], result["tokens"] = n, st.tokens
+        log("trained", n, json.dumps(result))
+        done.write_text(json.dumps(result))
+        return result
+
+    def pulled(self, n: int, version: str) -> Path:
+        from aerie import stages
+
+        return stages.pull(self.store, f"smollm2-eagle3-{n}:{version}", self.work / f"pulled-{version}")
+
+
+def point(r: dict) -> dict:
+    keys = ("conversations", "tokens", "steps", "final_loss", "acceptance_untrained", "acceptance", "simulated_acceptance",
+            "heldout_acc", "wall_s", "tokens_per_second", "data_wait_fraction")
+    return {k: r.get(k) for k in keys}
+
+
+def main() -> None:
+    a = parse_args()
+    stages = a.stage_list
     sc = dict(SCALES[a.scale])
     sc.update({k: v for k, v in (("eval_prompts", a.eval_prompts), ("eval_tokens", a.eval_tokens), ("epochs", a.epochs)) if v is not None})
     out, work = Path(a.out), Path(a.work)
@@ -337,15 +401,9 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     from aerie import layout
-    from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainConfig, TrainRequest
-    from aerie.settings import Settings
-    from aerie.store import FsStore
     from aerie.target import smollm2
-    from aerie_extractor.extract import extract_shards, run_status
-    from aerie_extractor.ingest import run_ingest
     from aerie_trainer.evaluate import prompts_from_file
-    from aerie_trainer.export import load_exported, pull
-    from aerie_trainer.train import run_train
+    from aerie_trainer.export import load_exported
 
     if a.device.startswith("cuda"):
         figures["gpu"] = torch.cuda.get_device_name(0)
@@ -369,70 +427,30 @@ def main() -> None:
         (work / "regenerate.json").write_text(json.dumps(figures["regenerate"]))
         seconds["regen"] = time.perf_counter() - t0
     else:
-        ap.error(f"no target answers in {work}: run the regen stage first")
+        raise SystemExit(f"no target answers in {work}: run the regen stage first")
     log("regenerated", figures["regenerate"])
     save()
 
-    dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
-    settings = Settings(store=f"file://{a.store}", device=a.device, tokens_per_batch=sc["tokens_per_batch"], engine="hf")
-    store = FsStore(a.store)
     mt = [json.loads(line) for line in (data / "mtbench_question.jsonl").read_text().splitlines() if line.strip()]
     eval_file = work / f"mtbench_prompts_{sc['eval_prompts']}.jsonl"
     eval_file.write_text("".join(json.dumps({"prompt": q["turns"][0]}) + "\n" for q in mt[: sc["eval_prompts"]]))
+    pipe = Pipeline(a, sc, model_dir, regen, eval_file)
     n_total = figures["regenerate"]["conversations"]
     sizes = sorted({max(4, n_total // 4), max(4, n_total // 2), n_total}, reverse=True)  # full size first
 
-    def ingested(n: int) -> str:
-        """The run of the first n answers, ingested and extracted (pipelined) once."""
-        run = f"regen-{n}"
-        if not store.exists(layout.run_spec(run)):
-            ingest = run_ingest(store, settings, IngestRequest(
-                run=run, dataset=str(regen), model=str(model_dir), engine="hf", dtype=dtype,
-                options=IngestOptions(max_tokens=1024, shard_tokens=65536, max_records=n), fan_out=False))
-            log("ingested", run, len(ingest.shards), "shards")
-        shards = [k.rsplit("/", 1)[1][:-5] for k in store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json")]
-        extract_shards(store, settings, [ExtractRequest(run=run, shard=x) for x in shards])  # skips shards already valid
-        return run
-
-    def train(n: int) -> dict:
-        run = ingested(n)
-        st = run_status(store, run)
-        steps = max(10, int(sc["epochs"] * st.tokens * 0.9 / sc["batch_tokens"]))
-        cfg = TrainConfig(draft_vocab_size=sc["draft_vocab"], ttt_steps=7, steps=steps, batch_tokens=sc["batch_tokens"],
-                          max_seq_tokens=1024, lr=sc["lr"], warmup_steps=max(5, steps // 20), checkpoint_every=max(50, steps // 2),
-                          holdout_fraction=0.05, eval_prompts=sc["eval_prompts"], eval_new_tokens=sc["eval_tokens"], eval_draft_tokens=3)
-        request = TrainRequest(runs=[run], drafter=f"smollm2-eagle3-{n}", model=str(model_dir), config=cfg, eval_prompts_file=str(eval_file))
-        done = work / f"train-{n}-{hashlib.sha256(request.model_dump_json().encode()).hexdigest()[:12]}.json"
-        if done.is_file():  # trained by an earlier call on this machine
-            return json.loads(done.read_text())
-        t1 = time.perf_counter()
-        result = run_train(store, settings, request)
-        result.pop("losses", None)
-        result["wall_s"] = time.perf_counter() - t1
-        result["conversations"], result["tokens"] = n, st.tokens
-        log("trained", n, json.dumps(result))
-        done.write_text(json.dumps(result))
-        return result
-
-    def point(r: dict) -> dict:
-        keys = ("conversations", "tokens", "steps", "final_loss", "acceptance_untrained", "acceptance", "simulated_acceptance",
-                "heldout_acc", "wall_s", "tokens_per_second", "data_wait_fraction")
-        return {k: r.get(k) for k in keys}
-
     if "extract" in stages:  # figures 1 and 2, on the full run's shards
         t0 = time.perf_counter()
-        figures["extraction"] = extraction_ratio(store, settings, ingested(n_total), a.device)
+        figures["extraction"] = extraction_ratio(pipe.store, pipe.settings, pipe.ingested(n_total), a.device)
         seconds["extract"] = time.perf_counter() - t0
         log("extraction", figures["extraction"])
         save()
     full = folder = None
     if {"train", "decode", "sglang"} & set(stages):  # figures 3 and 4 (and the drafter of 5 and 6)
         t0 = time.perf_counter()
-        full = train(n_total)
-        ref = f"smollm2-eagle3-{n_total}:{full['version']}"
-        folder = pull(store, ref, work / f"pulled-{full['version']}")
+        full = pipe.train(n_total)
+        folder = pipe.pulled(n_total, full["version"])
         flops_tok = drafter_flops_per_token(load_exported(folder, model_dir), 7)
-        tps = full.get("tokens_per_second", 0.0)
+        tps = full.get("tokens_per_second") or 0.0
         figures["trainer"] = {"tok_per_s": tps, "data_wait_fraction": full.get("data_wait_fraction"), "steps": full.get("steps"),
                               "flops_per_token": flops_tok, "mfu_vs_989T": flops_tok * tps / H200_BF16_PEAK}
         figures["curve"] = [point(full)]
@@ -442,20 +460,20 @@ def main() -> None:
         t0 = time.perf_counter()
         figures["curve"] = (figures.get("curve") or [])[:1]
         for n in sizes[1:]:
-            figures["curve"].append(point(train(n)))
+            figures["curve"].append(point(pipe.train(n)))
             save()
         seconds["curve"] = time.perf_counter() - t0
-    if "decode" in stages and full is not None:  # figure 4b
+    prompts = prompts_from_file(eval_file.read_text(), model_dir)
+    if "decode" in stages and folder is not None:  # figure 4b
         t0 = time.perf_counter()
-        prompts = prompts_from_file(eval_file.read_text(), model_dir)
-        spec = json.loads((folder / "aerie.json").read_text())
-        figures["decode"] = speedup(model_dir, store, ref, prompts, spec["capture_points"], sc["eval_tokens"], a.device)
+        spec = json.loads((folder / layout.LINEAGE_FILE).read_text())
+        figures["decode"] = speedup(model_dir, folder, prompts, spec["capture_points"], sc["eval_tokens"], a.device)
         seconds["decode"] = time.perf_counter() - t0
         log("decode", figures["decode"])
         save()
     if "sglang" in stages and folder is not None:  # figure 6
         t0 = time.perf_counter()
-        figures["sglang"] = sglang_serving(a, model_dir, folder, prompts_from_file(eval_file.read_text(), model_dir), sc["eval_tokens"], out)
+        figures["sglang"] = sglang_serving(a, model_dir, folder, prompts, sc["eval_tokens"], out)
         seconds["sglang"] = time.perf_counter() - t0
         log("sglang", figures["sglang"])
         save()

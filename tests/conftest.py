@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import S3Server, start_s3
+from tests.services import S3Server, start_redis, start_s3
+
+POINTS = [2, 15, 27]  # SmolLM2-135M (N = 30): the default capture points [2, N//2, N-3]
 
 
 def pytest_configure(config):
@@ -62,20 +64,6 @@ def store(request):
     return request.getfixturevalue(f"{request.param}_store")
 
 
-def store_env(store) -> dict[str, str]:
-    """AERIE_* variables that make a subprocess (worker, CLI) use this store."""
-    from aerie.store import FsStore
-
-    if isinstance(store, FsStore):
-        return {"AERIE_STORE": f"file://{store.root}"}
-    return {
-        "AERIE_STORE": store.endpoint,
-        "AERIE_BUCKET": store.bucket,
-        "AERIE_S3_ACCESS_KEY": store.client._provider.retrieve().access_key,
-        "AERIE_S3_SECRET_KEY": store.client._provider.retrieve().secret_key,
-    }
-
-
 _redis_db = iter(range(1, 16))
 
 
@@ -96,6 +84,16 @@ def redis_url():
     yield url
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test's own: worker processes of other test sessions can never share
+    its queues (tests that kill workers and count redeliveries use it)."""
+    url, proc = start_redis(tmp_path)
+    yield url
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +123,22 @@ def trained_smol(cache_dir, smollm2_path):
     from tests.trained import trained_drafter
 
     return trained_drafter(cache_dir, smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_path):
+    """SmolLM2 in transformers, float32: token ids -> (hidden_states[POINTS] [T,K,H],
+    hidden_states[N] (the final state) [T,H], logits [T,V]) — what every engine must reproduce."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+    def forward(ids):
+        with torch.inference_mode():
+            out = model(torch.tensor(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True)
+        hs = out.hidden_states
+        return torch.stack([hs[p][0] for p in POINTS], dim=1), hs[len(hs) - 1][0], out.logits[0]
+
+    return forward

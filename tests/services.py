@@ -98,6 +98,85 @@ def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
             time.sleep(0.5)
 
 
+# --------------------------------------------------------------------------------------
+# Environment and waiting: one helper each
+# --------------------------------------------------------------------------------------
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any AERIE_* variable (the test command's AERIE_TEST_*
+    included), plus `extra`: a subprocess sees only the settings a test gives it."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}, **extra}
+
+
+def store_env(store) -> dict[str, str]:
+    """AERIE_* variables that make a subprocess (worker, CLI) use this store."""
+    from aerie.store import FsStore
+
+    if isinstance(store, FsStore):
+        return {"AERIE_STORE": f"file://{store.root}"}
+    creds = store.client._provider.retrieve()
+    return {"AERIE_STORE": store.endpoint, "AERIE_BUCKET": store.bucket,
+            "AERIE_S3_ACCESS_KEY": creds.access_key, "AERIE_S3_SECRET_KEY": creds.secret_key}
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.1, details=lambda: ""):
+    """Poll `condition()` until it returns something truthy (returned); fail the test naming `what`
+    (and `details()`) when `timeout` seconds pass first."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s. {details()}")
+        time.sleep(poll)
+
+
+def wait_settled(measure, timeout: float, what: str, quiet: float = 1.0):
+    """Poll `measure()` until it returns the same value for `quiet` seconds (work in flight has
+    finished); return that value; fail the test naming `what` after `timeout` seconds."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    value, since = measure(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: still changing after {timeout:.0f} s (last {value!r})")
+        time.sleep(0.1)
+        now = measure()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
+def start_redis(data_dir: Path, timeout_s: float = 30.0) -> tuple[str, subprocess.Popen]:
+    """A private redis-server on a free loopback port: (url, process)."""
+    import redis
+
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return url, proc
+            except redis.exceptions.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(f"redis-server on port {port} did not start") from None
+                time.sleep(0.1)
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------------------
 class CeleryWorker:
     """One real `celery -A <app> worker -Q <queues>` process (solo pool: the task runs in the
     process a test may SIGKILL), in its own process group, logging to `<log_dir>/<name>.log`."""

@@ -1,9 +1,9 @@
 """One small drafter trained in the pipeline, shared by the tests that need a trained one.
 
-Training it takes ~3-5 minutes on 2 CPU cores, so the trainer's own test (test_trainer_train)
+Training it takes ~3-5 minutes on 2 CPU cores, so the trainer's own test (trainer/test_train.py)
 and the SGLang serving test (test_serve_drafter) use the same one: ShareGPT hidden states (160
-conversations, `hidden_run_folder`) -> `run_train` (300 steps, with its speculative-decoding
-evaluation before and after) -> published to a filesystem store -> pulled.
+conversations, `hidden_run_folder`) -> the `train` stage at `aerie run`'s default size (300 steps,
+with its speculative-decoding evaluation before and after) -> published to a filesystem store -> pulled.
 
 It is built once per inputs under the test cache (`<cache>/test-drafters/<key>`), and the key
 covers the trainer's and the shared library's source, so a code change always trains anew.
@@ -24,9 +24,13 @@ from tests.services import REPO
 SOURCES = [REPO / "shared" / "aerie", REPO / "services" / "trainer" / "aerie_trainer"]
 DRAFTER = "smol-eagle3"
 RUN = "sharegpt"
-TRAIN_CONFIG = dict(draft_vocab_size=4096, ttt_steps=3, steps=300, batch_tokens=512, max_seq_tokens=192, lr=2e-3,
-                    warmup_steps=20, holdout_fraction=0.1, checkpoint_every=100, eval_prompts=8, eval_new_tokens=48,
-                    eval_draft_tokens=3)
+SIZE = "default"  # `aerie run`'s default size (aerie.pipeline.SIZES): the same data and training
+
+
+def train_config():
+    from aerie.pipeline import SIZES
+
+    return SIZES[SIZE].train_config()
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,12 @@ def source_digest() -> str:
 
 
 def trained_drafter(cache_dir: Path, smollm2_path: Path) -> Trained:
-    from tests.test_trainer_data import hidden_run_folder
+    from aerie.pipeline import SIZES
+    from tests.runs import hidden_run_folder
 
-    run_folder = hidden_run_folder(cache_dir, smollm2_path, records=160, max_tokens=192, shard_sequences=16)
-    key = hashlib.sha256(json.dumps([run_folder.name, TRAIN_CONFIG, source_digest()]).encode()).hexdigest()[:16]
+    size = SIZES[SIZE]
+    run_folder = hidden_run_folder(cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
+    key = hashlib.sha256(json.dumps([run_folder.name, train_config().model_dump(), source_digest()]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-drafters" / key
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_suffix(".lock"), "w") as lock:
@@ -64,21 +70,19 @@ def trained_drafter(cache_dir: Path, smollm2_path: Path) -> Trained:
 
 
 def _train_into(folder: Path, run_folder: Path, smollm2_path: Path) -> None:
-    from aerie.contracts import TrainConfig, TrainRequest
+    from aerie import stages
+    from aerie.contracts import TrainRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
-
-    from aerie_trainer.export import pull
-    from aerie_trainer.train import run_train
-    from tests.test_trainer_data import upload_run
+    from tests.runs import upload_run
 
     shutil.rmtree(folder, ignore_errors=True)
     store = FsStore(folder / "store")
     upload_run(store, run_folder, RUN)
-    request = TrainRequest(runs=[RUN], drafter=DRAFTER, model=str(smollm2_path), config=TrainConfig(**TRAIN_CONFIG))
+    request = TrainRequest(runs=[RUN], drafter=DRAFTER, model=str(smollm2_path), config=train_config())
     started = time.monotonic()
     # Settings(...), not .load(): the test command sets AERIE_TEST_* variables
-    result = run_train(store, Settings(store=f"file://{store.root}"), request)
+    result = stages.train(store, Settings(store=f"file://{store.root}"), request).model_dump(mode="json")
     result["train_wall_s"] = time.monotonic() - started
-    pull(store, DRAFTER, folder / "pulled")
+    stages.pull(store, DRAFTER, folder / "pulled")
     (folder / "train.json").write_text(json.dumps(result))  # last: marks the folder complete

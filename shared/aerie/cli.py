@@ -3,8 +3,9 @@ entry point group (as Celery's `celery.commands`), so this module imports none o
 
     aerie run                 the whole pipeline on the embedded default (the README's main job)
     aerie capture-ids         capture points -> the layer ids an engine must be given
-    aerie pull NAME[:VER] D   fetch a published drafter
+    aerie pull NAME[:VER] D   fetch a published drafter (this package alone: no torch)
     aerie bench --url U       acceptance length of a drafter served by any SGLang server
+    aerie train ...           the train stage in this process (the trainer package registers it)
 """
 
 from __future__ import annotations
@@ -15,8 +16,33 @@ from importlib.metadata import entry_points
 import click
 
 
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user causes and can fix (settings, credentials, unreachable services, refused
+    names, bad inputs): one line naming the cause, no traceback (`aerie --debug ...` shows it)."""
+    from aerie.capture import CaptureError
+    from aerie.drafters import DrafterError
+    from aerie.queue import QueueError
+    from aerie.runs import RunError
+    from aerie.settings import SettingsError
+    from aerie.stages import StageUnavailable
+    from aerie.store import StoreError
+    from aerie.target import TargetError
+
+    return (CaptureError, DrafterError, QueueError, RunError, SettingsError, StageUnavailable, StoreError, TargetError)
+
+
 class _Group(click.Group):
-    """Loads service commands from entry points only when asked for."""
+    """Loads service commands from entry points only when asked for; expected failures print one line."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug") or not isinstance(e, expected_errors()):
+                raise
+            raise click.ClickException(" ".join(str(e).split())) from None
 
     def _plugins(self) -> dict:
         return {ep.name: ep for ep in entry_points(group="aerie.commands")}
@@ -34,7 +60,8 @@ class _Group(click.Group):
 
 @click.group(cls=_Group)
 @click.version_option(package_name="aerie")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="show the traceback of a failure instead of one line")
+def main(debug: bool) -> None:
     """aerie: EAGLE-3 drafters trained on hidden states taken through the serving engine."""
 
 
@@ -59,6 +86,21 @@ def capture_ids(model: str, points: str | None, engine: str, as_json: bool) -> N
         click.echo(" ".join(str(i) for i in ids))
     else:
         click.echo(",".join(str(i) for i in ids))
+
+
+@main.command("pull")
+@click.argument("ref", metavar="NAME[:VERSION]")
+@click.argument("dest", type=click.Path(file_okay=False))
+def pull(ref: str, dest: str) -> None:
+    """Fetch a published drafter (default: its latest version) into DEST."""
+    from aerie.drafters import pull as pull_drafter, resolve
+    from aerie.settings import Settings
+    from aerie.store import open_store
+
+    store = open_store(Settings.load())
+    name, version = resolve(store, ref)
+    path = pull_drafter(store, f"{name}:{version}", dest)
+    click.echo(f"drafter {name}:{version} -> {path}")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,27 @@ class RunStatus(Contract):
     tokens: int
     rejects: int
     complete: bool
+    failed_shards: list[str] = Field(default_factory=list)
+
+
+class IngestFailure(Contract):
+    """`runs/<run>/failed/ingest.json`: an ingest that gave up (the run has no run.json)."""
+
+    run: str
+    dataset: str
+    error: str
+    attempts: int = Field(ge=1)
+    created_at: str = Field(default_factory=utcnow)
+
+
+class TrainFailure(Contract):
+    """`checkpoints/<train-id>/failed.json`: a training job that gave up (retries spent or refused)."""
+
+    train_id: str
+    drafter: str
+    error: str
+    attempts: int = Field(ge=1)
+    created_at: str = Field(default_factory=utcnow)
 
 
 # --------------------------------------------------------------------------------------
@@ -191,6 +212,104 @@ class TrainRequest(Contract):
         if len(set(v)) != len(v):
             raise ValueError(f"runs {v} repeat a run")
         return v
+
+
+# --------------------------------------------------------------------------------------
+# What the stages return (Celery task results are these, dumped as JSON)
+# --------------------------------------------------------------------------------------
+class StageResult(Contract):
+    model_config = ConfigDict(extra="forbid", frozen=False)  # filled in as the stage goes
+
+
+class IngestResult(StageResult):
+    run: str
+    shards: list[str] = Field(default_factory=list)
+    sequences: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    rejects: int = 0
+    truncated: int = 0
+    skipped: bool = Field(False, description="the run was already ingested: nothing written")
+    fanned_out: int = Field(0, description="extract tasks enqueued")
+
+
+class ExtractResult(StageResult):
+    run: str
+    shard: str
+    skipped: bool = Field(description="a valid hidden shard already existed")
+    sequences: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    capture_seconds: float = Field(0.0, description="the engine's part (forwards, copies into the shard's arrays)")
+    store_seconds: float = Field(0.0, description="validation, sha256 and the store write (a writer thread's part)")
+    train_enqueued: bool = False
+
+
+class TrainResult(StageResult):
+    drafter: str
+    version: str
+    train_id: str | None = None
+    resumed_from: int | None = None
+    already_published: bool = False
+    key: str | None = Field(None, description="drafters/<name>/<version>/ when published")
+    layer_ids: list[int] | None = Field(None, description="the serving engine's aux layer ids written in config.json")
+    steps: int | None = None
+    tokens: int | None = None
+    final_loss: float | None = None
+    losses: list[float] | None = None
+    acceptance_untrained: float | None = None
+    acceptance: float | None = None
+    simulated_acceptance_untrained: float | None = None
+    simulated_acceptance: float | None = None
+    heldout_loss: float | None = None
+    heldout_acc: list[float] | None = None
+    tokens_per_second: float | None = None
+    data_wait_fraction: float | None = None
+    draft_vocab_coverage: float | None = None
+
+    @classmethod
+    def of(cls, drafter: str, version: str, metrics: dict, **fields) -> "TrainResult":
+        """A result carrying the metrics (of a lineage or a trainer state) it has fields for."""
+        known = set(cls.model_fields) - {"drafter", "version"} - set(fields)
+        return cls(drafter=drafter, version=version, **fields, **{k: v for k, v in metrics.items() if k in known})
+
+
+class ProgressEvent(Contract):
+    """What a stage reports while it runs: drawn by `aerie run`, sent to Celery as task state
+    `PROGRESS` (Flower and `progress` show it)."""
+
+    stage: Literal["ingest", "extract", "train", "evaluate", "publish", "done"]
+    message: str = ""
+    step: int | None = None
+    steps: int | None = None
+    loss: float | None = None
+    tokens: int | None = None
+    eta_s: float | None = None
+
+
+# --------------------------------------------------------------------------------------
+# The binary-capture descriptor: what aerie's SGLang plugin answers in meta_info.aerie_capture
+# (the plugin, in SGLang's own environment, writes the same fields as a plain dict)
+# --------------------------------------------------------------------------------------
+class CapturedTensor(Contract):
+    dtype: str
+    shape: list[int]
+
+
+class CaptureDescriptor(Contract):
+    v: int
+    id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    sink: Literal["shm", "s3"]
+    format: Literal["safetensors"]
+    nbytes: int = Field(ge=0)
+    rows: int = Field(ge=0)
+    layer_ids: list[int]
+    tensors: dict[str, CapturedTensor]
+    path: str | None = Field(None, description="shm: the file the server writes")
+    endpoint: str | None = Field(None, description="s3: where the server uploads")
+    bucket: str | None = None
+    key: str | None = None
 
 
 # --------------------------------------------------------------------------------------

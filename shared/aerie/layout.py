@@ -1,18 +1,31 @@
-"""The store layout: every object key aerie reads or writes is built here, nowhere else.
+"""The store layout: every object key aerie reads or writes is built *and parsed* here, nowhere else.
 
 ```
 datasets/<name>.jsonl
 runs/<run>/run.json
 runs/<run>/tokens/<shard>.safetensors (+ .json record)
 runs/<run>/hidden/<shard>.safetensors (+ .json record)
+runs/<run>/failed/<shard>.json            a shard whose extraction gave up (ingest.json: the ingest)
 runs/<run>/rejects/<part>.jsonl
 drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
 drafters/<name>/latest                    (text: the latest version)
 checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
+checkpoints/<train-id>/failed.json        a training job that gave up
 ```
+
+Names inside keys (runs, shards, drafters, versions, train ids) are checked by the contracts'
+name pattern before they get here; `_check_key` in the store refuses `..` and absolute keys.
 """
 
 from __future__ import annotations
+
+import re
+
+SHARD_KINDS = ("tokens", "hidden")
+LINEAGE_FILE = "aerie.json"  # a drafter's lineage, written last: its presence means "published"
+DRAFTER_FILES = ("config.json", "model.safetensors")  # what SGLang loads, written before the lineage
+_SHARD_NAME = re.compile(r"^\d{6}$")
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def dataset(name: str) -> str:
@@ -27,17 +40,18 @@ def run_spec(run: str) -> str:
     return f"runs/{run}/run.json"
 
 
+# --- shards -------------------------------------------------------------------------------
 def shard_name(index: int) -> str:
     return f"{index:06d}"
 
 
 def shard(run: str, kind: str, name: str) -> str:
-    assert kind in ("tokens", "hidden"), kind
+    assert kind in SHARD_KINDS, kind
     return f"runs/{run}/{kind}/{name}.safetensors"
 
 
 def shard_record(run: str, kind: str, name: str) -> str:
-    assert kind in ("tokens", "hidden"), kind
+    assert kind in SHARD_KINDS, kind
     return f"runs/{run}/{kind}/{name}.json"
 
 
@@ -50,8 +64,30 @@ def shard_failure(run: str, name: str) -> str:
     return f"runs/{run}/failed/{name}.json"
 
 
+def ingest_failure(run: str) -> str:
+    """An ingest that failed for good (not a shard name: shard names are six digits)."""
+    return f"runs/{run}/failed/ingest.json"
+
+
 def failures_prefix(run: str) -> str:
     return f"runs/{run}/failed/"
+
+
+def record_names(keys: list[str]) -> list[str]:
+    """Shard names of the `<name>.json` records among `keys` (a listing of one shard folder), sorted.
+
+    Objects (`.safetensors`), temporary files and anything not named like a shard are left out."""
+    names = set()
+    for key in keys:
+        base = key.rsplit("/", 1)[-1]
+        if base.endswith(".json") and _SHARD_NAME.match(base[: -len(".json")]):
+            names.add(base[: -len(".json")])
+    return sorted(names)
+
+
+def shard_objects(keys: list[str]) -> list[str]:
+    """The shard objects (`<name>.safetensors`) among `keys`."""
+    return [k for k in keys if k.endswith(".safetensors") and _SHARD_NAME.match(k.rsplit("/", 1)[-1][: -len(".safetensors")])]
 
 
 def rejects(run: str, part: str) -> str:
@@ -62,12 +98,29 @@ def rejects_prefix(run: str) -> str:
     return f"runs/{run}/rejects/"
 
 
+# --- drafters -----------------------------------------------------------------------------
 def drafter_prefix(name: str, version: str) -> str:
     return f"drafters/{name}/{version}/"
 
 
+def drafter_file(name: str, version: str, filename: str) -> str:
+    """One file of a published drafter; only the files a drafter is made of."""
+    if filename not in (*DRAFTER_FILES, LINEAGE_FILE):
+        raise ValueError(f"{filename!r} is not a drafter file ({', '.join((*DRAFTER_FILES, LINEAGE_FILE))})")
+    return f"drafters/{name}/{version}/{filename}"
+
+
+def drafter_lineage(name: str, version: str) -> str:
+    return drafter_file(name, version, LINEAGE_FILE)
+
+
 def drafter_latest(name: str) -> str:
     return f"drafters/{name}/latest"
+
+
+# --- checkpoints --------------------------------------------------------------------------
+def checkpoints_prefix(train_id: str) -> str:
+    return f"checkpoints/{train_id}/"
 
 
 def checkpoint_prefix(train_id: str, step: int) -> str:
@@ -76,3 +129,20 @@ def checkpoint_prefix(train_id: str, step: int) -> str:
 
 def checkpoint_latest(train_id: str) -> str:
     return f"checkpoints/{train_id}/latest.json"
+
+
+def checkpoint_steps(train_id: str, keys: list[str]) -> list[int]:
+    """The steps that have objects under `checkpoints/<train_id>/step-<n>/` among `keys`, sorted."""
+    root = checkpoints_prefix(train_id)
+    steps = set()
+    for key in keys:
+        if key.startswith(root):
+            m = _STEP_DIR.match(key[len(root) :].split("/", 1)[0])
+            if m:
+                steps.add(int(m.group(1)))
+    return sorted(steps)
+
+
+def train_failure(train_id: str) -> str:
+    """A training job that failed for good (removed when a later attempt succeeds)."""
+    return f"checkpoints/{train_id}/failed.json"

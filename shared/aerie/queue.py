@@ -1,17 +1,31 @@
-"""The Celery app every aerie worker and client builds: JSON only, routed by task name.
+"""The Celery app every aerie worker and client builds, and the one way tasks run on it.
 
 - Broker and result backend: Redis (`AERIE_BROKER`), or `memory://` for the embedded default,
   where tasks run eagerly in-process: the same task code, no second implementation.
 - JSON serializer only; pickle is refused on both ends.
 - `acks_late` + `reject_on_worker_lost`: a killed worker's task goes back to the queue.
 - Prefetch 1: a long extract or train task never hides behind another in a worker's buffer.
+- `run_task`: every service's tasks retry and give up the same way — transient errors (the store,
+  an engine that says so) are retried with exponential backoff, at most MAX_RETRIES times; a
+  permanent error, or the last retry's, is recorded once in the store and raised.
+- `claim_once`: exactly-once follow-up work across racing workers (Redis SET NX on the broker).
 """
 
 from __future__ import annotations
 
-from celery import Celery
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
+from celery import Celery, Task, current_app
+
+from aerie.contracts import ProgressEvent
 from aerie.settings import Settings
+from aerie.store import ObjectStore, StoreError, open_store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INGEST, EXTRACT, TRAIN = "ingest", "extract", "train"
 
@@ -22,11 +36,17 @@ TRAIN_TASK = "aerie.train"
 
 ROUTES = {INGEST_TASK: {"queue": INGEST}, EXTRACT_TASK: {"queue": EXTRACT}, TRAIN_TASK: {"queue": TRAIN}}
 
+MAX_RETRIES = 5
+BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0
+
+
+class QueueError(RuntimeError):
+    """A broker setting that cannot do what is asked; the message names the setting."""
+
 
 def make_app(settings: Settings | None = None, include: list[str] | None = None) -> Celery:
     settings = settings or Settings.load()
-    eager = settings.broker.startswith("memory://")
-    backend = settings.result_backend or (None if eager else settings.broker)
+    backend = settings.result_backend or (None if settings.embedded else settings.broker)
     app = Celery("aerie", broker=settings.broker, backend=backend, include=include or [])
     app.conf.update(
         task_serializer="json",
@@ -50,9 +70,128 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
             "unacked_restore_throttle": 1,
         },
         result_expires=7 * 24 * 3600,
-        task_always_eager=eager,
+        task_always_eager=settings.embedded,
         task_eager_propagates=True,
         task_track_started=True,
     )
     app.aerie_settings = settings  # type: ignore[attr-defined]
     return app
+
+
+# --------------------------------------------------------------------------------------
+# Inside a task
+# --------------------------------------------------------------------------------------
+_stores: dict[str, ObjectStore] = {}
+
+
+def task_settings(app: Celery | None = None) -> Settings:
+    """The settings of the app running the task (built by make_app), else the environment's."""
+    settings = getattr(app or current_app, "aerie_settings", None)
+    return settings if settings is not None else Settings.load()
+
+
+def task_store(settings: Settings) -> ObjectStore:
+    """One store client per (endpoint, bucket) per worker process."""
+    key = f"{settings.store}|{settings.bucket}"
+    if key not in _stores:
+        _stores[key] = open_store(settings)
+    return _stores[key]
+
+
+def backoff(retries: int) -> float:
+    return min(BACKOFF_S * 2**retries, BACKOFF_CAP_S)
+
+
+def retryable(error: BaseException) -> bool:
+    """Store errors and errors that say they are transient (`retryable = True`, e.g. an engine's)."""
+    return isinstance(error, StoreError) or bool(getattr(error, "retryable", False))
+
+
+def run_task(task: Task, work: Callable[[], T], give_up: Callable[[BaseException, int], None] | None = None) -> T:
+    """Run a task's work under aerie's retry policy. `give_up(error, attempts)` records a failure
+    that will not be retried (in the store, next to what failed); it is called once."""
+    try:
+        return work()
+    except Exception as e:
+        if retryable(e) and task.request.retries < task.max_retries:
+            log.warning("%s failed (%s): retry %d in %.0f s", task.name, e, task.request.retries + 1, backoff(task.request.retries))
+            raise task.retry(exc=e, countdown=backoff(task.request.retries))
+        if give_up is not None:
+            try:
+                give_up(e, task.request.retries + 1)
+            except StoreError:
+                log.exception("%s: could not record the failure", task.name)
+        raise
+
+
+def task_progress(task: Task, also: Callable[[ProgressEvent], None] | None = None) -> Callable[[ProgressEvent], None]:
+    """A progress callback for a stage run by `task`: Celery state PROGRESS with the event's fields
+    (Flower and `progress` show it), when the task runs on a worker."""
+
+    def report(event: ProgressEvent) -> None:
+        if also is not None:
+            also(event)
+        if not task.request.called_directly and not task.app.conf.task_always_eager:
+            task.update_state(state="PROGRESS", meta=event.model_dump(exclude_none=True))
+
+    return report
+
+
+def check_broker(app: Celery) -> None:
+    """Fail at once, naming the setting, when the broker cannot be reached (instead of Celery's
+    endless connection retries)."""
+    settings = task_settings(app)
+    if settings.embedded:
+        return
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=5)
+    except Exception as e:  # kombu raises OperationalError (or the transport's own) after the retries
+        raise QueueError(f"broker {settings.broker} is unreachable ({type(e).__name__}): is Redis running? check AERIE_BROKER") from None
+
+
+def enqueue(app: Celery, name: str, kwargs: dict):
+    """Send a task by name; run it through the registered task when there is one (eager apps)."""
+    if name in app.tasks:
+        return app.tasks[name].apply_async(kwargs=kwargs)
+    return app.send_task(name, kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Exactly-once follow-up work (a run's training) across racing workers
+# --------------------------------------------------------------------------------------
+_local_claims: dict[str, str] = {}
+_local_lock = threading.Lock()
+CLAIM_TTL_S = 30 * 24 * 3600
+
+
+def claim_once(settings: Settings, name: str, owner: str) -> bool:
+    """True for exactly one owner of `name` (and again for that same owner, e.g. a redelivered
+    task whose first attempt died between claiming and sending, until `mark_done`). Redis SET NX
+    on the broker; in-process for the embedded broker."""
+    key = f"aerie:once:{name}"
+    if settings.embedded:
+        with _local_lock:
+            return _local_claims.setdefault(key, owner) == owner
+    if not settings.broker.startswith(("redis://", "rediss://")):
+        raise QueueError(f"exactly-once follow-up work needs a Redis broker, AERIE_BROKER={settings.broker!r}")
+    import redis
+
+    client = redis.Redis.from_url(settings.broker)
+    try:
+        if client.set(key, owner, nx=True, ex=CLAIM_TTL_S):
+            return True
+        return (client.get(key) or b"").decode() == owner and not client.exists(key + ":done")
+    finally:
+        client.close()
+
+
+def mark_done(settings: Settings, name: str) -> None:
+    if settings.broker.startswith(("redis://", "rediss://")):
+        import redis
+
+        client = redis.Redis.from_url(settings.broker)
+        try:
+            client.set(f"aerie:once:{name}:done", 1, ex=CLAIM_TTL_S)
+        finally:
+            client.close()

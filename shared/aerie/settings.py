@@ -11,13 +11,17 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "AERIE_"
 # Names under AERIE_ that are not settings of this model: the test harness's own variables and
 # the SGLang plugin's (read in SGLang's processes, documented in aerie_sglang.plugin.sink).
 RESERVED_PREFIXES = ("AERIE_TEST_", "AERIE_REQUIRE_", "AERIE_CAPTURE_", "AERIE_SGLANG_")
+
+
+class SettingsError(ValueError):
+    """A setting that is unknown, missing or malformed; the message names the variable."""
 
 
 class Settings(BaseSettings):
@@ -77,6 +81,11 @@ class Settings(BaseSettings):
                 )
         return self
 
+    @property
+    def embedded(self) -> bool:
+        """The in-process default (`memory://` broker): tasks run eagerly, claims are local."""
+        return self.broker.startswith("memory://")
+
     @classmethod
     def load(cls, **overrides) -> "Settings":
         """Read the environment, refusing unknown AERIE_* variables by name."""
@@ -85,7 +94,12 @@ class Settings(BaseSettings):
             k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known and not k.startswith(RESERVED_PREFIXES)
         )
         if unknown:
-            raise ValueError(
+            raise SettingsError(
                 f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = f"{ENV_PREFIX}{first['loc'][0]}".upper() + f"={first.get('input')!r}" if first["loc"] else "settings"
+            raise SettingsError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None

@@ -30,7 +30,6 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO
 
 import ml_dtypes
@@ -349,7 +348,3 @@ def pack(
 def raw_bytes_per_token(shard: Shard) -> float:
     """Bytes of the tensors themselves per token (what a shard's size is compared with)."""
     return sum(a.nbytes for a in shard.tensors().values()) / max(shard.num_tokens, 1)
-
-
-def load_path(path: str | Path) -> Shard:
-    return Shard.open(path)

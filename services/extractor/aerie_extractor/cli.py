@@ -22,9 +22,9 @@ from aerie.queue import INGEST_TASK
 
 
 def _app_settings(ctx: click.Context):
-    app = ctx.obj.app
-    from aerie_extractor.tasks import task_settings
+    from aerie.queue import task_settings
 
+    app = ctx.obj.app
     return app, task_settings(app)
 
 
@@ -109,8 +109,8 @@ def progress(ctx, run_name, watch, timeout, as_json):
     """Show a run's progress: shards tokenized / extracted / failed, tokens, rejects."""
     from rich.console import Console
 
+    from aerie.runs import run_status
     from aerie.store import open_store
-    from aerie_extractor.extract import run_status
 
     _, settings = _app_settings(ctx)
     store = open_store(settings)

@@ -4,13 +4,12 @@
   shard without a record (a worker died between the two writes) or with a wrong hash is redone.
   Keys are deterministic, so a redelivered task can neither lose nor duplicate a shard.
 - The engine is built once per process and run (`check()` before its first capture).
-- `run_status(store, run)` reads progress from the store alone, at any time.
+- A run's spec, status and failures are read through `aerie.runs` (the store is the interface).
 - `extract_shards(...)` pipelines several shards in one process: background writers validate,
   hash and store shard i while the engine captures shard i+1 (benchmarks/gpu_pipeline.py uses
   it; a Celery task extracts one shard with `run_extract`).
 - An engine with `capture_into` (the `hf` engine, signal "final") writes straight into the
   shard's arrays, and may report them checked finite on the device (no host pass over them).
-- `claim_once(...)`: the run's last shard enqueues training exactly once (Redis SET NX).
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
 from aerie import layout
-from aerie.contracts import ExtractRequest, RunSpec, RunStatus, ShardFailure, ShardRecord
+from aerie.contracts import ExtractRequest, ExtractResult, RunSpec, ShardRecord
+from aerie.runs import RunError, load_run
 from aerie.settings import Settings
 from aerie.shard import Shard, ShardError, np_dtype, pack
 from aerie.store import NotFound, ObjectStore
@@ -35,24 +34,8 @@ from aerie_extractor.engines import Engine, EngineMismatch, make_engine
 log = logging.getLogger(__name__)
 
 
-class ExtractError(RuntimeError):
-    """A shard that cannot be extracted as stored (corrupt token shard, missing run)."""
-
-
-@dataclass
-class ExtractSummary:
-    run: str
-    shard: str
-    skipped: bool
-    sequences: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    capture_seconds: float = 0.0  # the engine's part (forwards, copies into the shard's arrays)
-    store_seconds: float = 0.0  # validation, sha256 and the store write (a writer thread's part)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+class ExtractError(RunError):
+    """A shard that cannot be extracted as stored (corrupt or missing token shard)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -87,13 +70,6 @@ def drop_engine() -> None:
 
 
 # --------------------------------------------------------------------------------------
-def load_run(store: ObjectStore, run: str) -> RunSpec:
-    try:
-        return store.get_json(layout.run_spec(run), RunSpec)
-    except NotFound:
-        raise ExtractError(f"run {run!r} has no run.json in {store.url}: ingest it first (aerie.ingest)") from None
-
-
 def hidden_is_valid(store: ObjectStore, run: str, shard: str) -> ShardRecord | None:
     """The hidden shard's record when the stored object matches it (sha256), else None."""
     try:
@@ -125,12 +101,12 @@ def run_extract(
     settings: Settings,
     request: ExtractRequest,
     engine: Engine | None = None,
-) -> ExtractSummary:
+) -> ExtractResult:
     """Extract one shard of a run; skip it when a valid hidden shard already exists."""
     started = time.monotonic()
     captured = _capture(store, settings, request, engine)
     if captured is None:
-        return ExtractSummary(run=request.run, shard=request.shard, skipped=True)
+        return ExtractResult(run=request.run, shard=request.shard, skipped=True)
     return _store_hidden(store, started, *captured)
 
 
@@ -140,14 +116,14 @@ def extract_shards(
     requests: list[ExtractRequest],
     engine: Engine | None = None,
     writers: int = 2,
-) -> list[ExtractSummary]:
+) -> list[ExtractResult]:
     """`run_extract` for several shards, pipelined: while the engine captures shard i+1, up to
     `writers` threads validate, hash and store the shards before it (each thread holds one packed
     shard in memory, the queue is bounded by the same number; the arrays of stored shards are
     reused for the next ones). Same objects, records and idempotence as shard-by-shard
     `run_extract`; the first error is raised once the shards already handed to the writers are
     stored."""
-    summaries: list[ExtractSummary | None] = [None] * len(requests)
+    summaries: list[ExtractResult | None] = [None] * len(requests)
     in_flight: list[tuple[int, Future, list[np.ndarray]]] = []
     error: BaseException | None = None
     spare: list[np.ndarray] = []  # flat arrays of stored shards, reused: fresh memory costs a page fault per 4 KB
@@ -180,7 +156,7 @@ def extract_shards(
                 error = e
                 break
             if captured is None:
-                summaries[j] = ExtractSummary(run=request.run, shard=request.shard, skipped=True)
+                summaries[j] = ExtractResult(run=request.run, shard=request.shard, skipped=True)
                 continue
             in_flight.append((j, pool.submit(_store_hidden, store, started, *captured), taken))
         collect(0)
@@ -237,7 +213,7 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
 
 def _store_hidden(
     store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float, finite: bool
-) -> ExtractSummary:
+) -> ExtractResult:
     """Validate, hash and write a packed hidden shard, then its record (in this order)."""
     run, name = request.run, request.shard
     stored = time.monotonic()
@@ -257,7 +233,7 @@ def _store_hidden(
     )
     store.put_json(layout.shard_record(run, "hidden", name), record)
     store.delete(layout.shard_failure(run, name))
-    return ExtractSummary(
+    return ExtractResult(
         run=run, shard=name, skipped=False, sequences=record.sequences, tokens=record.tokens,
         bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds, store_seconds=time.monotonic() - stored,
     )
@@ -286,91 +262,4 @@ class _PartsReader(io.RawIOBase):
         return b"".join(out) if len(out) != 1 else out[0]
 
 
-def record_failure(store: ObjectStore, request: ExtractRequest, error: BaseException, attempts: int) -> None:
-    store.put_json(
-        layout.shard_failure(request.run, request.shard),
-        ShardFailure(run=request.run, shard=request.shard, error=f"{type(error).__name__}: {error}", attempts=attempts),
-    )
-
-
-# --------------------------------------------------------------------------------------
-def _names(keys: list[str]) -> set[str]:
-    return {k.rsplit("/", 1)[1][: -len(".json")] for k in keys if k.endswith(".json")}
-
-
-def run_status(store: ObjectStore, run: str) -> RunStatus:
-    """Shards total/tokenized/extracted/failed, tokens and rejects of a run, from the store."""
-    ingested = store.exists(layout.run_spec(run))
-    token_keys = [k for k in store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".json")]
-    hidden = _names(store.list(layout.shards_prefix(run, "hidden")))
-    failed = _names(store.list(layout.failures_prefix(run))) - hidden
-    sequences = tokens = 0
-    for key in token_keys:
-        record = store.get_json(key, ShardRecord)
-        sequences += record.sequences
-        tokens += record.tokens
-    rejects = sum(store.get_bytes(k).count(b"\n") for k in store.list(layout.rejects_prefix(run)))
-    return RunStatus(
-        run=run,
-        shards_total=len(token_keys),
-        tokens_done=len(token_keys),
-        hidden_done=len(hidden),
-        failed=len(failed),
-        sequences=sequences,
-        tokens=tokens,
-        rejects=rejects,
-        complete=ingested and len(hidden) == len(token_keys),
-    )
-
-
-def run_complete(store: ObjectStore, run: str) -> bool:
-    """Every token shard of an ingested run has a hidden record (cheap: listings only)."""
-    if not store.exists(layout.run_spec(run)):
-        return False
-    tokens = _names(store.list(layout.shards_prefix(run, "tokens")))
-    return bool(tokens) and tokens <= _names(store.list(layout.shards_prefix(run, "hidden")))
-
-
-# --------------------------------------------------------------------------------------
-# Exactly-once follow-up work (the run's training) across racing workers
-# --------------------------------------------------------------------------------------
-_local_claims: dict[str, str] = {}
-_local_lock = threading.Lock()
-
-
-def claim_once(settings: Settings, name: str, owner: str) -> bool:
-    """True for exactly one owner of `name` (and again for that same owner, e.g. a redelivered
-    task whose first attempt died between claiming and sending). Redis SET NX on the broker;
-    in-process for the embedded (memory://) broker."""
-    key = f"aerie:once:{name}"
-    if settings.broker.startswith("memory://"):
-        with _local_lock:
-            return _local_claims.setdefault(key, owner) == owner
-    if not settings.broker.startswith(("redis://", "rediss://")):
-        raise ExtractError(f"train_after needs a Redis broker for its exactly-once claim, AERIE_BROKER={settings.broker!r}")
-    import redis
-
-    client = redis.Redis.from_url(settings.broker)
-    try:
-        if client.set(key, owner, nx=True, ex=30 * 24 * 3600):
-            return True
-        return (client.get(key) or b"").decode() == owner and not client.exists(key + ":done")
-    finally:
-        client.close()
-
-
-def mark_done(settings: Settings, name: str) -> None:
-    if settings.broker.startswith(("redis://", "rediss://")):
-        import redis
-
-        client = redis.Redis.from_url(settings.broker)
-        try:
-            client.set(f"aerie:once:{name}:done", 1, ex=30 * 24 * 3600)
-        finally:
-            client.close()
-
-
-__all__ = [
-    "ExtractError", "ExtractSummary", "claim_once", "drop_engine", "extract_shards", "get_engine", "hidden_is_valid",
-    "load_run", "mark_done", "record_failure", "run_complete", "run_extract", "run_status",
-]
+__all__ = ["ExtractError", "drop_engine", "extract_shards", "get_engine", "hidden_is_valid", "load_tokens", "run_extract"]

@@ -27,14 +27,14 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from aerie import layout
 from aerie.capture import default_capture_points, validate_capture_points
-from aerie.contracts import IngestOptions, IngestRequest, RejectRecord, RunSpec, ShardRecord
+from aerie.contracts import IngestOptions, IngestRequest, IngestResult, RejectRecord, RunSpec, ShardRecord
+from aerie.runs import shard_names
 from aerie.settings import Settings
 from aerie.shard import pack
 from aerie.store import NotFound, ObjectStore
@@ -320,21 +320,6 @@ class ChatTokenizer:
 # --------------------------------------------------------------------------------------
 # The ingest job
 # --------------------------------------------------------------------------------------
-@dataclass
-class IngestSummary:
-    run: str
-    shards: list[str] = field(default_factory=list)
-    sequences: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
-    rejects: int = 0
-    truncated: int = 0
-    skipped: bool = False
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
 def regenerate_record(messages: list[dict[str, str]], answerer) -> list[dict[str, str]]:
     from aerie_extractor.regenerate import RegenerateRefused, regenerate
 
@@ -374,14 +359,14 @@ def _same_run(a: RunSpec, b: RunSpec) -> bool:
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
 
 
-def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> IngestSummary:
+def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> IngestResult:
     """Tokenize `request.dataset` into `runs/<run>/tokens/*` and write `runs/<run>/run.json`.
 
     Re-running the same request (a redelivered task) finds run.json and returns the shards
     already written; the same run name with another request is refused.
     """
     spec = build_run_spec(settings, request)
-    summary = IngestSummary(run=request.run)
+    summary = IngestResult(run=request.run)
     try:
         existing = store.get_json(layout.run_spec(request.run), RunSpec)
     except NotFound:
@@ -393,7 +378,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
                 f"(dataset {existing.dataset!r}): choose another run name or delete runs/{request.run}/"
             )
         summary.skipped = True
-        summary.shards = [k.rsplit("/", 1)[1][: -len(".json")] for k in store.list(layout.shards_prefix(request.run, "tokens")) if k.endswith(".json")]
+        summary.shards = shard_names(store, request.run, "tokens")
         return summary
 
     opts: IngestOptions = request.options
@@ -469,6 +454,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     flush_rejects(layout.shard_name(len(summary.shards)))  # a part no shard wrote: never overwrites one
     if not store.exists(layout.run_spec(request.run)):  # a twin delivery may have finished first
         store.put_json(layout.run_spec(request.run), spec)
+    store.delete(layout.ingest_failure(request.run))  # an earlier attempt's, if any
     log.info(
         "ingest %s: %d shards, %d sequences, %d tokens, %d rejects",
         request.run, len(summary.shards), summary.sequences, summary.tokens, summary.rejects,

@@ -8,7 +8,7 @@
 
 `checkpoints/<train-id>/latest.json` is written last and names the complete step; a trainer
 killed while writing leaves the previous `latest` in place. The learning rate is a pure
-function of the step (`train.lr_at`), so the scheduler's whole state is the step.
+function of the step (`trainer.lr_at`), so the scheduler's whole state is the step.
 """
 
 from __future__ import annotations
@@ -109,10 +109,9 @@ class Checkpointer:
         return TrainerState(**record)
 
     def _prune(self, keep_from_step: int) -> None:
-        root = f"checkpoints/{self.train_id}/"
-        steps = sorted({int(k[len(root) + 5 :].split("/")[0]) for k in self.store.list(root + "step-")})
+        steps = layout.checkpoint_steps(self.train_id, self.store.list(layout.checkpoints_prefix(self.train_id)))
         for old in [s for s in steps if s < keep_from_step][: -(KEEP - 1) or None]:
             self.store.delete_prefix(layout.checkpoint_prefix(self.train_id, old))
 
     def delete(self) -> None:
-        self.store.delete_prefix(f"checkpoints/{self.train_id}/")
+        self.store.delete_prefix(layout.checkpoints_prefix(self.train_id))

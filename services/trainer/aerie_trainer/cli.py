@@ -1,25 +1,44 @@
-"""Click commands the project CLI registers: `pull NAME[:VERSION] DEST`."""
+"""The trainer's user command, registered in `aerie` through the `aerie.commands` entry point.
+
+    aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
+    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # DDP
+"""
 
 from __future__ import annotations
+
+import json
+import os
 
 import click
 
 
-@click.command("pull")
-@click.argument("ref", metavar="NAME[:VERSION]")
-@click.argument("dest", type=click.Path(file_okay=False))
-def pull(ref: str, dest: str) -> None:
-    """Fetch a published drafter (default: its latest version) into DEST."""
+@click.command("train")
+@click.option("--runs", "runs", required=True, multiple=True, help="run whose hidden shards to train on (repeat for several)")
+@click.option("--drafter", required=True, help="drafter name (published under drafters/<name>/)")
+@click.option("--model", required=True, help="target model folder (embeddings, lm_head, config)")
+@click.option("--config", "config_json", default="{}", help='TrainConfig fields as JSON, e.g. \'{"steps": 300}\'')
+@click.option("--train-id", default=None, help="checkpoint namespace (default: derived from the request)")
+@click.option("--no-publish", is_flag=True, help="train and evaluate only")
+def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
+    """Train, evaluate and publish a drafter in this process (or one torchrun rank)."""
+    import torch
+
+    from aerie import stages
+    from aerie.contracts import ProgressEvent, TrainConfig, TrainRequest
     from aerie.settings import Settings
     from aerie.store import open_store
 
-    from aerie_trainer.export import pull as pull_drafter, resolve
+    request = TrainRequest(runs=list(runs), drafter=drafter, model=model, config=TrainConfig.model_validate_json(config_json),
+                           train_id=train_id, publish=not no_publish)
+    settings = Settings.load()
+    main = int(os.environ.get("RANK", "0")) == 0
 
-    store = open_store(Settings.load())
-    name, version = resolve(store, ref)
-    path = pull_drafter(store, f"{name}:{version}", dest)
-    click.echo(f"drafter {name}:{version} -> {path}")
+    def show(event: ProgressEvent) -> None:
+        if main and (event.stage != "train" or (event.step or 0) % 10 == 0 or event.step == event.steps):
+            click.echo(event.model_dump_json(exclude_none=True))
 
-
-if __name__ == "__main__":
-    pull()
+    result = stages.train(open_store(settings), settings, request, show)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if main:
+        click.echo(json.dumps(result.model_dump(exclude={"losses"}, exclude_none=True), indent=1))

@@ -33,6 +33,7 @@ import torch
 
 from aerie import layout
 from aerie.contracts import RunSpec, ShardRecord
+from aerie.runs import shard_names
 from aerie.shard import Shard, read_safetensors
 from aerie.store import NotFound, ObjectStore
 
@@ -91,9 +92,8 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
                 )
     shards = []
     for spec in specs:
-        keys = [k for k in store.list(layout.shards_prefix(spec.run, "hidden")) if k.endswith(".json")]
-        for key in keys:
-            rec = store.get_json(key, ShardRecord)
+        for name in shard_names(store, spec.run, "hidden"):
+            rec = store.get_json(layout.shard_record(spec.run, "hidden", name), ShardRecord)
             if rec.kind == "hidden" and store.exists(rec.key):
                 shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens))
         if not any(s.run == spec.run for s in shards):

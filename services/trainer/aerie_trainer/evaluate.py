@@ -22,18 +22,19 @@ import numpy as np
 import torch
 
 from aerie.capture import hf_hidden_state_indices
+from aerie.contracts import TrainConfig
 
-from aerie_trainer.model import Eagle3Drafter, load_target_config
+from aerie_trainer.data import HiddenData
+from aerie_trainer.model import Eagle3Drafter
+from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
 
 
 # --------------------------------------------------------------------------------------
 # Held-out TTT metrics
 # --------------------------------------------------------------------------------------
 @torch.no_grad()
-def heldout_metrics(ttt, batches, target) -> dict:
-    """ttt: a train.TTT module; batches: iterable of data.Batch; target: train.TargetHead."""
-    from aerie_trainer.train import ttt_forward
-
+def heldout_metrics(ttt: TTT, batches, target: TargetHead) -> dict:
+    """batches: iterable of data.Batch."""
     device = ttt.drafter.fc.weight.device
     loss_sum, n_batches = 0.0, 0
     correct = valid = None
@@ -207,41 +208,41 @@ def prompts_from_file(path_or_text: str, model_dir: str | os.PathLike) -> list[l
 # What the trainer runs before and after training
 # --------------------------------------------------------------------------------------
 class Evaluator:
+    """Held-out metrics and the speculative-decoding loop for one drafter, before and after
+    training. It gets what it uses: the drafter, the target head, the data, the model folder."""
+
     HOLDOUT_BATCHES = 16
 
-    def __init__(self, trainer, settings):
-        from aerie_trainer.train import TTT
-
-        self.trainer, self.cfg = trainer, trainer.cfg
-        self.ttt = TTT(trainer.drafter, self.cfg.ttt_steps, self.cfg.step_decay)
-        self._target = None
-        self._prompts = None
+    def __init__(self, drafter: Eagle3Drafter, target: TargetHead, data: HiddenData, model_dir: str | os.PathLike,
+                 capture_points: list[int], config: TrainConfig, device: torch.device, prompts_jsonl: str | None = None):
+        """prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations."""
+        self.drafter, self.target, self.data, self.model_dir = drafter, target, data, str(model_dir)
+        self.capture_points, self.cfg, self.device, self.prompts_jsonl = list(capture_points), config, device, prompts_jsonl
+        self.ttt = TTT(drafter, config.ttt_steps, config.step_decay)
+        self._target_model = None
+        self._prompts: list[list[int]] | None = None
 
     def prompts(self) -> list[list[int]]:
         if self._prompts is None:
-            req, n = self.trainer.request, self.cfg.eval_prompts
-            if req.eval_prompts_file:
-                store = self.trainer.store
-                local = Path(req.eval_prompts_file)
-                text = local.read_text() if local.is_file() else store.get_bytes(req.eval_prompts_file).decode()
-                self._prompts = prompts_from_file(text, req.model)[:n]
+            n = self.cfg.eval_prompts
+            if self.prompts_jsonl is not None:
+                self._prompts = prompts_from_file(self.prompts_jsonl, self.model_dir)[:n]
             else:
-                self._prompts = prompts_from_sequences(self.trainer.data.holdout_sequences(4 * n + 8))[:n]
+                self._prompts = prompts_from_sequences(self.data.holdout_sequences(4 * n + 8))[:n]
         return self._prompts
 
     def run(self) -> dict:
-        drafter = self.trainer.drafter
+        drafter = self.drafter
         was_training = drafter.training
         drafter.eval()
         try:
-            metrics = heldout_metrics(self.ttt, self.trainer.data.holdout_batches(self.HOLDOUT_BATCHES), self.trainer.target)
+            metrics = heldout_metrics(self.ttt, self.data.holdout_batches(self.HOLDOUT_BATCHES), self.target)
             prompts = self.prompts() if self.cfg.eval_prompts else []
             if prompts:
-                if self._target is None:
-                    self._target = load_target(self.trainer.request.model, self.trainer.dist.device)
-                model_dir = self.trainer.request.model
-                spec = acceptance_length(self._target, drafter, prompts, self.trainer.runset.capture_points,
-                                         self.cfg.eval_new_tokens, self.cfg.eval_draft_tokens, eos_token_ids(model_dir))
+                if self._target_model is None:
+                    self._target_model = load_target(self.model_dir, self.device)
+                spec = acceptance_length(self._target_model, drafter, prompts, self.capture_points,
+                                         self.cfg.eval_new_tokens, self.cfg.eval_draft_tokens, eos_token_ids(self.model_dir))
                 metrics.update(spec, eval_prompts=len(prompts))
             return metrics
         finally:

@@ -1,4 +1,4 @@
-"""Export a drafter exactly as SGLang's `LlamaForCausalLMEagle3` loads it; publish; pull.
+"""Export a drafter exactly as SGLang's `LlamaForCausalLMEagle3` loads it, check it, publish it.
 
 A drafter folder is `config.json` + `model.safetensors` (+ aerie's `aerie.json` lineage):
 - config: a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`,
@@ -18,7 +18,6 @@ anything that would be skipped, left unloaded, or mis-shaped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -28,16 +27,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from aerie import layout
+from aerie import drafters
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import DrafterLineage, TrainRequest
-from aerie.store import NotFound, ObjectStore
+from aerie.store import ObjectStore
 
 from aerie_trainer.model import DrafterConfig, Eagle3Drafter, load_target_config, load_target_embeddings
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SERVING_ENGINE = "sglang"
-FILES = ("config.json", "model.safetensors")
 
 # --- from sglang 0.5.23, sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3.load_weights
 SGLANG_STACKED_PARAMS_MAPPING = [
@@ -276,64 +274,18 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
 
 
 # --------------------------------------------------------------------------------------
-# Publish and pull
+# Publish
 # --------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def published_lineage(store: ObjectStore, name: str, version: str) -> DrafterLineage | None:
-    try:
-        return store.get_json(layout.drafter_prefix(name, version) + "aerie.json", DrafterLineage)
-    except NotFound:
-        return None
-
-
 def publish(store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRequest, version: str, metrics: dict) -> DrafterLineage:
-    """Export, check, upload (weights first, `aerie.json` last), then move `latest`."""
+    """Export and check the drafter, then publish it (aerie.drafters: files, lineage, `latest`)."""
     spec = runset.spec
     convention = convention_for(SERVING_ENGINE, spec.target.architecture)
     layer_ids = to_engine_ids(spec.capture_points, convention, spec.target.num_layers)
-    prefix = layout.drafter_prefix(request.drafter, version)
     with tempfile.TemporaryDirectory(prefix="aerie-export-") as tmp:
         folder = export(drafter, tmp, layer_ids, load_target_config(request.model))
-        files = {}
-        for fname in FILES:
-            files[fname] = store.put_file(prefix + fname, folder / fname)
-    lineage = DrafterLineage(
-        name=request.drafter, version=version, runs=list(request.runs), target=spec.target, engine=spec.engine,
-        capture_points=list(spec.capture_points), exported_layer_ids=layer_ids, exported_convention=convention,
-        draft_vocab_size=drafter.config.draft_vocab_size, config=request.config,
-        metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None}, files=files,
-    )
-    store.put_json(prefix + "aerie.json", lineage)
-    store.put_bytes(layout.drafter_latest(request.drafter), version.encode())
-    return lineage
-
-
-def resolve(store: ObjectStore, ref: str) -> tuple[str, str]:
-    """'NAME[:VERSION]' -> (name, version); no version means `latest`."""
-    name, _, version = ref.partition(":")
-    if not version:
-        try:
-            version = store.get_bytes(layout.drafter_latest(name)).decode().strip()
-        except NotFound:
-            raise NotFound(f"no drafter {name!r} published in {store.url} ({layout.drafter_latest(name)} missing)") from None
-    return name, version
-
-
-def pull(store: ObjectStore, ref: str, dest: str | os.PathLike) -> Path:
-    """Fetch drafter NAME[:VERSION] into DEST (checked against its lineage's hashes)."""
-    name, version = resolve(store, ref)
-    lineage = published_lineage(store, name, version)
-    if lineage is None:
-        raise NotFound(f"drafter {name}:{version} is not (completely) published in {store.url}")
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    prefix = layout.drafter_prefix(name, version)
-    for fname, sha in lineage.files.items():
-        got = store.download(prefix + fname, dest / fname)
-        if got != sha:
-            raise ExportError(f"{prefix}{fname}: sha256 {got} differs from aerie.json's {sha}: corrupted upload?")
-    (dest / "aerie.json").write_bytes(lineage.to_json())
-    return dest
+        return drafters.publish(store, folder, dict(
+            name=request.drafter, version=version, runs=list(request.runs), target=spec.target, engine=spec.engine,
+            capture_points=list(spec.capture_points), exported_layer_ids=layer_ids, exported_convention=convention,
+            draft_vocab_size=drafter.config.draft_vocab_size, config=request.config,
+            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None},
+        ))

@@ -1,34 +1,31 @@
-"""The `aerie.train` Celery task: JSON kwargs (a TrainRequest) -> `run_train` -> a JSON summary.
+"""The trainer's Celery task: the `train` stage on queue `train`.
 
-Registered with `shared_task`, so it binds to whichever app includes this module: the worker's
-(`aerie_trainer.worker`) or the lead's in-process, eager app (the same code either way).
-A killed worker's task is redelivered (acks_late + reject_on_worker_lost, see aerie.queue) and
-resumes from its last checkpoint; a task whose drafter version is already published returns it.
+Registered with `shared_task`, so it binds to whichever app includes this module (the worker's,
+`aerie_trainer.worker`). Retries and failures follow `aerie.queue.run_task`, as in every service:
+store errors are retried with backoff; a job that gives up is recorded in
+`checkpoints/<train-id>/failed.json`. A killed worker's task is redelivered (acks_late +
+reject_on_worker_lost, see aerie.queue) and resumes from its last checkpoint; a task whose drafter
+version is already published returns it. Progress goes to the task state (`PROGRESS`).
 """
 
 from __future__ import annotations
 
-from celery import shared_task
+from celery import Task, shared_task
 
+from aerie import stages
 from aerie.contracts import TrainRequest
-from aerie.queue import TRAIN_TASK
-from aerie.settings import Settings
-from aerie.store import open_store
+from aerie.queue import MAX_RETRIES, TRAIN_TASK, run_task, task_progress, task_settings, task_store
 
 
-@shared_task(name=TRAIN_TASK, bind=True)
-def train(self, **kwargs) -> dict:
+@shared_task(bind=True, name=TRAIN_TASK, max_retries=MAX_RETRIES)
+def train(self: Task, **kwargs) -> dict:
     request = TrainRequest.model_validate(kwargs)
-    settings = getattr(self.app, "aerie_settings", None) or Settings.load()
-    store = open_store(settings)
+    settings = task_settings(self.app)
 
-    def progress(info: dict) -> None:
-        hook = getattr(self.app, "aerie_progress", None)  # set by `aerie run` (in-process, eager)
-        if hook is not None:
-            hook(info)
-        if not self.request.called_directly and not self.app.conf.task_always_eager:
-            self.update_state(state="PROGRESS", meta=info)
+    def give_up(error: BaseException, attempts: int) -> None:
+        from aerie_trainer.job import record_failure
 
-    from aerie_trainer.train import run_train
+        record_failure(task_store(settings), request, error, attempts)
 
-    return run_train(store, settings, request, progress=progress)
+    result = run_task(self, lambda: stages.train(task_store(settings), settings, request, task_progress(self)), give_up)
+    return result.model_dump(mode="json")

@@ -62,7 +62,7 @@ from aerie.shard import np_dtype
 from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
 from aerie_extractor.engines.sglang_binary import (
     BinaryCaptureError,
-    SinkConfig,
+    CaptureReader,
     advertised,
     capture_body,
     choose_sink,
@@ -130,7 +130,7 @@ def topk_rows(meta: dict, T: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, values
 
 
-def sink_config(settings: Settings) -> SinkConfig:
+def sink_config(settings: Settings) -> CaptureReader:
     """Where this extractor reads binary captures, from its settings."""
     store = None
     if settings.engine_sink == "s3":
@@ -142,7 +142,7 @@ def sink_config(settings: Settings) -> SinkConfig:
         from aerie.store import open_store
 
         store = open_store(settings)
-    return SinkConfig(sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s)
+    return CaptureReader(sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s)
 
 
 def _no_plugin(why: str, stock: list[str], alternative: str = "") -> EngineMismatch:
@@ -169,7 +169,7 @@ class SGLangEngine(Engine):
         self.spec = run_spec.engine
         self.max_input: dict[str, int] = {}
         self.transport: str | None = None  # "binary" | "json", decided by check()
-        self.sinks: SinkConfig | None = None
+        self.sinks: CaptureReader | None = None
         self._checked = False
 
     # ----------------------------------------------------------------------------------
@@ -367,12 +367,12 @@ class SGLangEngine(Engine):
         K, H = len(run.capture_points), target.hidden_size
         descriptor = descriptor_of(out)
         assert self.sinks is not None
-        sinks = self.sinks if timeout_s is None else SinkConfig(self.sinks.sink, self.sinks.store, self.sinks.shm_dir, timeout_s)
+        sinks = self.sinks if timeout_s is None else CaptureReader(self.sinks.sink, self.sinks.store, self.sinks.shm_dir, timeout_s)
         tensors = fetch_binary(descriptor, sinks)  # claims it: deleted even if the checks below fail
         aux, final = tensors["aux"], tensors["final"]
-        if descriptor.get("layer_ids") != self.layer_ids:
+        if descriptor.layer_ids != self.layer_ids:
             raise EngineMismatch(
-                f"SGLang server {url} captured layer ids {descriptor.get('layer_ids')}, run {run.run!r} needs {self.layer_ids}"
+                f"SGLang server {url} captured layer ids {descriptor.layer_ids}, run {run.run!r} needs {self.layer_ids}"
             )
         if aux.shape != (T, K, H) or final.shape != (T, H):
             raise EngineMismatch(

@@ -12,8 +12,8 @@ module is everything the extractor needs to use it, without torch:
   `{"aux": [T, K, H], "final": [T, H]}` numpy arrays (bf16 as `ml_dtypes.bfloat16`).
 
 Sinks: `shm` (a tmpfs directory shared with the server; the extractor must run on the same
-host, or mount the same directory, `SinkConfig.shm_dir` mapping it) and `s3` (the server uploads
-to the store; `SinkConfig.store` reads and deletes). The server refuses new captures while
+host, or mount the same directory, `CaptureReader.shm_dir` mapping it) and `s3` (the server uploads
+to the store; `CaptureReader.store` reads and deletes). The server refuses new captures while
 `max_unclaimed_bytes` wait unclaimed (HTTP 503), so a client must claim what it asked for.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aerie.contracts import CaptureDescriptor
 from aerie.shard import ShardError, read_safetensors
 from aerie.store import NotFound, ObjectStore
 from aerie_extractor.engines.base import EngineError, EngineMismatch
@@ -41,7 +42,7 @@ class BinaryCaptureError(EngineError):
 
 
 @dataclass
-class SinkConfig:
+class CaptureReader:
     """Where this client finds what the server wrote."""
 
     sink: str = "shm"  # "shm" | "s3"
@@ -53,7 +54,7 @@ class SinkConfig:
         if self.sink not in SINKS:
             raise ValueError(f"binary-capture sink {self.sink!r} is not one of {SINKS}")
         if self.sink == "s3" and self.store is None:
-            raise ValueError("binary-capture sink 's3' needs SinkConfig.store (the plugin's bucket)")
+            raise ValueError("binary-capture sink 's3' needs CaptureReader.store (the plugin's bucket)")
 
 
 def advertised(server_info: dict) -> dict | None:
@@ -70,7 +71,7 @@ def advertised(server_info: dict) -> dict | None:
     return info
 
 
-def choose_sink(advertisement: dict, config: SinkConfig) -> str:
+def choose_sink(advertisement: dict, config: CaptureReader) -> str:
     """Check that the server offers `config.sink` (and, for s3, writes where `config.store` reads)."""
     sinks = advertisement.get("sinks") or {}
     if config.sink not in sinks:
@@ -104,7 +105,10 @@ def capture_body(input_ids: list[int], sink: str) -> dict:
     return body
 
 
-def descriptor_of(response: dict) -> dict:
+def descriptor_of(response: dict) -> CaptureDescriptor:
+    """The capture descriptor of a `/generate` response, validated (a malformed one is refused)."""
+    from pydantic import ValidationError
+
     meta = response.get("meta_info") or {}
     descriptor = meta.get(FIELD)
     if not isinstance(descriptor, dict):
@@ -114,7 +118,10 @@ def descriptor_of(response: dict) -> dict:
         )
     if "error" in descriptor:
         raise BinaryCaptureError(f"the SGLang server could not capture: {descriptor['error']}")
-    return descriptor
+    try:
+        return CaptureDescriptor.model_validate(descriptor)
+    except ValidationError as e:
+        raise EngineMismatch(f"the SGLang server's capture descriptor is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
 
 
 def _wait_shm(path: Path, timeout_s: float) -> bytes:
@@ -133,7 +140,7 @@ def _wait_shm(path: Path, timeout_s: float) -> bytes:
                 raise BinaryCaptureError(
                     f"capture {path.name} did not appear in {path.parent} within {timeout_s:.0f} s: the shm sink "
                     "needs this extractor on the SGLang server's host with the same directory mounted "
-                    "(SinkConfig.shm_dir), or the server's writer failed (see its log)"
+                    "(CaptureReader.shm_dir), or the server's writer failed (see its log)"
                 ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -154,34 +161,34 @@ def _wait_s3(store: ObjectStore, key: str, timeout_s: float) -> bytes:
             delay = min(delay * 2, 0.1)
 
 
-def _check(descriptor: dict, buf: bytes) -> dict[str, np.ndarray]:
-    where = descriptor.get("path") or descriptor.get("key")
+def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
+    where = descriptor.path or descriptor.key
     try:
         tensors, metadata = read_safetensors(buf)
     except ShardError as e:
         raise BinaryCaptureError(f"capture {where}: {e}") from None
-    if metadata.get("aerie_capture_id") != descriptor["id"]:
+    if metadata.get("aerie_capture_id") != descriptor.id:
         raise BinaryCaptureError(
-            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor['id']!r}"
+            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor.id!r}"
         )
     (n,) = np.frombuffer(buf[:8], dtype="<u8")
     digest = hashlib.sha256(memoryview(buf)[8 + int(n):]).hexdigest()
     if digest != metadata.get("sha256"):
         raise BinaryCaptureError(f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted")
-    for name, spec in descriptor["tensors"].items():
+    for name, spec in descriptor.tensors.items():
         arr = tensors.get(name)
-        if arr is None or list(arr.shape) != list(spec["shape"]) or str(arr.dtype) != spec["dtype"]:
+        if arr is None or list(arr.shape) != spec.shape or str(arr.dtype) != spec.dtype:
             got = None if arr is None else (list(arr.shape), str(arr.dtype))
-            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec}")
-    return {name: tensors[name] for name in descriptor["tensors"]}
+            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+    return {name: tensors[name] for name in descriptor.tensors}
 
 
-def fetch_binary(descriptor: dict, sink_config: SinkConfig) -> dict[str, np.ndarray]:
+def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> dict[str, np.ndarray]:
     """Wait for, read, check and delete one capture; return its tensors (`aux` [T, K, H] in SGLang
     layer-id order, `final` [T, H]). The object is deleted even when it fails the checks."""
-    sink = descriptor.get("sink")
+    sink = descriptor.sink
     if sink == "shm":
-        path = Path(descriptor["path"])
+        path = Path(descriptor.path or "")
         if sink_config.shm_dir is not None:
             path = Path(sink_config.shm_dir) / path.name
         buf = _wait_shm(path, sink_config.timeout_s)
@@ -195,15 +202,15 @@ def fetch_binary(descriptor: dict, sink_config: SinkConfig) -> dict[str, np.ndar
     if sink == "s3":
         store = sink_config.store
         if store is None:
-            raise BinaryCaptureError(f"capture {descriptor['key']} is in S3 but SinkConfig.store is not set")
-        if getattr(store, "bucket", descriptor["bucket"]) != descriptor["bucket"]:
+            raise BinaryCaptureError(f"capture {descriptor.key} is in S3 but CaptureReader.store is not set")
+        if getattr(store, "bucket", descriptor.bucket) != descriptor.bucket:
             raise BinaryCaptureError(
-                f"capture {descriptor['key']} is in bucket {descriptor['bucket']!r}, SinkConfig.store reads "
+                f"capture {descriptor.key} is in bucket {descriptor.bucket!r}, CaptureReader.store reads "
                 f"{store.bucket!r}: use the plugin's bucket"
             )
-        buf = _wait_s3(store, descriptor["key"], sink_config.timeout_s)
+        buf = _wait_s3(store, descriptor.key, sink_config.timeout_s)
         try:
             return _check(descriptor, buf)
         finally:
-            store.delete(descriptor["key"])
-    raise BinaryCaptureError(f"unknown capture sink {sink!r} in descriptor {descriptor.get('id')}")
+            store.delete(descriptor.key)
+    raise BinaryCaptureError(f"unknown capture sink {sink!r} in descriptor {descriptor.id}")

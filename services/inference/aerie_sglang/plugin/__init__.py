@@ -56,6 +56,9 @@ HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 ENABLE_VAR = "AERIE_SGLANG_BINARY"
+# Every variable the plugin reads (sink.py's table); the deploy checks accept these AERIE_* names.
+ENV_VARS = (ENABLE_VAR, "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", "AERIE_CAPTURE_TTL_S", "AERIE_CAPTURE_WRITERS",
+            "AERIE_CAPTURE_S3_PREFIX", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY", "AERIE_S3_REGION")
 
 
 class PluginRefused(RuntimeError):
@@ -108,12 +111,12 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from aerie_sglang.plugin import hooks
-    from aerie_sglang.plugin.sink import SinkConfig
+    from aerie_sglang.plugin.sink import CaptureSinkSettings
 
     version = check_sglang()
     for target, (_, _, params) in HOOKS.items():
         _check_target(target, params)
-    config = SinkConfig.from_env()
+    config = CaptureSinkSettings.from_env()
     hooks.configure(config, version, importlib.metadata.version("aerie-sglang"))
     for target, (kind, fn_name, _) in HOOKS.items():
         HookRegistry.register(target, getattr(hooks, fn_name), HookType[kind])

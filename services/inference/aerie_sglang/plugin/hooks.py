@@ -23,7 +23,7 @@ from http import HTTPStatus
 
 import torch
 
-from aerie_sglang.plugin.sink import FORMAT_VERSION, SUFFIX, Capture, Sinks, SinkConfig, SinkFull, planned_size
+from aerie_sglang.plugin.sink import FORMAT_VERSION, SUFFIX, Capture, Sinks, CaptureSinkSettings, SinkFull, planned_size
 
 logger = logging.getLogger("aerie_sglang.capture")
 
@@ -31,7 +31,7 @@ FIELD = "aerie_capture"  # the custom_params key, the meta_info key and the /ser
 _ATTR = "_aerie_capture"  # per-request state on SGLang's Req
 
 # Set by `install` in every SGLang process that loads the plugin.
-_config: SinkConfig | None = None
+_config: CaptureSinkSettings | None = None
 _sinks: Sinks | None = None
 _sglang_version = ""
 _plugin_version = ""
@@ -46,7 +46,7 @@ class _RequestCapture:
     final_parts: list[torch.Tensor] = field(default_factory=list)
 
 
-def configure(config: SinkConfig, sglang_version: str, plugin_version: str) -> None:
+def configure(config: CaptureSinkSettings, sglang_version: str, plugin_version: str) -> None:
     global _config, _sinks, _sglang_version, _plugin_version
     _config, _sinks = config, Sinks(config)
     _sglang_version, _plugin_version = sglang_version, plugin_version

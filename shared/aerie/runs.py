@@ -1,0 +1,131 @@
+"""A run as the store holds it: its spec, its shards, its progress — readable by every service.
+
+Nothing here extracts or trains; it reads what the extractor wrote (and records a shard's
+failure), so the trainer, `aerie run` and the Celery sub-commands share one view of a run:
+
+- `load_run(store, run)`: `runs/<run>/run.json`, or a clear error when the run was never ingested.
+- `run_status(store, run)`: shards total / tokenized / extracted / failed, tokens, rejects.
+- `run_complete(store, run)`: every token shard has a hidden record (listings only: cheap).
+- `wait_for_run(store, run, timeout_s)`: until complete; fails naming the failed shards, or the
+  deadline, and says where to look.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aerie import layout
+from aerie.contracts import IngestFailure, IngestRequest, RunSpec, RunStatus, ShardFailure, ShardRecord
+from aerie.store import NotFound, ObjectStore, StoreError
+
+
+class RunError(RuntimeError):
+    """A run that is missing, failed, or did not finish in time; the message says what to do."""
+
+
+def load_run(store: ObjectStore, run: str) -> RunSpec:
+    try:
+        return store.get_json(layout.run_spec(run), RunSpec)
+    except NotFound:
+        raise RunError(f"run {run!r} has no run.json in {store.url}: ingest it first (aerie.ingest)") from None
+
+
+def shard_names(store: ObjectStore, run: str, kind: str) -> list[str]:
+    """Names of the shards of `kind` ("tokens" | "hidden") that have a record, sorted."""
+    return layout.record_names(store.list(layout.shards_prefix(run, kind)))
+
+
+def hidden_bytes(store: ObjectStore, run: str) -> int:
+    """Bytes of the run's stored hidden-state shards."""
+    return sum(store.size(k) for k in layout.shard_objects(store.list(layout.shards_prefix(run, "hidden"))))
+
+
+def record_failure(store: ObjectStore, run: str, shard: str, error: BaseException | str, attempts: int) -> None:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    store.put_json(layout.shard_failure(run, shard), ShardFailure(run=run, shard=shard, error=text, attempts=attempts))
+
+
+def record_ingest_failure(store: ObjectStore, request: IngestRequest, error: BaseException, attempts: int) -> None:
+    store.put_json(layout.ingest_failure(request.run), IngestFailure(
+        run=request.run, dataset=request.dataset, error=f"{type(error).__name__}: {error}", attempts=attempts))
+
+
+def failures(store: ObjectStore, run: str) -> list[ShardFailure]:
+    """The failure records of shards that have not been extracted since."""
+    done = set(shard_names(store, run, "hidden"))
+    out = []
+    for name in layout.record_names(store.list(layout.failures_prefix(run))):
+        if name not in done:
+            try:
+                out.append(store.get_json(layout.shard_failure(run, name), ShardFailure))
+            except NotFound:  # a later attempt succeeded meanwhile
+                pass
+    return out
+
+
+def run_status(store: ObjectStore, run: str) -> RunStatus:
+    """Shards total/tokenized/extracted/failed, tokens and rejects of a run, from the store."""
+    ingested = store.exists(layout.run_spec(run))
+    tokens = shard_names(store, run, "tokens")
+    hidden = set(shard_names(store, run, "hidden"))
+    failed = sorted(set(layout.record_names(store.list(layout.failures_prefix(run)))) - hidden)
+    sequences = n_tokens = 0
+    for name in tokens:
+        record = store.get_json(layout.shard_record(run, "tokens", name), ShardRecord)
+        sequences += record.sequences
+        n_tokens += record.tokens
+    rejects = sum(store.get_bytes(k).count(b"\n") for k in store.list(layout.rejects_prefix(run)))
+    return RunStatus(
+        run=run, shards_total=len(tokens), tokens_done=len(tokens), hidden_done=len(hidden), failed=len(failed),
+        sequences=sequences, tokens=n_tokens, rejects=rejects, complete=ingested and set(tokens) <= hidden,
+        failed_shards=failed,
+    )
+
+
+def run_complete(store: ObjectStore, run: str) -> bool:
+    """Every token shard of an ingested run has a hidden record (cheap: listings only)."""
+    if not store.exists(layout.run_spec(run)):
+        return False
+    tokens = set(shard_names(store, run, "tokens"))
+    return bool(tokens) and tokens <= set(shard_names(store, run, "hidden"))
+
+
+def wait_for_run(
+    store: ObjectStore,
+    run: str,
+    timeout_s: float,
+    poll_s: float = 2.0,
+    on_status: Callable[[RunStatus | None], None] | None = None,
+) -> RunStatus:
+    """Poll the store until the run is complete; raise RunError when a shard failed for good or
+    the deadline passes. A store that refuses the credentials or cannot be reached raises its
+    own StoreError at once (nothing to wait for); a run not yet ingested is waited for."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = run_status(store, run) if store.exists(layout.run_spec(run)) else None
+        if on_status is not None:
+            on_status(status)
+        if status is None and store.exists(layout.ingest_failure(run)):
+            failure = store.get_json(layout.ingest_failure(run), IngestFailure)
+            raise RunError(f"run {run!r}: ingest of {failure.dataset!r} failed for good: {failure.error}")
+        if status is not None:
+            if status.failed:
+                first = failures(store, run)[:1]
+                why = f" (shard {first[0].shard}: {first[0].error})" if first else ""
+                raise RunError(
+                    f"run {run!r}: {status.failed} shard(s) failed for good{why}; records in "
+                    f"{store.url}/{layout.failures_prefix(run)}"
+                )
+            if status.complete:
+                return status
+        if time.monotonic() > deadline:
+            done = "not ingested yet" if status is None else f"{status.hidden_done}/{status.shards_total} shards extracted"
+            raise RunError(f"run {run!r} did not complete within {timeout_s:.0f} s ({done}): are the workers running?")
+        time.sleep(poll_s)
+
+
+__all__ = [
+    "RunError", "StoreError", "failures", "hidden_bytes", "load_run", "record_failure", "record_ingest_failure", "run_complete", "run_status",
+    "shard_names", "wait_for_run",
+]

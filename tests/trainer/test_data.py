@@ -1,0 +1,81 @@
+"""The trainer's data: hidden-state shards from the store -> batches, split, ordered, resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aerie import layout
+from aerie.shard import Shard
+from tests.runs import hidden_run_folder, upload_run
+
+# --------------------------------------------------------------------------------------
+# Tests of the data pipeline
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_run(cache_dir, smollm2_path) -> Path:
+    return hidden_run_folder(cache_dir, smollm2_path, records=24, max_tokens=96, shard_sequences=4)
+
+
+def make_data(store, runs, **kw):
+    from aerie_trainer.data import HiddenData, load_runs
+
+    args = dict(batch_tokens=256, max_seq_tokens=96, ttt_steps=3, seed=0, holdout_fraction=0.2, prefetch=2) | kw
+    return HiddenData(store, load_runs(store, runs), **args)
+
+
+def test_batches_follow_the_slot_layout(store, small_run):
+    """Slot t of step k holds token t+1+k, the signal of row t+1+k and loss_mask[t+2+k]."""
+    upload_run(store, small_run, "r1")
+    data = make_data(store, ["r1"])
+    assert data.split == "shard" and data.holdout_items and data.train_items
+    it = data.batches()
+    (pos, batch) = next(it)
+    it.close()
+    plan = data.epoch_plan(0)
+    assert pos == (0, 1)
+    shard_idx, seq_idx = plan[0][0]
+    seq = Shard.open(store.local_path(data.shards[shard_idx].key)).sequence(seq_idx) if store.local_path("x") else None
+    if seq is None:
+        seq = Shard.from_buffer(store.get_bytes(data.shards[shard_idx].key)).sequence(seq_idx)
+    T = min(len(seq["input_ids"]), 96)
+    assert batch.input_ids[0, : T - 1].tolist() == seq["input_ids"][1:T].tolist()
+    assert batch.loss_mask[0, : T - 2].tolist() == seq["loss_mask"][2:T].astype(bool).tolist()
+    assert not batch.loss_mask[0, T - 2 :].any()
+    aux = batch.aux[0, : T - 1].float().numpy()
+    np.testing.assert_array_equal(aux, seq["aux"][: T - 1].astype(np.float32).reshape(T - 1, -1))
+    np.testing.assert_array_equal(batch.final[0, : T - 1].float().numpy(), seq["final"][1:T].astype(np.float32))
+
+
+def test_epoch_plans_are_reproducible_and_cover_the_training_split(fs_store, small_run):
+    upload_run(fs_store, small_run, "r1")
+    data = make_data(fs_store, ["r1"])
+    a, b = data.epoch_plan(3), data.epoch_plan(3)
+    assert a == b and a != data.epoch_plan(4)
+    assert sorted(it for batch in a for it in batch) == sorted(data.train_items)
+    assert not set(data.train_items) & set(data.holdout_items)
+    # resuming at a data position gives exactly the batches that followed it
+    full = data.batches(0, 0)
+    straight = [next(full) for _ in range(len(a) + 2)]
+    full.close()
+    resumed = data.batches(*straight[1][0])
+    again = [next(resumed) for _ in range(len(a))]
+    resumed.close()
+    for (p1, b1), (p2, b2) in zip(straight[2:], again):
+        assert p1 == p2 and b1.input_ids.tolist() == b2.input_ids.tolist()
+
+
+def test_mixed_runs_are_refused(fs_store, small_run):
+    from aerie_trainer.data import DataError, load_runs
+
+    upload_run(fs_store, small_run, "r1")
+    spec = upload_run(fs_store, small_run, "r2")
+    fs_store.put_json(layout.run_spec("r2"), spec.model_copy(update={"capture_points": [3, 15, 27]}))
+    with pytest.raises(DataError, match="capture points"):
+        load_runs(fs_store, ["r1", "r2"])
+    with pytest.raises(DataError, match="no runs/missing/run.json"):
+        load_runs(fs_store, ["missing"])
+    upload_run(fs_store, small_run, "r3")
+    assert len(load_runs(fs_store, ["r1", "r3"]).shards) == 2 * len(list((small_run / "runs" / "RUN" / "hidden").glob("*.safetensors")))

@@ -1,0 +1,80 @@
+"""Speculative decoding with the target in transformers: same output as plain greedy decoding,
+and SGLang's acceptance-length arithmetic (completion tokens / verify forwards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aerie_trainer.evaluate import acceptance_length, greedy_generate, load_target, speculative_generate
+from aerie_trainer.model import build_drafter
+
+pytestmark = pytest.mark.slow  # loads the target and decodes: ~1-2 min on 2 cores
+
+POINTS = [2, 15, 27]
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_path):
+    return load_target(smollm2_path, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    texts = ["What is the capital of France?", "Write a haiku about the sea."]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)["input_ids"] for t in texts]
+
+
+def test_untrained_drafter_gives_greedy_output_one_token_per_verify(target, smollm2_path, prompts):
+    torch.manual_seed(0)
+    drafter = build_drafter(smollm2_path, num_aux=3, draft_vocab_size=2048).eval()
+    drafter.set_vocab(torch.arange(2048))
+    for prompt in prompts:
+        want = greedy_generate(target, prompt, 16, eos_ids=[2])
+        got, verifies = speculative_generate(target, drafter, prompt, POINTS, 16, 3, eos_ids=[2])
+        assert got == want
+        # a random drafter is (almost) never right: ~ one token per verify, the first from prefill
+        assert verifies >= len(got) - 2
+    report = acceptance_length(target, drafter, prompts, POINTS, 16, 3, eos_ids=[2])
+    assert report["acceptance"] == pytest.approx(report["completion_tokens"] / report["verify_count"])
+    assert report["acceptance"] < 1.2
+
+
+def test_a_drafter_that_copies_the_target_is_accepted_and_still_greedy(target, smollm2_path, prompts):
+    """A drafter whose chain is the target's own greedy continuation (the drafts are right by
+    construction) is accepted whole each verify, and the output is still plain greedy."""
+    torch.manual_seed(0)
+    drafter = build_drafter(smollm2_path, num_aux=3, draft_vocab_size=49152).eval()
+    drafter.set_vocab(torch.arange(49152))
+    prompt = prompts[0]
+    want = greedy_generate(target, prompt, 24)
+
+    class Oracle(torch.nn.Module):
+        """Proposes the next tokens of `want` (by counting the tokens it has been shown)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.fc, self.d2t = inner, inner.fc, inner.d2t
+            self.position = 0
+
+        def project(self, aux):
+            return self.inner.project(aux)
+
+        def draft_to_target(self, ids):
+            return self.inner.draft_to_target(ids)
+
+        def forward(self, input_ids, hidden, positions, **kw):
+            logits, hidden, kv = self.inner(input_ids, hidden, positions, **kw)
+            # slot t predicts token t+2; completion index = t + 2 - len(prompt)
+            nxt = int(positions.reshape(-1)[-1]) + 2 - len(prompt)
+            logits = torch.full_like(logits, -1e9)
+            if 0 <= nxt < len(want):
+                logits[..., -1, want[nxt]] = 0.0
+            return logits, hidden, kv
+
+    got, verifies = speculative_generate(target, Oracle(drafter), prompt, POINTS, 24, 3)
+    assert got == want
+    assert verifies == (24 - 1 + 3) // 4  # 1 from prefill, then 3 accepted drafts + 1 bonus per verify

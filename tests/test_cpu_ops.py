@@ -186,6 +186,93 @@ def test_extend_attention_follows_a_tree_mask(ops):
     torch.testing.assert_close(out[:4], sdpa(c["q"][:4], c["k_buffer"][rows], c["v_buffer"][rows], 0.25))
 
 
+# --------------------------------------------------------------------------- MLA (DeepSeek/Kimi)
+# SGLang keeps one latent row per token for multi-head latent attention: [kv_lora_rank normed
+# latent | qk_rope_head_dim rotated key], one "KV head"; its value buffer is a view of the first
+# kv_lora_rank columns of that same row. Prefill without a prefix runs as ordinary attention with
+# the heads expanded (q/k head dim 24 here, v head dim 16); everything else (chunked prefill with
+# a prefix, target verify, decode) runs absorbed: queries of width rank+rope against the one
+# latent head, values = the latent itself. Shapes below are the tiny DeepSeek-V3's (tests/targets.py).
+HEADS, QK_DIM, V_DIM, RANK, ROPE = 4, 24, 16, 32, 8
+
+
+def latent_pool(num_slots=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_buffer = torch.randn(num_slots, 1, RANK + ROPE, generator=g)
+    return k_buffer, k_buffer[..., :RANK]  # v: a view of k's first kv_lora_rank columns, as in SGLang
+
+
+def test_mla_prefill_attends_expanded_heads_and_leaves_the_latent_cache_alone(ops):
+    torch.manual_seed(5)
+    req_to_token = make_pool(seed=5)
+    k_buffer, v_buffer = latent_pool(seed=5)
+    before = k_buffer.clone()
+    req_pool_indices = torch.tensor([3, 1])
+    seq_lens = torch.tensor([7, 12])  # no prefix: every token is new
+    extend_start_loc = torch.tensor([0, 7], dtype=torch.int32)
+    q, k, v = torch.randn(19, HEADS, QK_DIM), torch.randn(19, HEADS, QK_DIM), torch.randn(19, HEADS, V_DIM)
+    out = torch.empty(19, HEADS, V_DIM)
+    K.extend_attention_cpu(
+        q, k, v, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices, seq_lens,
+        seq_lens.to(torch.int32), extend_start_loc, 12, QK_DIM**-0.5, 0.0, False, 0, None, None, None, True,
+    )
+    for start, n in ((0, 7), (7, 12)):
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        ref = sdpa(q[start : start + n], k[start : start + n], v[start : start + n], QK_DIM**-0.5, causal)
+        torch.testing.assert_close(out[start : start + n], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_buffer, before)
+
+    # the same layout over a cached prefix would mix expanded heads with latent rows: refused
+    with pytest.raises(NotImplementedError, match="latent cache"):
+        K.extend_attention_cpu(
+            q[:3], k[:3], v[:3], out[:3], k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices[:1],
+            torch.tensor([5]), torch.tensor([3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 3,
+            QK_DIM**-0.5, 0.0, False, 0, None, None, None, True,
+        )  # fmt: skip
+
+
+def test_mla_absorbed_extend_attends_one_latent_head_over_prefix_and_new_tokens(ops):
+    torch.manual_seed(6)
+    req_to_token = make_pool(seed=6)
+    k_buffer, v_buffer = latent_pool(seed=6)
+    req_pool_indices = torch.tensor([0, 4])
+    seq_lens, extend_seq_lens = torch.tensor([40, 9]), torch.tensor([8, 4], dtype=torch.int32)  # prefixes 32, 5
+    extend_start_loc = torch.tensor([0, 8], dtype=torch.int32)
+    q = torch.randn(12, HEADS, RANK + ROPE)
+    k_new = torch.randn(12, 1, RANK + ROPE)
+    for i, (s, e, st) in enumerate(((40, 8, 0), (9, 4, 8))):  # SGLang writes the new rows first
+        k_buffer[req_to_token[req_pool_indices[i], s - e : s].long()] = k_new[st : st + e]
+    out = torch.empty(12, HEADS, RANK)
+    scale = QK_DIM**-0.5  # absorbed MLA keeps the expanded head's softmax scale
+    K.extend_attention_cpu(
+        q, k_new, k_new[..., :RANK], out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices,
+        seq_lens, extend_seq_lens, extend_start_loc, 8, scale, 0.0, False, 0, None, None, None, True,
+    )
+    for i, (s, e, st) in enumerate(((40, 8, 0), (9, 4, 8))):
+        rows = k_buffer[req_to_token[req_pool_indices[i], :s].long()]  # (s, 1, rank+rope)
+        mask = torch.arange(s)[None, :] <= torch.arange(s - e, s)[:, None]
+        ref = sdpa(q[st : st + e], rows, rows[..., :RANK], scale, mask)
+        torch.testing.assert_close(out[st : st + e], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_writes_the_latent_row_and_attends_it(ops):
+    torch.manual_seed(7)
+    req_to_token = make_pool(seed=7)
+    k_cache, v_cache = latent_pool(seed=7)
+    req_pool_indices, seq_lens = torch.tensor([2, 5]), torch.tensor([11, 1])
+    loc = torch.stack([req_to_token[r, s - 1] for r, s in zip(req_pool_indices, seq_lens)]).long()
+    q, key = torch.randn(2, HEADS, RANK + ROPE), torch.randn(2, 1, RANK + ROPE)
+    out = torch.empty(2, HEADS, RANK)
+    K.decode_attention_cpu(
+        q, k_cache, v_cache, 1.0, 1.0, out, key, key[..., :RANK], loc, torch.zeros(2, HEADS, 8, RANK + 1),
+        req_to_token, req_pool_indices, seq_lens, 0.2, 0.0, False, 0, None, None,
+    )  # fmt: skip
+    assert torch.equal(k_cache[loc], key) and torch.equal(v_cache[loc], key[..., :RANK])
+    for i in range(2):
+        rows = k_cache[req_to_token[req_pool_indices[i], : seq_lens[i]].long()]
+        torch.testing.assert_close(out[i : i + 1], sdpa(q[i : i + 1], rows, rows[..., :RANK], 0.2), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- KV slot ops
 
 

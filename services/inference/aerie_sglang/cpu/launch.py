@@ -22,6 +22,11 @@ What it does before handing over to SGLang's `launch_server`:
   `override_platform(has_amx=True)` before the arguments are resolved keeps `intel_amx` for
   attention (linear layers stay plain torch). That path calls `torch.ops.sgl_kernel.*_cpu`
   ops missing from PyPI's CUDA-only kernel build.
+- Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2/K2.5: `kv_lora_rank` in the model's
+  config.json, or in its `text_config`): `torch_native` cannot run it (its SDPA call assumes
+  equal q/k and v head dims and crashes at the first prefill), so the same override is applied
+  without `--serve-eagle`, in capture mode too; aerie's ops run MLA's expanded-head prefill and
+  its one-latent-head extend/decode.
 - Hook for those ops: the module `aerie_sglang.cpu.ops`, when it exists, is imported here and by
   the shim in every SGLang process; it registers plain-torch implementations with
   `torch.library`. Its import errors are not swallowed.
@@ -30,6 +35,7 @@ What it does before handing over to SGLang's `launch_server`:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -54,6 +60,26 @@ def import_cpu_ops() -> bool:
     import aerie_sglang.cpu.ops  # noqa: F401
 
     return True
+
+
+def uses_mla(model_path: str | None) -> bool:
+    """Whether the model folder's config.json describes multi-head latent attention."""
+    if not model_path:
+        return False
+    config_path = Path(model_path) / "config.json"
+    if not config_path.is_file():
+        return False  # a hub id: SGLang resolves it; nothing to read here
+    config = json.loads(config_path.read_text())
+    return config.get("kv_lora_rank") is not None or (config.get("text_config") or {}).get("kv_lora_rank") is not None
+
+
+def _model_path(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == "--model-path" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--model-path="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def prepare(args: list[str]):
@@ -85,7 +111,7 @@ def prepare(args: list[str]):
     from sglang.srt.server_args import prepare_server_args
 
     import_cpu_ops()
-    if serve_eagle:
+    if serve_eagle or uses_mla(_model_path(args)):
         override_platform(has_amx=True).install()
     load_plugins()
     return prepare_server_args(args)

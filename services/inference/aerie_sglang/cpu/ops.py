@@ -1,5 +1,6 @@
-"""Plain-torch versions of the `torch.ops.sgl_kernel.*` CPU ops SGLang 0.5.23 calls when it serves
-an EAGLE-3 drafter with the `intel_amx` attention backend.
+"""Plain-torch versions of the `torch.ops.sgl_kernel.*` CPU ops SGLang 0.5.23 calls with the
+`intel_amx` attention backend: when it serves an EAGLE-3 drafter, and for any model with
+multi-head latent attention (the launcher keeps that backend for both).
 
 PyPI's `sglang-kernel==0.4.10` is a CUDA-only build: its libraries declare none of these ops, so on a
 CPU machine without sgl-kernel's own CPU build the `intel_amx` path fails at its first call. This
@@ -15,6 +16,20 @@ Design choices:
 - Anything the pinned SGLang might pass that these versions do not implement (sliding windows,
   attention sinks, cross-attention) is refused with an error that names the argument, never
   silently ignored.
+- Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2/K2.5) needs nothing else: the attention
+  ops take any number of KV heads that divides the query heads, and any v head dim. SGLang runs
+  MLA on this backend as (a) prefill without a cached prefix: ordinary attention with the heads
+  expanded (q/k head dim != v head dim) over the new tokens only, the latent cache already
+  written; (b) everything else: "absorbed" attention, one latent KV head of width
+  kv_lora_rank + rope dim whose value buffer is a view of its first kv_lora_rank columns.
+- Deliberately absent: `convert_weight_packed`. SGLang switches its layers (linear, MoE, MLA
+  projections) to sgl-kernel's AMX kernels (`weight_packed_linear`, `fused_experts_cpu`,
+  `biased_grouped_topk_cpu`, `qkv_proj_with_rope`, ...) when the CPU has AMX tiles *and* that op
+  exists (`sglang.srt.utils.common.cpu_has_amx_support`). Without it those layers run SGLang's
+  plain-torch code on any CPU (MoE: `moe_forward_native` with torch top-k routing), so only the
+  attention and speculative-decoding bookkeeping ops below are needed. Measured with the tiny
+  DeepSeek-V3 (8 routed experts, grouped biased top-k, shared expert) in capture and EAGLE-3
+  serve mode: the ops called were exactly the ones in SCHEMAS minus fill_accept_out_cache_loc_cpu.
 - Every op is checked in `tests/test_cpu_ops.py` against a plain reference (attention against
   `torch.nn.functional.scaled_dot_product_attention`, tree/verify ops against loops over Python lists).
 """
@@ -175,11 +190,22 @@ def extend_attention_cpu(
         seq_len, ext_len = int(seq_lens[i]), int(extend_seq_lens[i])
         start, prefix_len = int(extend_start_loc[i]), seq_len - ext_len
         rows = req_to_token[req_pool_indices[i], :seq_len].long()
-        k = _kv_rows(k_buffer, rows, k_scale)
-        v = _kv_rows(v_buffer, rows, v_scale)
-        if k_extend is not None and v_extend is not None:
-            k = torch.cat([k[:prefix_len], k_extend[start : start + ext_len].to(k.dtype)])
-            v = torch.cat([v[:prefix_len], v_extend[start : start + ext_len].to(v.dtype)])
+        if k_extend is None or v_extend is None:
+            k, v = _kv_rows(k_buffer, rows, k_scale), _kv_rows(v_buffer, rows, v_scale)
+        else:
+            k_new, v_new = k_extend[start : start + ext_len], v_extend[start : start + ext_len]
+            if prefix_len:
+                prefix = rows[:prefix_len]
+                k_old, v_old = _kv_rows(k_buffer, prefix, k_scale), _kv_rows(v_buffer, prefix, v_scale)
+                if k_old.shape[1:] != k_new.shape[1:] or v_old.shape[1:] != v_new.shape[1:]:
+                    raise NotImplementedError(
+                        f"extend_attention_cpu: the cached prefix ({prefix_len} tokens) has k/v rows "
+                        f"{tuple(k_old.shape[1:])}/{tuple(v_old.shape[1:])} but the new tokens "
+                        f"{tuple(k_new.shape[1:])}/{tuple(v_new.shape[1:])} (MLA's expanded-head "
+                        "extend over a latent cache): SGLang runs that path only without a prefix"
+                    )
+                k_new, v_new = torch.cat([k_old, k_new.to(k_old.dtype)]), torch.cat([v_old, v_new.to(v_old.dtype)])
+            k, v = k_new, v_new
         if tree_mask is not None:
             allowed = tree_mask[mask_offset : mask_offset + ext_len * seq_len].view(ext_len, seq_len)
             mask_offset += ext_len * seq_len

@@ -1,0 +1,192 @@
+"""A tiny DeepSeek-V3 target for the tests: the seed's model class (Kimi-K2/K2.5 are DeepSeek-V3
+models) in miniature, small enough for SGLang on 2 CPU cores in float32.
+
+    folder = deepseek_v3_tiny(cache_dir, smollm2_path)   # or the session fixture `deepseek_tiny`
+
+What makes it the same class as the real models:
+- multi-head latent attention with q and kv LoRA ranks, q/k head dim (nope + rope) != v head dim,
+  interleaved rope (`rope_interleave`), YaRN `rope_scaling` (mscale_all_dim != 0, so the softmax
+  scale carries YaRN's mscale too);
+- mixture of experts: 8 routed experts in 4 groups (grouped top-k over sigmoid scores with the
+  `e_score_correction_bias`, `noaux_tc`), 1 shared expert, `routed_scaling_factor`; the first
+  layer dense (`first_k_dense_replace = 1`);
+- its config.json is the real DeepSeek-V3 one (`tests/data/deepseek_v3_config.json`) with
+  miniature numbers (`MINIATURE`), because SGLang reads keys transformers' config class does not
+  write (`moe_layer_freq`, `topk_method`, `scoring_func`, ...). Left out: `auto_map` (it names
+  remote code files this folder does not ship) and `quantization_config` (the real weights are
+  fp8; these are float32). The legacy `rope_scaling`/`rope_theta` pair stays, as in the real file:
+  transformers 5 turns it into `rope_parameters` when it loads the folder.
+
+The weights are random (seeded), made by transformers' own `DeepseekV3ForCausalLM`, then written
+in the checkpoint layout of the real models (one tensor per expert projection:
+`mlp.experts.{e}.gate_proj.weight`; transformers 5 fuses them in memory and SGLang reads them one by
+one). Some defaults are changed so that a wrong wiring shows: random norm weights (not ones),
+a random `e_score_correction_bias` (not zeros) and a router with a wide score spread (no near-ties
+between experts, so both engines route every token the same way).
+
+The tokenizer is SmolLM2's (from the converted default target), so the vocab is 49152 and the
+project's data and chat template apply. Built once per source of this module under
+`<cache>/test-targets/`, like the SmolLM2 conversion.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REAL_CONFIG = Path(__file__).parent / "data" / "deepseek_v3_config.json"  # deepseek-ai/DeepSeek-V3's
+LEFT_OUT_KEYS = frozenset({"auto_map", "quantization_config"})
+SEED = 1234
+NUM_LAYERS = 8  # default capture points [2, 4, 5]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# What the tiny target changes in the real config: its sizes (and float32), nothing else.
+MINIATURE = {
+    "first_k_dense_replace": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "kv_lora_rank": 32,
+    "max_position_embeddings": 4096,
+    "moe_intermediate_size": 32,
+    "n_group": 4,
+    "n_routed_experts": 8,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_key_value_heads": 4,
+    "num_nextn_predict_layers": 0,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,  # q/k head dim 24 ...
+    "v_head_dim": 16,  # ... v head dim 16, as DeepSeek's 192 and 128
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 8.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 512,
+        "type": "yarn",
+    },
+    "topk_group": 2,
+    "torch_dtype": "float32",
+}
+
+
+def real_config() -> dict:
+    return json.loads(REAL_CONFIG.read_text())
+
+
+def tiny_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> dict:
+    """config.json of the tiny target: the real DeepSeek-V3 config with miniature numbers."""
+    config = {k: v for k, v in real_config().items() if k not in LEFT_OUT_KEYS}
+    config.update(MINIATURE)
+    config.update(vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return config
+
+
+def source_key(tokenizer_folder: Path) -> str:
+    h = hashlib.sha256(Path(__file__).read_bytes() + REAL_CONFIG.read_bytes())
+    for name in TOKENIZER_FILES:
+        path = tokenizer_folder / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike) -> Path:
+    """The tiny DeepSeek-V3 folder (config.json, model.safetensors, SmolLM2's tokenizer), built once."""
+    smollm2_path = Path(smollm2_path)
+    out = Path(cache_dir).expanduser() / "test-targets" / f"deepseek-v3-tiny-{source_key(smollm2_path)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building the same target: wait for it
+        if not (out / "model.safetensors").is_file():
+            _build(out, smollm2_path)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepseek_tiny(cache_dir, smollm2_path) -> Path:
+    """The tiny DeepSeek-V3 folder (import this fixture into a test module to use it)."""
+    return deepseek_v3_tiny(cache_dir, smollm2_path)
+
+
+def load_reference(folder: str | os.PathLike):
+    """transformers' DeepseekV3ForCausalLM from the folder, float32, eval; refuses a partial load
+    (a checkpoint name transformers does not map would leave a layer at its random init)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    unloaded = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if unloaded:
+        raise AssertionError(f"transformers did not load {folder} completely: {unloaded}")
+    return model.eval()
+
+
+def checkpoint_tensors(model) -> dict:
+    """transformers 5's in-memory state dict -> the real checkpoints' layout: each fused expert
+    tensor (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) split into
+    `experts.{e}.{gate,up,down}_proj.weight`."""
+    tensors = {}
+    for name, value in model.state_dict().items():
+        value = value.detach().contiguous()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            gate, up = value.chunk(2, dim=1)
+            for e in range(value.shape[0]):
+                tensors[f"{prefix}{e}.gate_proj.weight"] = gate[e].contiguous()
+                tensors[f"{prefix}{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                tensors[f"{prefix}{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            tensors[name] = value
+    return tensors
+
+
+def _build(out: Path, smollm2_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    smol = json.loads((smollm2_path / "config.json").read_text())  # its special ids (eos = <|im_end|>)
+    config = tiny_config(len(tokenizer), smol["bos_token_id"], smol["eos_token_id"])
+    hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version")})
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(hf_config).to(torch.float32).eval()
+    generator = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # RMSNorm weights: around 1, not exactly 1
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("mlp.gate.weight"):  # router: scores well apart
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(checkpoint_tensors(model), tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (smollm2_path / name).is_file():
+            shutil.copy2(smollm2_path / name, tmp / name)
+    # the written checkpoint is the model: transformers reads it back to the same logits
+    probe = torch.tensor([[1, 504, 3060, 314, 253, 9, 77]])
+    with torch.no_grad():
+        if not torch.equal(load_reference(tmp)(probe).logits, model(probe).logits):
+            raise AssertionError(f"{tmp}: the saved checkpoint does not reload to the model that wrote it")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)

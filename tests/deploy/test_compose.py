@@ -1,0 +1,140 @@
+"""docker-compose.yml: Docker Compose itself loads it per profile; aerie's rules run on its output."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from scripts.deploy_checks.common import aerie_env_names, plugin_env_vars
+from scripts.deploy_checks.compose import ComposeError, Project, check_compose, unescape
+from tests.services import REPO
+
+
+def test_compose_has_what_the_gpu_host_needs(compose_services):
+    s = compose_services
+    assert {p for svc in s.values() for p in svc.get("profiles", [])} >= {"capture", "serve", "train", "monitoring"}
+    capture, serve = unescape(s["inference-capture"]["command"][2]), unescape(s["inference-serve"]["command"][2])
+    for flag in ("--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "--disable-radix-cache"):
+        assert flag in capture
+    for flag in ("--speculative-algorithm EAGLE3", "--speculative-draft-model-path", "--speculative-num-steps"):
+        assert flag in serve
+    assert '--tp "${TP_SIZE}"' in capture and '--tp "${TP_SIZE}"' in serve
+    assert "--disable-radix-cache" not in serve
+    for name in ("inference-capture", "inference-serve", "trainer"):
+        devices = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+    # extractor scales with --scale: no fixed name, no host port, no GPU
+    assert not {"container_name", "ports", "deploy"} & set(s["extractor"])
+    redis = unescape(s["redis"]["command"][2])
+    assert "--requirepass" in redis and "--appendonly yes" in redis
+    for name in ("redis", "minio"):
+        assert any(v["type"] == "volume" and v["target"] == "/data" for v in s[name]["volumes"]), name
+    for worker in ("extractor", "trainer"):
+        assert s[worker]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+        assert s[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
+    raw = (REPO / "docker-compose.yml").read_text()
+    for secret in ("REDIS_PASSWORD", "MINIO_ROOT_PASSWORD", "AERIE_S3_SECRET_KEY", "FLOWER_PASSWORD"):
+        assert f"${{{secret}:?Variable not set}}" in raw
+
+
+def test_compose_refuses_to_start_without_secrets():
+    """With .env copied from .env.example and nothing filled in, Compose stops on an empty secret."""
+    with pytest.raises(ComposeError, match=r"required variable (REDIS_PASSWORD|AERIE_S3_|MINIO_ROOT_|MODEL_DIR|FLOWER_)"):
+        Project().run("config", "--quiet", env_file=REPO / ".env.example")
+
+
+def test_every_aerie_name_the_plugin_reads_is_in_its_env_vars():
+    """The deploy checks accept the plugin's `ENV_VARS`: every AERIE_* name in its code is listed there."""
+    plugin = REPO / "services" / "inference" / "aerie_sglang" / "plugin"
+    names = {
+        node.value
+        for f in plugin.glob("*.py")
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"AERIE_[A-Z0-9_]+", node.value)
+    }
+    assert {"AERIE_SGLANG_BINARY", "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_WRITERS"} <= names
+    assert names == set(plugin_env_vars()), f"aerie_sglang.plugin.ENV_VARS differs from what the plugin reads: {names}"
+    assert names <= aerie_env_names()
+
+
+# (what, file, old, new, expected in a problem). "Compose:" marks what Docker Compose itself refuses
+# (its own message): the checker's hand-written version of those checks is gone.
+SERVE_TP = "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      DRAFTER_NAME"
+COMPOSE_BREAKS = [
+    ("Compose: a depends_on target that is no service", "docker-compose.yml",
+     "      redis:\n        condition: service_healthy\n      minio-init:",
+     "      redis-cache:\n        condition: service_healthy\n      minio-init:",
+     'depends on undefined service "redis-cache"'),
+    ("Compose: an undeclared named volume", "docker-compose.yml", "- redis-data:/data", "- redis-dat:/data",
+     "refers to undefined volume redis-dat"),
+    ("Compose: an undeclared network", "docker-compose.yml",
+     '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
+     '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"', "refers to undefined network backend"),
+    ("Compose: an undeclared secret", "docker-compose.yml", "      - redis-data:/data\n",
+     "      - redis-data:/data\n    secrets: [redis-password]\n", "refers to undefined secret redis-password"),
+    ("Compose: a key the Compose Specification does not know", "docker-compose.yml",
+     "    restart: unless-stopped\n    # Password", "    restat: unless-stopped\n    # Password",
+     "additional properties 'restat' not allowed"),
+    ("Compose: neither image nor build", "docker-compose.yml", "    image: redis:7.4.2-alpine\n", "",
+     "has neither an image nor a build context"),
+    ("Compose: a malformed ${...} it cannot interpolate", "docker-compose.yml", "celery@$$(hostname)",
+     "celery@${HOSTNAME", "invalid interpolation format"),
+    ("Compose: a service waiting on a profiled service it cannot require", "docker-compose.yml",
+     "        required: false   # absent", "        # absent",
+     '(no profile, profile monitoring, profile serve, profile tools, profile train): docker compose config: '
+     'service "extractor" depends on undefined service "inference-capture"'),
+    ("an env reference missing from .env.example", "docker-compose.yml", "${AERIE_BUCKET:-aerie}",
+     "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example"),
+    ("a .env.example variable nothing uses", ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1",
+     "OLD_KNOB is not used"),
+    ("a default that disagrees with .env.example", ".env.example", "TP_SIZE=8", "TP_SIZE=4",
+     "services.inference-capture.environment.TP_SIZE is '8' from the compose default but '4' with .env.example"),
+    ("two different defaults for one variable", "docker-compose.yml", SERVE_TP, SERVE_TP.replace(":-8", ":-4"),
+     "services.inference-serve.environment.TP_SIZE is '4' from the compose default but '8' with .env.example"),
+    ("a variable with neither a default nor :?", "docker-compose.yml", "${TP_SIZE:-8}", "${TP_SIZE}",
+     "services.inference-capture.environment.TP_SIZE is '' from the compose default but '8' with .env.example"),
+    ("a secret that is not required", "docker-compose.yml", "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
+     "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}", "secret ${REDIS_PASSWORD} must be required at every use"),
+    ("a secret with a value in .env.example", ".env.example", "REDIS_PASSWORD=\n", "REDIS_PASSWORD=hunter2\n",
+     "REDIS_PASSWORD has a value"),
+    ("an AERIE_* variable in .env.example aerie does not know", ".env.example", "AERIE_BUCKET=aerie",
+     "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", "AERIE_BUCKETS is not an aerie setting"),
+    ("an AERIE_* variable in a container aerie does not know", "docker-compose.yml", "AERIE_ENGINE: sglang",
+     "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting"),
+    ("a container shell variable its environment does not set", "docker-compose.yml",
+     "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+     "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS", "reads $TP_SIZE"),
+    ("service_healthy on a service without a healthcheck", "docker-compose.yml",
+     "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
+     "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:", "minio-init has no healthcheck"),
+    ("a restarting service without a healthcheck", "docker-compose.yml",
+     '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]', '    x-healthcheck:\n      test: ["CMD", "mc"]',
+     "services.minio: restarts automatically but has no healthcheck"),
+    ("a bind-mounted file that does not exist", "docker-compose.yml", "./scripts/minio_init.sh:",
+     "./scripts/minio-init.sh:", "scripts/minio-init.sh does not exist"),
+    ("an unpinned image", "docker-compose.yml", "image: redis:7.4.2-alpine", "image: redis:latest", "uses `latest`"),
+    ("a Dockerfile that does not exist", "docker-compose.yml", "dockerfile: services/extractor/Dockerfile",
+     "dockerfile: services/extractor/Dockerfil", "services/extractor/Dockerfil does not exist"),
+    ("a build arg the Dockerfile does not declare", "docker-compose.yml",
+     "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+     "SGLANG_TAG is not an ARG"),
+    ("a healthcheck pinging another Celery app", "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping",
+     "celery -A aerie_extractor.worker inspect ping", "pings Celery app ['aerie_extractor.worker']"),
+    ("a top-level volume no service uses", "docker-compose.yml", "volumes:\n  redis-data: {}",
+     "volumes:\n  spare-data: {}\n  redis-data: {}", "top-level volumes.spare-data is used by no service"),
+]
+
+
+@pytest.mark.parametrize("what,file,old,new,expected", COMPOSE_BREAKS, ids=[b[0] for b in COMPOSE_BREAKS])
+def test_compose_check_reports_a_broken_file(deploy_copy, what, file, old, new, expected):
+    deploy_copy.edit(file, old, new)
+    problems = check_compose(Project(deploy_copy.root / "docker-compose.yml", deploy_copy.root / ".env.example"))
+    assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+
+
+def test_compose_check_reports_a_missing_env_example(deploy_copy):
+    (deploy_copy.root / ".env.example").unlink()
+    project = Project(deploy_copy.root / "docker-compose.yml", deploy_copy.root / ".env.example")
+    assert any("missing (the user copies it to .env)" in p for p in check_compose(project))

@@ -1,0 +1,72 @@
+"""services/*/Dockerfile: BuildKit's parser and hadolint, plus aerie's rules (pins, user, secrets, COPY)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from scripts.deploy_checks.dockerfiles import check_dockerfiles, dockerfile_args
+from tests.deploy.images import image_packages
+from tests.services import REPO
+
+
+def test_inference_image_is_the_sglang_version_the_code_targets():
+    launch = (REPO / "services" / "inference" / "aerie_sglang" / "cpu" / "launch.py").read_text()
+    version = re.search(r'SGLANG_VERSION = "([^"]+)"', launch).group(1)
+    assert f"sglang=={version}" in (REPO / "scripts" / "sglang_env.sh").read_text()
+    assert dockerfile_args((REPO / "services" / "inference" / "Dockerfile").read_text())["SGLANG_IMAGE_TAG"] == f"v{version}"
+    assert f"\nSGLANG_IMAGE_TAG=v{version}\n" in (REPO / ".env.example").read_text()
+
+
+def test_trainer_image_carries_the_pinned_torch_and_extractor_image_none():
+    pins = tomllib.loads((REPO / "services" / "trainer" / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch = next(p.split("==")[1] for p in pins if p.startswith("torch=="))
+    tag = dockerfile_args((REPO / "services" / "trainer" / "Dockerfile").read_text())["PYTORCH_IMAGE_TAG"]
+    assert tag.startswith(f"{torch}-cuda") and tag.endswith("-runtime")
+    extractor = (REPO / "services" / "extractor" / "Dockerfile").read_text()
+    assert "[hf]" not in extractor.split("RUN pip install", 1)[1].split("\n")[0]
+    assert image_packages("extractor") == {"aerie", "aerie-extractor"}
+
+
+# (what, Dockerfile, old, new, expected in a problem). "hadolint:" marks a rule hadolint owns now
+# (the checker's hand-written version is gone).
+EXTRACTOR, INFERENCE = "services/extractor/Dockerfile", "services/inference/Dockerfile"
+DOCKERFILE_BREAKS = [
+    ("hadolint: FROM latest", EXTRACTOR, "FROM python:3.11.13-slim-bookworm", "FROM python:latest", "DL3007"),
+    ("hadolint: FROM without a tag", EXTRACTOR, "FROM python:3.11.13-slim-bookworm", "FROM python", "DL3006"),
+    ("hadolint: root USER", EXTRACTOR, "USER 10001:10001\n", "USER root\n", "DL3002"),
+    ("hadolint: a non-numeric USER", EXTRACTOR, "USER 10001:10001\n", "USER aerie\n", "DL3066"),
+    ("hadolint: a RUN finding", EXTRACTOR, "USER 10001:10001\n", "RUN cd /opt && ls\nUSER 10001:10001\n", "DL3003"),
+    ("a Dockerfile BuildKit cannot parse", EXTRACTOR, "USER 10001:10001\n", "RUN <<EOF\nUSER 10001:10001\n",
+     "does not parse: unterminated heredoc"),
+    ("no FROM", EXTRACTOR, "FROM python:3.11.13-slim-bookworm\n", "", "no FROM"),
+    ("no USER", EXTRACTOR, "USER 10001:10001\n", "", "no USER"),
+    ("no HEALTHCHECK", EXTRACTOR, "HEALTHCHECK ", "# HEALTHCHECK ", "no HEALTHCHECK"),
+    ("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared", "no such path"),
+    ("a secret baked into ENV", EXTRACTOR, "PIP_NO_CACHE_DIR=1", "PIP_NO_CACHE_DIR=1 AERIE_S3_SECRET_KEY=hunter2",
+     "ENV AERIE_S3_SECRET_KEY bakes a secret"),
+    ("an ARG with a secret default", EXTRACTOR, "USER 10001:10001\n", "ARG HF_TOKEN=hf_abc\nUSER 10001:10001\n",
+     "ARG HF_TOKEN carries a secret default"),
+    ("a FROM tag from an ARG set to latest", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG=latest",
+     "FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'lmsysorg/sglang:latest' uses `latest`"),
+    ("a FROM tag from an ARG without a default", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG",
+     "ARG SGLANG_IMAGE_TAG has no default"),
+    (".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "", "COPY services/extractor: excluded by .dockerignore"),
+]
+
+
+@pytest.mark.parametrize("what,file,old,new,expected", DOCKERFILE_BREAKS, ids=[b[0] for b in DOCKERFILE_BREAKS])
+def test_dockerfile_check_reports_a_broken_image(deploy_copy, what, file, old, new, expected):
+    deploy_copy.edit(file, old, new)
+    problems = check_dockerfiles(deploy_copy.root)
+    assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+
+
+def test_dockerfile_check_reports_a_missing_dockerignore_and_a_service_without_a_dockerfile(deploy_copy):
+    (deploy_copy.root / ".dockerignore").unlink()
+    (deploy_copy.root / "services" / "extractor" / "Dockerfile").unlink()
+    problems = check_dockerfiles(deploy_copy.root)
+    assert any(".dockerignore: missing" in p for p in problems), problems
+    assert any("services/extractor: a service without a Dockerfile" in p for p in problems), problems

@@ -1,0 +1,158 @@
+"""k8s/: overlays rendered by kustomize, validated against Kubernetes' schema, references resolved."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.deploy_checks.k8s import check_k8s, check_rendered, kustomize_build, overlays
+from tests.services import REPO
+
+
+def test_k8s_overlays_render_the_whole_system():
+    for overlay in overlays():
+        kinds = {(r["kind"], r["metadata"]["name"]) for r in kustomize_build(overlay)}
+        for expected in [
+            ("Deployment", "inference"),
+            ("Deployment", "extractor"),
+            ("Deployment", "trainer"),
+            ("StatefulSet", "redis"),
+            ("StatefulSet", "minio"),
+            ("Job", "minio-init"),
+            ("ScaledObject", "extractor"),
+            ("PersistentVolumeClaim", "aerie-models"),
+        ]:
+            assert expected in kinds, f"{overlay.name}: {expected} missing from the render"
+
+
+def _component_overlay(tmp_path: Path, components: list[str], literals: list[str]) -> Path:
+    """An overlay outside the repo (as a user writes one) over the base plus some components."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(REPO / "k8s", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": "aerie",
+                "resources": [f"{rel}/base"],
+                "components": [f"{rel}/components/{c}" for c in components],
+                "configMapGenerator": [{"name": "inference-config", "behavior": "merge", "literals": literals}],
+            }
+        )
+    )
+    return tmp_path
+
+
+def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
+    serve = kustomize_build(
+        _component_overlay(tmp_path / "serve", ["keda", "serve"], ["DRAFTER=chat-eagle3", "CAPTURE_LAYER_IDS=1 14 26"])
+    )
+    assert check_rendered(serve, "serve") == []
+    config = next(r for r in serve if r["kind"] == "ConfigMap" and r["metadata"]["name"].startswith("inference-config"))
+    assert config["data"]["DRAFTER"] == "chat-eagle3", "the overlay's DRAFTER must survive the serve component"
+    pod = next(r for r in serve if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")
+    pod = pod["spec"]["template"]["spec"]
+    assert "aerie pull" in pod["initContainers"][0]["command"][2]
+    assert "--speculative-draft-model-path /drafters/current" in pod["containers"][0]["command"][2]
+    assert not any(e["name"] == "AERIE_SGLANG_BINARY" for e in pod["containers"][0].get("env") or [])
+
+    hpa = kustomize_build(_component_overlay(tmp_path / "hpa", ["hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
+    assert check_rendered(hpa, "hpa") == []
+    autoscalers = [r["kind"] for r in hpa if r["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert autoscalers == ["HorizontalPodAutoscaler"]
+
+
+def test_k8s_check_reports_two_autoscalers_on_one_deployment(tmp_path):
+    both = kustomize_build(_component_overlay(tmp_path, ["keda", "hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
+    assert any("extractor has more than one autoscaler" in p for p in check_rendered(both, "both"))
+
+
+def test_k8s_minio_init_script_is_the_compose_one():
+    assert filecmp.cmp(REPO / "scripts" / "minio_init.sh", REPO / "k8s" / "base" / "minio_init.sh", shallow=False), (
+        "k8s/base/minio_init.sh must be a copy of scripts/minio_init.sh: cp scripts/minio_init.sh k8s/base/"
+    )
+
+
+WORKER_ENV = "          env:\n            - name: REDIS_PASSWORD"
+K8S_BREAKS = [
+    ("a missing resource file", "base/kustomization.yaml", "  - trainer.yaml", "  - trainers.yaml",
+     "kustomize build failed"),
+    ("a field Kubernetes does not know", "base/trainer.yaml", "      terminationGracePeriodSeconds: 300",
+     "      terminationGracePeriod: 300", "OpenAPI schema"),
+    ("a wrongly typed field", "base/extractor.yaml", "  replicas: 1", "  replicas: one", "OpenAPI schema"),
+    ("a container without a readiness probe", "base/extractor.yaml", "          readinessProbe:",
+     "          x-readinessProbe:", "OpenAPI schema"),
+    ("an apiVersion with no schema", "base/models-pvc.yaml", "apiVersion: v1", "apiVersion: v2",
+     "no Kubernetes 1.32.0 schema for v2 PersistentVolumeClaim"),
+    ("an embedded Secret", "base/kustomization.yaml", "configMapGenerator:",
+     "secretGenerator:\n  - name: aerie-credentials\n    literals: [REDIS_PASSWORD=x]\nconfigMapGenerator:",
+     "a Secret is embedded"),
+    ("a PVC that is not there", "base/extractor.yaml", "claimName: aerie-models", "claimName: aerie-model",
+     "PersistentVolumeClaim 'aerie-model' is not in this render"),
+    ("a ConfigMap volume that is not there", "base/minio-init.yaml", "name: minio-init-script", "name: minio-script",
+     "volume script: ConfigMap 'minio-script' is not in this render"),
+    ("a Secret volume the guide never creates", "base/minio-init.yaml", "      volumes:\n",
+     "      volumes:\n        - name: creds\n          secret: {secretName: minio-creds}\n",
+     "Secret 'minio-creds' is not created by a `kubectl create secret generic`"),
+    ("a volumeMount of no volume", "base/extractor.yaml", "            - name: models\n              mountPath",
+     "            - name: model\n              mountPath", "volumeMount 'model' names no volume"),
+    ("a Service selecting no pod", "base/redis.yaml", "  selector:\n    app.kubernetes.io/component: redis",
+     "  selector:\n    app.kubernetes.io/component: rediss", "matches no pod template"),
+    ("a StatefulSet naming no Service", "base/redis.yaml", "serviceName: redis", "serviceName: rediss",
+     "serviceName: Service 'rediss' is not in this render"),
+    ("a selector not matching its pod template", "base/extractor.yaml",
+     "    matchLabels:\n      app.kubernetes.io/component: extractor",
+     "    matchLabels:\n      app.kubernetes.io/component: extractors", "does not match its pod template labels"),
+    ("a Secret key the guide never creates", "base/minio.yaml", "key: MINIO_ROOT_PASSWORD", "key: MINIO_PASSWORD",
+     "key 'MINIO_PASSWORD' is not in the docs"),
+    ("a ConfigMap key that is not there", "base/minio-init.yaml", "key: AERIE_BUCKET", "key: BUCKET",
+     "has no key 'BUCKET'"),
+    ("an env ConfigMap that is not there", "base/minio-init.yaml", "                  name: aerie-config\n",
+     "                  name: aerie-settings\n", "env BUCKET: ConfigMap 'aerie-settings' is not in this render"),
+    ("an envFrom ConfigMap that is not there", "base/extractor.yaml", "                name: aerie-config",
+     "                name: aerie-settings", "envFrom: ConfigMap 'aerie-settings' is not in this render"),
+    ("an envFrom Secret the guide never creates", "base/extractor.yaml", WORKER_ENV,
+     "            - secretRef: {name: worker-secrets}\n" + WORKER_ENV, "Secret 'worker-secrets' is not created"),
+    ("an unknown AERIE_* setting", "base/kustomization.yaml", "AERIE_ENGINE=sglang", "AERIE_ENGIN=sglang",
+     "AERIE_ENGIN is not an aerie setting"),
+    ("an unpinned image", "base/redis.yaml", "image: redis:7.4.2-alpine", "image: redis:latest",
+     "container redis: image 'redis:latest' uses `latest`"),
+    ("a probe pinging another Celery app", "base/trainer.yaml", "celery -A aerie_trainer.worker inspect ping",
+     "celery -A aerie_extractor.worker inspect ping", "not the one the container runs"),
+    ("a GPU pod without a nodeSelector", "base/trainer.yaml", '      nodeSelector:\n        nvidia.com/gpu.present: "true"\n',
+     "", "requests GPUs but has no nodeSelector"),
+    ("a ScaledObject on a missing Deployment", "components/keda/scaledobject.yaml",
+     "    kind: Deployment\n    name: extractor", "    kind: Deployment\n    name: extractors",
+     "scaleTargetRef: Deployment 'extractors' is not in this render"),
+    ("a KEDA trigger naming no TriggerAuthentication", "components/keda/scaledobject.yaml",
+     "      authenticationRef:\n        name: redis-auth", "      authenticationRef:\n        name: redis-login",
+     "authenticationRef: TriggerAuthentication 'redis-login' is not in this render"),
+    ("a KEDA address in another namespace", "overlays/multi-node/kustomization.yaml", "namespace: aerie\n",
+     "namespace: llm\n", "is not <service>.llm.svc"),
+]
+
+
+@pytest.mark.parametrize("what,file,old,new,expected", K8S_BREAKS, ids=[b[0] for b in K8S_BREAKS])
+def test_k8s_check_reports_a_broken_manifest(deploy_copy, what, file, old, new, expected):
+    deploy_copy.edit(f"k8s/{file}", old, new)
+    problems = check_k8s(deploy_copy.root)
+    assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+
+
+def test_k8s_check_reports_a_missing_probe(deploy_copy):
+    """Schema-valid but probe-less: the check itself, not the schema, must catch it."""
+    text = (deploy_copy.root / "k8s" / "base" / "extractor.yaml").read_text()
+    start, end = text.index("          readinessProbe:"), text.index("          livenessProbe:")
+    (deploy_copy.root / "k8s" / "base" / "extractor.yaml").write_text(text[:start] + text[end:])
+    assert any("container worker: no readinessProbe" in p for p in check_k8s(deploy_copy.root))
+
+
+def test_k8s_check_reports_no_overlay(deploy_copy):
+    shutil.rmtree(deploy_copy.root / "k8s" / "overlays")
+    assert any("no overlay with a kustomization.yaml" in p for p in check_k8s(deploy_copy.root))

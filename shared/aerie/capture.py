@@ -25,16 +25,27 @@ from typing import Literal
 Convention = Literal["sglang-llama", "sglang-deepseek", "hf", "vllm", "speculators"]
 CONVENTIONS: tuple[str, ...] = ("sglang-llama", "sglang-deepseek", "hf", "vllm", "speculators")
 
-# Architectures (config.json `architectures[0]`) whose SGLang model files follow the
-# DeepSeek convention (`+1` only when the first id is 1).
-_SGLANG_DEEPSEEK_ARCHS = frozenset(
+# Architectures (config.json `architectures[0]`) whose SGLang 0.5.23 model class applies the
+# DeepSeek convention (`+1` only when the first id is 1): in its own set_eagle3_layers_to_capture,
+# by inheritance, or by delegating to such a class (Kimi-K2.5's multimodal wrapper). The list is
+# exactly what SGLang's source says; tests/shared/test_sglang_layer_rule.py derives it from the
+# installed model files and fails when the two differ. Kimi-K2 itself is `DeepseekV3ForCausalLM`;
+# the `*NextN` / `*Eagle` names are draft-model classes SGLang builds for MTP and EAGLE drafts,
+# listed because they inherit the rule.
+SGLANG_DEEPSEEK_ARCHS = frozenset(
     {
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
         "DeepseekV32ForCausalLM",
-        "KimiK2ForCausalLM",
+        "DeepseekV3ForCausalLMNextN",
+        "Glm4MoeLiteForCausalLM",
+        "Glm4MoeLiteForCausalLMNextN",
+        "Glm5NextForConditionalGenerationNextN",
+        "GlmMoeDsaForCausalLM",
+        "GlmMoeDsaForCausalLMNextN",
         "KimiK25ForConditionalGeneration",
-        "KimiVLForConditionalGeneration",
+        "MistralLarge3ForCausalLM",
+        "MistralLarge3ForCausalLMEagle",
     }
 )
 
@@ -79,7 +90,7 @@ def validate_capture_points(points: Sequence[int], num_layers: int) -> list[int]
 def convention_for(engine: str, architecture: str) -> Convention:
     """The id convention an engine uses for a target architecture."""
     if engine == "sglang":
-        return "sglang-deepseek" if architecture in _SGLANG_DEEPSEEK_ARCHS else "sglang-llama"
+        return "sglang-deepseek" if architecture in SGLANG_DEEPSEEK_ARCHS else "sglang-llama"
     if engine in ("hf", "vllm", "speculators"):
         return engine  # type: ignore[return-value]
     raise CaptureError(f"unknown engine {engine!r}: known engines are sglang, hf, vllm, speculators")

@@ -176,6 +176,19 @@ class ExtractRequest(Contract):
     shard: str
 
 
+class DrafterShape(Contract):
+    """The drafter layer's own shape and rope. Unset fields follow the target: a Llama-class target
+    (grouped-query attention, a rope the drafter supports) is copied; any other (MLA: DeepSeek-V3,
+    Kimi-K2/K2.5) gets a Llama shape of its own (aerie_trainer.model.DrafterConfig.from_target)."""
+
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=2, multiple_of=2)
+    intermediate_size: int | None = Field(None, ge=1)
+    rope_parameters: dict[str, float | int | str] | None = Field(
+        None, description="rope_type (default, linear, llama3, yarn), rope_theta and the type's own keys")
+
+
 class TrainConfig(Contract):
     draft_vocab_size: int = Field(32000, ge=2)
     ttt_steps: int = Field(7, ge=1)
@@ -195,6 +208,7 @@ class TrainConfig(Contract):
     eval_new_tokens: int = Field(64, ge=1)
     eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
     prefetch: int = Field(4, ge=1)
+    drafter: DrafterShape = Field(default_factory=DrafterShape)
 
 
 class TrainRequest(Contract):

@@ -32,7 +32,9 @@ from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import DrafterLineage, TrainRequest
 from aerie.store import ObjectStore
 
-from aerie_trainer.model import DrafterConfig, Eagle3Drafter, load_target_config, load_target_embeddings
+from aerie_trainer.model import (
+    ROPE_TYPES, DrafterConfig, Eagle3Drafter, load_target_config, load_target_embeddings, target_text_config,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SERVING_ENGINE = "sglang"
@@ -104,9 +106,10 @@ def drafter_config_json(config: DrafterConfig, target_config: dict, layer_ids: l
         "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
+    text = target_text_config(target_config)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in target_config:
-            out[key] = target_config[key]
+        if key in text:
+            out[key] = text[key]
     if rope.get("rope_type", "default") == "default":
         out.pop("rope_parameters")  # plain theta: read the same by every transformers version
     return out
@@ -135,11 +138,17 @@ def load_exported(folder: str | os.PathLike, target_dir: str | os.PathLike) -> E
     """An exported folder back into a drafter (float32), with the target's embeddings."""
     from safetensors.torch import load_file
 
+    from aerie.contracts import DrafterShape
+
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     target_config = load_target_config(target_dir)
     num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    drafter = Eagle3Drafter(DrafterConfig.from_target(target_config, num_aux, cfg["draft_vocab_size"]))
+    rope = dict(cfg.get("rope_parameters") or {"rope_type": "default"})
+    rope.setdefault("rope_theta", cfg["rope_theta"])
+    shape = DrafterShape(num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+                         head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], rope_parameters=rope)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(target_config, num_aux, cfg["draft_vocab_size"], shape))
     weights = load_file(str(folder / "model.safetensors"))
     weights["embed_tokens.weight"] = load_target_embeddings(target_dir)
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, strict=True)
@@ -223,6 +232,15 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not ids or not all(isinstance(i, int) for i in ids):
         problems.append("eagle_config.eagle_aux_hidden_state_layer_ids missing: SGLang would capture its default layers")
+    elif len(ids) < 2:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {ids}: one capture point; SGLang skips `fc` when its input "
+                        "width equals the hidden size, so this drafter would serve silently wrong (at least 2)")
+    rope = cfg.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        problems.append(f"rope_type {kind!r}: the drafter computes {', '.join(ROPE_TYPES)} only")
+    elif kind != "default" and "factor" not in rope:
+        problems.append(f"rope_type {kind!r} without its 'factor': SGLang would scale by 1.0")
     if not (cfg.get("rope_parameters") or {}).get("rope_theta") and cfg.get("rope_theta") is None:
         problems.append("no rope_theta / rope_parameters: SGLang would use theta 10000")
     params = sglang_expected_params(cfg)

@@ -5,6 +5,8 @@ Design choices, in one place:
   `norm`, `lm_head`, `d2t`, `t2d`), so export is a plain `state_dict` minus the embeddings.
 - q/k/v/o and gate/up/down stay separate matrices (SGLang fuses them at load time).
 - `embed_tokens` is the target's, frozen and never exported: SGLang shares the target's.
+- The layer's attention shape and rope copy a Llama-class target; an MLA target (DeepSeek-V3,
+  Kimi-K2/K2.5) gets a Llama shape of its own (`own_shape`); YaRN is computed as SGLang does.
 - The decoder layer reads `[input_layernorm(embed(token)), hidden_norm(h)]` (2H wide); the
   residual is the un-normed `h`. Its output `h'` (pre-norm) is fed back as the next step's `h`;
   `norm(h')` goes to `lm_head`.
@@ -51,23 +53,36 @@ class DrafterConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int) -> "DrafterConfig":
-        """Take widths, heads and RoPE from the target's config.json (a dict)."""
-        cfg = {**target_config.get("text_config", {}), **target_config}
+    def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int, shape=None) -> "DrafterConfig":
+        """The drafter for a target's config.json (a dict; a wrapper's `text_config` is read too).
+
+        Width, vocab and norms always follow the target. The attention shape and rope follow a
+        Llama-class target (grouped-query attention, a rope this layer supports) and are the
+        drafter's own for any other: an MLA target (DeepSeek-V3, Kimi-K2/K2.5) has no head
+        layout a Llama layer could copy. `shape` (aerie.contracts.DrafterShape) overrides any field.
+        """
+        cfg = target_text_config(target_config)
+        if num_aux < 2:
+            raise DrafterError(
+                f"{num_aux} capture point: an EAGLE-3 drafter needs at least 2 (SGLang skips `fc` when its input "
+                "width equals the hidden size, so a 1-point drafter would serve silently wrong)"
+            )
         try:
             H = int(cfg["hidden_size"])
-            nh = int(cfg["num_attention_heads"])
-            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            rope.setdefault("rope_theta", float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-            return cls(
+            base = llama_shape(cfg) if is_llama_class(cfg) else own_shape(cfg)
+            given = {k: v for k, v in (shape.model_dump() if shape is not None else {}).items() if v is not None}
+            chosen = {**base, **given}
+            rope = dict(chosen["rope_parameters"])
+            rope.setdefault("rope_theta", base["rope_parameters"]["rope_theta"])
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+            config = cls(
                 hidden_size=H,
                 target_hidden_size=H,
                 num_aux=num_aux,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_attention_heads=nh,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or nh),
-                head_dim=int(cfg.get("head_dim") or H // nh),
+                intermediate_size=int(chosen["intermediate_size"]),
+                num_attention_heads=int(chosen["num_attention_heads"]),
+                num_key_value_heads=int(chosen["num_key_value_heads"]),
+                head_dim=int(chosen["head_dim"]),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
                 vocab_size=int(cfg["vocab_size"]),
@@ -77,6 +92,65 @@ class DrafterConfig:
             )
         except KeyError as e:
             raise DrafterError(f"target config.json lacks {e.args[0]!r}: is it a decoder-only LLM config?") from None
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise DrafterError(f"drafter num_attention_heads {config.num_attention_heads} is not a multiple of "
+                               f"num_key_value_heads {config.num_key_value_heads}")
+        rope_tables(config)  # refuses a rope type this layer cannot compute, by name
+        return config
+
+
+# --------------------------------------------------------------------------------------
+# The drafter's shape for a target family
+# --------------------------------------------------------------------------------------
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attn_factor", "extrapolation_factor", "truncate")
+
+
+def target_text_config(target_config: dict) -> dict:
+    """A target's language-model config: multimodal wrappers (Kimi-K2.5) keep it in `text_config`."""
+    inner = target_config.get("text_config") or {}
+    return {**inner, **{k: v for k, v in target_config.items() if k != "text_config"}} if inner else dict(target_config)
+
+
+def target_rope(cfg: dict) -> dict:
+    """The target's rope as one dict: rope_type, rope_theta and the type's keys."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+    rope["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope["rope_type"] == "deepseek_yarn":  # DeepSeek's own name for the same YaRN frequencies
+        rope["rope_type"] = "yarn"
+    return rope
+
+
+def is_llama_class(cfg: dict) -> bool:
+    """Grouped-query attention a Llama layer can copy, and a rope it computes."""
+    mla = any(cfg.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"))
+    return not mla and "num_attention_heads" in cfg and target_rope(cfg)["rope_type"] in ROPE_TYPES
+
+
+def llama_shape(cfg: dict) -> dict:
+    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return dict(num_attention_heads=nh, num_key_value_heads=int(cfg.get("num_key_value_heads") or nh),
+                head_dim=int(cfg.get("head_dim") or H // nh), intermediate_size=int(cfg["intermediate_size"]),
+                rope_parameters=target_rope(cfg))
+
+
+def own_shape(cfg: dict) -> dict:
+    """A Llama layer of the drafter's own for a target whose attention cannot be copied: 128-dim
+    heads (H/4 when H < 1024), H/head_dim query heads, the largest divisor of those up to 8 as KV
+    heads, an MLP of ~12/7 H (12288 at H = 7168, the width of TorchSpec's published Kimi-K2.5
+    drafter; the target's dense MLP, 18432 for DeepSeek-V3, would triple the layer's size), and the
+    target's rope (YaRN for DeepSeek-V3 / Kimi) at the drafter's head dim."""
+    H = int(cfg["hidden_size"])
+    head_dim = 128 if H >= 1024 else max(8, H // 4)
+    heads = max(1, H // head_dim)
+    kv = max(d for d in range(1, min(8, heads) + 1) if heads % d == 0 and (d < heads or heads == 1))
+    rope = target_rope(cfg)
+    if rope["rope_type"] not in ROPE_TYPES:
+        rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    return dict(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                intermediate_size=256 * math.ceil(12 * H / 7 / 256), rope_parameters=rope)
 
 
 # --------------------------------------------------------------------------------------
@@ -95,17 +169,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: DrafterConfig) -> torch.Tensor:
-    """Inverse frequencies (hd/2,) for the rope types a Llama drafter layer supports."""
+def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (hd/2,), cos/sin scale) for the rope types a Llama drafter layer
+    supports, computed as SGLang's `get_rope` computes them for `LlamaForCausalLMEagle3` (float32)."""
     rope = config.rope_parameters
     kind = rope.get("rope_type", "default")
-    dim = config.head_dim
-    # float32, as SGLang's get_rope computes it
-    inv_freq = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    dim, theta = config.head_dim, float(rope["rope_theta"])
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / pos_freqs
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(rope["factor"])
+        return inv_freq / float(rope["factor"]), 1.0
     if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones
         factor, lo, hi = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
         old_len = float(rope["original_max_position_embeddings"])
@@ -114,10 +189,34 @@ def rope_inv_freq(config: DrafterConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - lo) / (hi - lo)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        return torch.where(is_mid, mid, scaled)
+        return torch.where(is_mid, mid, scaled), 1.0
+    if kind == "yarn":  # YaRN: interpolate low frequencies, keep high ones, ramp between; scale cos/sin
+        factor = float(rope["factor"])
+        old_len = float(rope.get("original_max_position_embeddings", config.max_position_embeddings))
+        beta_fast, beta_slow = float(rope.get("beta_fast", 32)), float(rope.get("beta_slow", 1))
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
+        keep = (1 - ramp) * float(rope.get("extrapolation_factor", 1))
+        inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+
+        def get_mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
+            mscale = get_mscale(float(rope["mscale"])) / get_mscale(float(rope["mscale_all_dim"]))
+        else:
+            mscale = get_mscale(1.0)
+        return inv_freq, mscale * float(rope.get("attn_factor", 1))
     raise DrafterError(
-        f"rope_type {kind!r} of the target is not supported by the drafter layer "
-        "(supported: default, linear, llama3): add it to aerie_trainer.model.rope_inv_freq"
+        f"rope_type {kind!r} is not supported by the drafter layer (supported: {', '.join(ROPE_TYPES)}): "
+        "set the drafter's own rope (TrainConfig.drafter.rope_parameters)"
     )
 
 
@@ -126,11 +225,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """x (B, n, T, hd), positions (T,) or (B, T) -> rotated x (neox style, as HF Llama)."""
     freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
     if cos.ndim == 3:  # per-row positions
         cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
@@ -145,7 +244,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        inv_freq, self.rope_mscale = rope_tables(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x, positions, past=None, prefix=None, prefix_mask=None, chain=()):
         """x (B, T, 2H) -> out (B, T, H), kv.
@@ -160,7 +260,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq)
+        q, k = (apply_rope(t, positions, self.inv_freq, self.rope_mscale) for t in (q, k))
         rep = self.nh // self.nkv
         if prefix is None:
             if past is not None:
@@ -329,9 +429,9 @@ def load_target_lm_head(model_dir: str | os.PathLike) -> torch.Tensor:
     return load_target_embeddings(model_dir)
 
 
-def build_drafter(model_dir: str | os.PathLike, num_aux: int, draft_vocab_size: int) -> Eagle3Drafter:
-    """A freshly initialised drafter with the target's frozen embeddings."""
-    config = DrafterConfig.from_target(load_target_config(model_dir), num_aux, draft_vocab_size)
+def build_drafter(model_dir: str | os.PathLike, num_aux: int, draft_vocab_size: int, shape=None) -> Eagle3Drafter:
+    """A freshly initialised drafter with the target's frozen embeddings (`shape`: a DrafterShape)."""
+    config = DrafterConfig.from_target(load_target_config(model_dir), num_aux, draft_vocab_size, shape)
     drafter = Eagle3Drafter(config)
     embed = load_target_embeddings(model_dir)
     if tuple(embed.shape) != (config.vocab_size, config.hidden_size):

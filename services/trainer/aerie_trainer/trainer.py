@@ -95,7 +95,8 @@ class Trainer:
         if describe(request.model).weights_sha256 != target.weights_sha256:
             raise ValueError(f"target folder {request.model} holds other weights than the model runs {request.runs} were "
                              f"captured from ({target.model}, sha256 {target.weights_sha256[:12]}…): pass that model")
-        self.drafter = build_drafter(request.model, len(self.runset.capture_points), draft_vocab_size(cfg.draft_vocab_size, target.vocab_size))
+        self.drafter = build_drafter(request.model, len(self.runset.capture_points),
+                                     draft_vocab_size(cfg.draft_vocab_size, target.vocab_size), cfg.drafter)
         self.drafter.to(dist.device)
         self.names = {i: n for i, (n, p) in enumerate((n, p) for n, p in self.drafter.named_parameters() if p.requires_grad)}
         params = [p for p in self.drafter.parameters() if p.requires_grad]

@@ -1,10 +1,7 @@
-"""Static checks of aerie's deployment files: what Docker and a cluster would refuse, found without them.
-
-Each check returns a list of problems, each naming the file, the place in it and what to change;
-an empty list means it passed. Real tools do the parsing: Docker Compose (compose), BuildKit's
-parser and hadolint (dockerfiles), ShellCheck (shell), kustomize and the Kubernetes OpenAPI schema
-(k8s); the modules add only aerie's own rules. Entry point: scripts/check_deploy.py.
-"""
+"""Static checks of aerie's deployment files, one module each. A check returns its problems, each
+naming the file, the place in it and the fix; none means it passed. Real tools parse and validate
+(Docker Compose, BuildKit's parser, hadolint, ShellCheck, kustomize, the Kubernetes OpenAPI
+schema); the modules add only aerie's own rules on what those tools return."""
 
 from __future__ import annotations
 
@@ -14,10 +11,5 @@ from .docs import check_docs
 from .k8s import check_k8s
 from .shell import check_shell
 
-CHECKS = {
-    "compose": check_compose,
-    "dockerfiles": check_dockerfiles,
-    "k8s": check_k8s,
-    "docs": check_docs,
-    "shell": check_shell,
-}
+CHECKS = {"compose": check_compose, "dockerfiles": check_dockerfiles, "k8s": check_k8s, "docs": check_docs,
+          "shell": check_shell}

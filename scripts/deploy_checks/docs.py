@@ -15,32 +15,37 @@ import yaml
 from .common import REPO, celery_apps
 from .compose import ComposeError, Project
 
-_COMPOSE_VALUE_OPTS = set(
-    "-f --file -p --project-name --profile --env-file --scale -v --volume -u --user -e --env --entrypoint "
-    "-w --workdir --name -t --timeout --index --tail -l --label".split()
-)
+_COMPOSE_VALUE_OPTS = {"-f", "--file", "-p", "--project-name", "--profile", "--env-file", "--scale", "-v", "--volume",
+                       "-u", "--user", "-e", "--env", "--entrypoint", "-w", "--workdir", "--name", "-t", "--timeout",
+                       "--index", "--tail", "-l", "--label"}
 _KUBECTL_KINDS = {"deploy": "Deployment", "deployment": "Deployment", "sts": "StatefulSet",
                   "statefulset": "StatefulSet", "svc": "Service", "service": "Service", "job": "Job"}
 
 
 def shell_commands(markdown: str) -> list[tuple[str, list[str]]]:
     """(line, argv) of each simple command in ```bash/sh/shell/console fences (split at && || ; |)."""
-    out, inside, buf = [], False, ""
+    lines, inside, buf = [], False, ""
     for s in (line.strip() for line in markdown.splitlines()):
         if s.startswith("```"):
             inside, buf = not inside and s[3:].strip() in ("bash", "sh", "shell", "console"), ""
         elif inside and s and not s.startswith("#"):
             buf += s.removeprefix("$ ").removesuffix("\\") + " "
             if not s.endswith("\\"):
-                line, buf = buf.strip(), ""
-                try:
-                    tokens = shlex.split(line, comments=True)
-                except ValueError:
-                    continue
-                argv = [[]]
-                for t in tokens:
-                    argv.append([]) if t in ("&&", "||", ";", "|") else argv[-1].append(t)
-                out += [(line, a) for a in argv if a]
+                lines.append(buf.strip())
+                buf = ""
+    out = []
+    for line in lines:
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:  # a quote spanning lines (a heredoc, a JSON block): not a command line
+            continue
+        argv = [[]]
+        for t in tokens:
+            if t in ("&&", "||", ";", "|"):
+                argv.append([])
+            else:
+                argv[-1].append(t)
+        out += [(line, a) for a in argv if a]
     return out
 
 
@@ -56,18 +61,6 @@ def compose_command(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             positional.append(argv[i])
         i += 1
     return profiles, positional[1:], argv[i:] if positional[:1] in (["run"], ["exec"]) else []
-
-
-def in_container(markdown: str) -> list[tuple[str, str, list[str]]]:
-    """(line, compose service or k8s workload, argv) of each command the guide runs in a container."""
-    found = []
-    for line, argv in shell_commands(markdown):
-        if argv[:2] == ["docker", "compose"] and (inner := compose_command(argv))[2]:
-            found.append((line, inner[1][0], inner[2]))
-        elif argv[0] == "kubectl" and "exec" in argv and "--" in argv:
-            target = next((t for t in argv[argv.index("exec") + 1 :] if "/" in t), "")
-            found.append((line, target.split("/", 1)[-1], argv[argv.index("--") + 1 :]))
-    return found
 
 
 def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | None = None) -> list[str]:
@@ -96,12 +89,13 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | 
                          for p in profs if p not in profiles]
             problems += [f"{at}: service {s!r} is not in {cname}" for s in svcs if s not in services]
         if argv[0] == "kubectl":
-            for flag, path in zip(argv, argv[1:]):
-                if flag in ("-k", "-f", "--kustomize", "--filename") and path.startswith(("k8s/", "./k8s/")):
-                    problems += [] if (repo / path).exists() else [f"{at}: {path} does not exist"]
+            for flag, path in zip(argv, argv[1:], strict=False):
+                local = flag in ("-k", "-f", "--kustomize", "--filename") and path.startswith(("k8s/", "./k8s/"))
+                if local and not (repo / path).exists():
+                    problems.append(f"{at}: {path} does not exist")
             for kind, slash, obj in (t.partition("/") for t in argv):
                 if slash and kind in _KUBECTL_KINDS and (_KUBECTL_KINDS[kind], obj) not in objects:
                     problems.append(f"{at}: there is no {_KUBECTL_KINDS[kind]} {obj!r} in k8s/base")
         for app in sorted(celery_apps(argv) - apps):
-            problems.append(f"{at}: Celery app {app!r} is not the app of any compose service ({', '.join(sorted(apps))})")
+            problems.append(f"{at}: Celery app {app!r} is no compose service's app ({', '.join(sorted(apps))})")
     return problems

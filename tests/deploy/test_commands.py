@@ -20,11 +20,23 @@ import pytest
 import yaml
 
 from scripts.deploy_checks.compose import unescape
-from scripts.deploy_checks.docs import in_container
+from scripts.deploy_checks.docs import compose_command, shell_commands
 from tests.deploy.images import image_packages
 from tests.services import REPO, clean_env
 
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
+
+
+def in_container(markdown: str) -> list[tuple[str, str, list[str]]]:
+    """(line, compose service or k8s workload, argv) of each command the guide runs in a container."""
+    found = []
+    for line, argv in shell_commands(markdown):
+        if argv[:2] == ["docker", "compose"] and (inner := compose_command(argv))[2]:
+            found.append((line, inner[1][0], inner[2]))
+        elif argv[0] == "kubectl" and "exec" in argv and "--" in argv:
+            target = next((t for t in argv[argv.index("exec") + 1 :] if "/" in t), "")
+            found.append((line, target.split("/", 1)[-1], argv[argv.index("--") + 1 :]))
+    return found
 
 
 def _sh_script(service: dict) -> str:
@@ -141,7 +153,7 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
     assert "image: aerie/trainer:" in serve and "aerie pull" in serve
     if aerie_cmds.get("pull") not in image_packages("trainer"):
         missing.append(
-            "`aerie pull` (k8s serve init container, trainer image) is not provided by a package the trainer image installs"
+            "`aerie pull` (k8s serve init container, trainer image) comes from no package the trainer image installs"
         )
     assert not missing, "\n".join(missing)
 

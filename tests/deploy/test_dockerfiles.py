@@ -16,7 +16,8 @@ def test_inference_image_is_the_sglang_version_the_code_targets():
     launch = (REPO / "services" / "inference" / "aerie_sglang" / "cpu" / "launch.py").read_text()
     version = re.search(r'SGLANG_VERSION = "([^"]+)"', launch).group(1)
     assert f"sglang=={version}" in (REPO / "scripts" / "sglang_env.sh").read_text()
-    assert dockerfile_args((REPO / "services" / "inference" / "Dockerfile").read_text())["SGLANG_IMAGE_TAG"] == f"v{version}"
+    args = dockerfile_args((REPO / "services" / "inference" / "Dockerfile").read_text())
+    assert args["SGLANG_IMAGE_TAG"] == f"v{version}"
     assert f"\nSGLANG_IMAGE_TAG=v{version}\n" in (REPO / ".env.example").read_text()
 
 
@@ -44,7 +45,8 @@ DOCKERFILE_BREAKS = [
     ("no FROM", EXTRACTOR, "FROM python:3.11.13-slim-bookworm\n", "", "no FROM"),
     ("no USER", EXTRACTOR, "USER 10001:10001\n", "", "no USER"),
     ("no HEALTHCHECK", EXTRACTOR, "HEALTHCHECK ", "# HEALTHCHECK ", "no HEALTHCHECK"),
-    ("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared", "no such path"),
+    ("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared",
+     "COPY common: no such path"),
     ("a secret baked into ENV", EXTRACTOR, "PIP_NO_CACHE_DIR=1", "PIP_NO_CACHE_DIR=1 AERIE_S3_SECRET_KEY=hunter2",
      "ENV AERIE_S3_SECRET_KEY bakes a secret"),
     ("an ARG with a secret default", EXTRACTOR, "USER 10001:10001\n", "ARG HF_TOKEN=hf_abc\nUSER 10001:10001\n",
@@ -53,7 +55,8 @@ DOCKERFILE_BREAKS = [
      "FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'lmsysorg/sglang:latest' uses `latest`"),
     ("a FROM tag from an ARG without a default", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG",
      "ARG SGLANG_IMAGE_TAG has no default"),
-    (".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "", "COPY services/extractor: excluded by .dockerignore"),
+    (".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "",
+     "COPY services/extractor: excluded by .dockerignore"),
 ]
 
 

@@ -63,8 +63,8 @@ class Project:
         cmd = [str(compose_binary()), "--project-directory", str(self.compose_path.parent), "--env-file", str(env_file)]
         cmd += ["-f", "-" if stdin is not None else str(self.compose_path), *args]
         out = subprocess.run(cmd, env=env or {}, input=stdin, capture_output=True, text=True, timeout=120)
-        if out.returncode:
-            raise ComposeError(out.stderr.strip())
+        if out.returncode:  # its message, on one line
+            raise ComposeError("; ".join(line.strip() for line in out.stderr.splitlines() if line.strip()))
         return out.stdout
 
     def env_file(self, path: Path | str) -> dict[str, str]:

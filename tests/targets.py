@@ -1,7 +1,7 @@
 """A tiny DeepSeek-V3 target for the tests: the seed's model class (Kimi-K2/K2.5 are DeepSeek-V3
 models) in miniature, small enough for SGLang on 2 CPU cores in float32.
 
-    folder = deepseek_v3_tiny(cache_dir, smollm2_path)   # or the session fixture `deepseek_tiny`
+    folder = deepseek_v3_tiny(cache_dir, smollm2_path)   # the tests' `deepseek_tiny` fixture
 
 What makes it the same class as the real models:
 - multi-head latent attention with q and kv LoRA ranks, q/k head dim (nope + rope) != v head dim,
@@ -37,8 +37,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-import pytest
 
 REAL_CONFIG = Path(__file__).parent / "data" / "deepseek_v3_config.json"  # deepseek-ai/DeepSeek-V3's
 LEFT_OUT_KEYS = frozenset({"auto_map", "quantization_config"})
@@ -110,12 +108,6 @@ def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLi
         if not (out / "model.safetensors").is_file():
             _build(out, smollm2_path)
     return out
-
-
-@pytest.fixture(scope="session")
-def deepseek_tiny(cache_dir, smollm2_path) -> Path:
-    """The tiny DeepSeek-V3 folder (import this fixture into a test module to use it)."""
-    return deepseek_v3_tiny(cache_dir, smollm2_path)
 
 
 def load_reference(folder: str | os.PathLike):

@@ -38,17 +38,22 @@ import torch
 
 from aerie.capture import convention_for, default_capture_points, from_engine_ids, to_engine_ids
 from tests.sglang_server import REPO, capture_args, sglang_python, sglang_server
-from tests.targets import NUM_LAYERS, deepseek_tiny, load_reference  # noqa: F401 (fixture)
+from tests.targets import NUM_LAYERS, deepseek_v3_tiny, load_reference
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 POINTS = default_capture_points(NUM_LAYERS)  # [2, 4, 5]
-CHUNK = 32  # --chunked-prefill-size: the last prompt is prefilled in two chunks
+CHUNK = 32  # --chunked-prefill-size: the 40- and 60-token prompts are prefilled in two chunks
 PROMPTS_TEXT = ["What is the capital of France? Explain briefly."]
 SYNTHETIC = [[1, 504, 3060, 314, 253], [1, *range(3000, 3059)]]  # 5 and 60 tokens
 TOLERANCE = 1e-4  # max abs difference, float32
 LAUNCH = REPO / "services/inference/aerie_sglang/cpu/launch.py"
 DATA = REPO / "tests/data"
+
+
+@pytest.fixture(scope="session")
+def deepseek_tiny(cache_dir, smollm2_path) -> Path:
+    return deepseek_v3_tiny(cache_dir, smollm2_path)
 
 
 @pytest.fixture(scope="module")

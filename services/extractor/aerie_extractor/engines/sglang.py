@@ -35,6 +35,11 @@ capture points translated by `aerie.capture` (never here). Design choices:
 - Back-pressure: a server whose sink holds its bound of unclaimed captures answers 503; the
   engine retries such a request for `sink_full_wait_s` (its other requests to that server wait
   behind it), then fails (retryable) with the server's message.
+- Outages: a server that cannot be reached, drops a request or answers 502/503 (restarting,
+  loading; a large model takes 10-30 minutes) is waited for -- its `/health` polled for up to
+  `AERIE_ENGINE_OUTAGE_WAIT_S` -- then checked again (a restarted server may capture other
+  layers) and the request resent, instead of spending the task's few retries in a minute. `check()`
+  waits the same way, so extractors that start before SGLang (a host reboot) wait for it.
 - `capture()` runs requests concurrently: `settings.engine_concurrency` in flight per URL, every
   URL in `settings.engine_urls` pulling from one queue (a faster server takes more).
 - `check()` reads every server's own configuration (`/server_info`, `/model_info`) and a
@@ -154,6 +159,31 @@ def _no_plugin(why: str, stock: list[str], alternative: str = "") -> EngineMisma
     )
 
 
+def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> bool:
+    """Poll `url`/health until it answers 200; True if it was down at first. Raises a retryable
+    EngineError naming AERIE_ENGINE_OUTAGE_WAIT_S once `wait_s` seconds pass."""
+    deadline, waited, why = time.monotonic() + wait_s, False, ""
+    with httpx.Client(timeout=30.0) as client:
+        while True:
+            try:
+                r = client.get(url + "/health")
+                if r.status_code == 200:
+                    if waited:
+                        log.warning("SGLang server %s is back after the outage", url)
+                    return waited
+                why = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise EngineError(f"SGLang server {url} unreachable or unhealthy for {wait_s:.0f} s ({why}): is it up? "
+                                  "(AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S sets how long to wait)")
+            if not waited:
+                log.warning("SGLang server %s is down (%s): waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
+                            url, why, wait_s)
+            waited = True
+            time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+
+
 class SGLangEngine(Engine):
     sink_full_wait_s = 60.0  # how long a request refused for a full sink is retried (503)
     probe_timeout_s = 15.0  # how long check() waits for the probe's binary capture
@@ -171,6 +201,7 @@ class SGLangEngine(Engine):
         self.transport: str | None = None  # "binary" | "json", decided by check()
         self.sinks: CaptureReader | None = None
         self._checked = False
+        self._outages: dict[str, asyncio.Lock] = {}
 
     # ----------------------------------------------------------------------------------
     @classmethod
@@ -250,6 +281,8 @@ class SGLangEngine(Engine):
                 "(AERIE_SGLANG_BINARY=1 on the inference server; compose profile capture does) and ingest a new run, "
                 "or ingest with target_signal 'topk'"
             )
+        for url in self.urls:
+            wait_for_server(url, self.settings.engine_outage_wait_s)
         with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
             infos = {url: self._check_server(client, url, run) for url in self.urls}
             if transport == "binary":
@@ -430,10 +463,20 @@ class SGLangEngine(Engine):
         body = orjson.dumps(self._body(ids))
 
         async def post() -> httpx.Response:
-            try:
-                return await client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
-            except httpx.HTTPError as e:
-                raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})") from e
+            while True:
+                try:
+                    r = await client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+                except httpx.TimeoutException as e:  # a slow answer, not an outage: the task's retry
+                    raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens timed out ({e})") from e
+                except httpx.TransportError as e:  # refused, dropped: the server is down or restarting
+                    why = f"{type(e).__name__}: {e}"
+                else:
+                    if r.status_code not in (502, 503) or "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" in r.text:
+                        return r
+                    why = f"HTTP {r.status_code}"
+                if not self.settings.engine_outage_wait_s:
+                    raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({why})")
+                await self._outage(url)
 
         def sink_full(r: httpx.Response) -> bool:
             if r.status_code != 503 or "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" not in r.text:
@@ -465,6 +508,17 @@ class SGLangEngine(Engine):
         if self.transport == "binary":  # waits for the sink: off the event loop
             return await asyncio.to_thread(self._parse, url, out, len(ids))
         return self._parse(url, out, len(ids))
+
+    async def _outage(self, url: str) -> None:
+        """Wait for `url` to come back (one waiter per server; the others queue behind it), then
+        check it again: a restarted server must still give this run's tensors."""
+        async with self._outages.setdefault(url, asyncio.Lock()):
+            if await asyncio.to_thread(wait_for_server, url, self.settings.engine_outage_wait_s):
+                def recheck() -> None:
+                    with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+                        self._check_server(client, url, self.run)
+
+                await asyncio.to_thread(recheck)
 
     async def _capture_all(self, sequences: list[np.ndarray]) -> list[Captured]:
         results: list[Captured | None] = [None] * len(sequences)

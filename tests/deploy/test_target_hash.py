@@ -1,0 +1,50 @@
+"""The target's weights are hashed once per host, never cached in the model folder (containers mount
+it read-only): concurrent processes wait for the one that hashes (issue 20, item 4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.services import REPO, clean_env
+
+DESCRIBE = "import logging, sys; logging.basicConfig(level=logging.INFO)\n" \
+           "from aerie.target import describe; print(describe(sys.argv[1]).weights_sha256)"
+
+
+def linked_copy(model, dest):
+    """The model's files hard-linked into a fresh folder (no copy of the weights)."""
+    dest.mkdir()
+    for f in model.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            os.link(f, dest / f.name)
+    return dest
+
+
+def test_two_processes_hash_the_target_once_and_write_nothing_into_the_model_folder(smollm2_path, tmp_path):
+    model = linked_copy(smollm2_path, tmp_path / "model")
+    before = sorted(p.name for p in model.iterdir())
+    env = clean_env(AERIE_CACHE_DIR=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0], "both processes must see the same hash"
+    hashed = sum("sha256 of 1 weight files" in err for _, err in outs)
+    assert hashed == 1, f"the weights were hashed {hashed} times: {outs}"
+    assert sorted(p.name for p in model.iterdir()) == before, "nothing may be written into the model folder"
+    # a later process (a worker start) only stats the files
+    again = subprocess.run([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+    assert again.stdout == outs[0][0] and "sha256 of" not in again.stderr
+    # a changed weight file (size or mtime) is hashed again
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(0, 0))  # a hard link: the shared model's own mtime, restored below
+    try:
+        changed = subprocess.run([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True,
+                                 text=True, timeout=120)
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert "sha256 of 1 weight files" in changed.stderr and changed.stdout == outs[0][0]

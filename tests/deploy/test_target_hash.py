@@ -41,7 +41,7 @@ def test_two_processes_hash_the_target_once_and_write_nothing_into_the_model_fol
     # a changed weight file (size or mtime) is hashed again
     weights = model / "model.safetensors"
     stat = weights.stat()
-    os.utime(weights, ns=(0, 0))  # a hard link: the shared model's own mtime, restored below
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a hard link: restored below
     try:
         changed = subprocess.run([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True,
                                  text=True, timeout=120)

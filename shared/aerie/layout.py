@@ -11,6 +11,7 @@ drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
 drafters/<name>/latest                    (text: the latest version)
 checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
 checkpoints/<train-id>/failed.json        a training job that gave up
+probes/<token>                            `aerie prepare-store`'s round trip (deleted at once)
 ```
 
 Names inside keys (runs, shards, drafters, versions, train ids) are checked by the contracts'
@@ -146,3 +147,8 @@ def checkpoint_steps(train_id: str, keys: list[str]) -> list[int]:
 def train_failure(train_id: str) -> str:
     """A training job that failed for good (removed when a later attempt succeeds)."""
     return f"checkpoints/{train_id}/failed.json"
+
+
+def probe(token: str) -> str:
+    """A short-lived object that checks the key may write, read, list and delete (aerie prepare-store)."""
+    return f"probes/{token}"

@@ -234,7 +234,7 @@ class S3Store(ObjectStore):
             if e.code in ("NoSuchKey", "NoSuchObject") or (e.code == "ResourceNotFound" and key):
                 return NotFound(f"{key}: no such object in {self.url}")
             if e.code == "NoSuchBucket":
-                return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or set AERIE_BUCKET")
+                return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET")
             if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
                 return StoreError(
                     f"{where} refused the credentials ({e.code}): check AERIE_S3_ACCESS_KEY and AERIE_S3_SECRET_KEY"
@@ -257,7 +257,7 @@ class S3Store(ObjectStore):
     def check(self) -> None:
         """Fail early with the clear error when the bucket cannot be reached."""
         if not self._call(self.client.bucket_exists, self.bucket):
-            raise StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it, or set AERIE_BUCKET")
+            raise StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET")
 
     def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
         reader = _HashingReader(stream)

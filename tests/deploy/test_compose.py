@@ -77,7 +77,7 @@ COMPOSE_BREAKS = [
     ("Compose: an undeclared secret", "docker-compose.yml", "      - redis-data:/data\n",
      "      - redis-data:/data\n    secrets: [redis-password]\n", "refers to undefined secret redis-password"),
     ("Compose: a key the Compose Specification does not know", "docker-compose.yml",
-     "    restart: unless-stopped\n    # Password", "    restat: unless-stopped\n    # Password",
+     "    restart: unless-stopped\n    stop_grace_period: 30s   # AOF", "    restat: unless-stopped\n    stop_grace_period: 30s   # AOF",
      "additional properties 'restat' not allowed"),
     ("Compose: neither image nor build", "docker-compose.yml", "    image: redis:7.4.2-alpine\n", "",
      "has neither an image nor a build context"),

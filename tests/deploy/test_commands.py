@@ -148,12 +148,12 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
                         CONTRACTS[task].model_validate_json(argv[argv.index("--kwargs") + 1])
                     except ValueError as e:
                         missing.append(f"--kwargs of {task} are not a valid {CONTRACTS[task].__name__}: {e}: {line}")
-    # the serve component's init container pulls the drafter with `aerie pull` in the trainer image
+    # the serve component's init container pulls the drafter with `aerie pull` in the slim extractor image
     serve = (REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text()
-    assert "image: aerie/trainer:" in serve and "aerie pull" in serve
-    if aerie_cmds.get("pull") not in image_packages("trainer"):
+    assert "image: registry.invalid/aerie/extractor:" in serve and "aerie pull" in serve
+    if aerie_cmds.get("pull") not in image_packages("extractor"):
         missing.append(
-            "`aerie pull` (k8s serve init container, trainer image) comes from no package the trainer image installs"
+            "`aerie pull` (k8s serve init container, extractor image) comes from no package the extractor image installs"
         )
     assert not missing, "\n".join(missing)
 

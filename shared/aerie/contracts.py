@@ -82,6 +82,7 @@ class RunSpec(Contract):
     topk: int | None = None
     ingest: IngestOptions
     train_after: "TrainRequest | None" = None
+    align: "AlignGate | None" = Field(None, description="check alignment against a serving server before train_after")
     created_at: str = Field(default_factory=utcnow)
 
 
@@ -168,6 +169,7 @@ class IngestRequest(Contract):
     topk: int = Field(20, ge=1)
     options: IngestOptions = Field(default_factory=IngestOptions)
     train_after: "TrainRequest | None" = None
+    align: "AlignGate | None" = Field(None, description="check alignment against a serving server before train_after")
     fan_out: bool = Field(True, description="enqueue one extract task per shard")
 
 
@@ -327,6 +329,145 @@ class CaptureDescriptor(Contract):
 
 
 # --------------------------------------------------------------------------------------
+# The alignment check (`aerie align`, task aerie.align): a run's stored states against what a
+# serving SGLang computes for the same tokens. The report is `runs/<run>/align/<server-id>.json`.
+# --------------------------------------------------------------------------------------
+_URL = r"^https?://[^\s/]+(/[^\s]*)?$"
+
+
+class AlignGate(Contract):
+    """What `enqueue --train-drafter --server URL` asks: check the run against URL before training."""
+
+    server: str = Field(pattern=_URL, description="the serving SGLang server, in capture mode")
+    samples: int = Field(8, ge=1, le=4096)
+    seed: int = 0
+    allow_misaligned: bool = Field(False, description="train even when the check fails (the lineage says so)")
+
+
+class AlignRequest(Contract):
+    run: str = Field(pattern=_NAME)
+    server: str = Field(pattern=_URL, description="SGLang in capture mode with the serve profile's model, quantization, TP and dtype")
+    samples: int = Field(8, ge=1, le=4096, description="stored sequences compared (drawn by seed: same seed, same sample)")
+    seed: int = 0
+    max_tokens: int = Field(256, ge=2, description="tokens per sequence compared (its prefix: the states of a prefix are the same)")
+    then_train: "TrainRequest | None" = Field(None, description="the task enqueues this training when the check passes")
+    allow_misaligned: bool = Field(False, description="with then_train: train even when the check fails")
+
+
+class CosineStats(Contract):
+    """Per-token cosine between stored and served states over the sample, and the relative L2."""
+
+    mean: float
+    p1: float = Field(description="1st percentile over tokens")
+    min: float
+    rel_l2: float = Field(description="||stored - served|| / ||served|| over all sampled tokens")
+    tokens: int
+
+
+class PointAlignment(Contract):
+    point: int = Field(description="the run's capture point")
+    at_point: CosineStats | None = Field(None, description="against the server's same point; None: not captured there")
+    best_point: int | None = Field(None, description="the server's point this one matches best")
+    cosines: dict[int, float] = Field(default_factory=dict, description="server point -> mean cosine")
+    passed: bool
+
+
+class SignalAlignment(Contract):
+    """The target signal: the final state (binary transport) and the target distribution."""
+
+    signal: Literal["final", "topk"]
+    final: CosineStats | None = Field(None, description="final states (the server's binary capture only)")
+    top1_agreement: float = Field(description="fraction of tokens whose top-1 target token is the same")
+    topk_overlap: float | None = Field(None, description="topk runs: mean shared fraction of the top-k ids")
+    logprob_mae: float | None = Field(None, description="mean |log-prob difference| over the server's top-k tokens")
+    passed: bool
+
+
+class TokenizationCheck(Contract):
+    """The sampled sequences' text, tokenized by the server and by the run's tokenizer."""
+
+    checked: int = 0
+    differs_at: int | None = Field(None, description="first token position where the two disagree")
+    sample: int | None = None
+    run_token: str | None = None
+    server_token: str | None = None
+    note: str | None = None
+
+
+class ServerIdentity(Contract):
+    url: str
+    server_id: str = Field(pattern=_NAME, description="stable name of the configuration (not of the URL)")
+    model_path: str
+    architecture: str | None = None
+    weights_sha256: str | None = Field(None, description="when the server's model folder is readable here")
+    tokenizer_sha256: str | None = None
+    sglang_version: str
+    quantization: str | None = None
+    tp_size: int = 1
+    dtype: str
+    kv_cache_dtype: str | None = None
+    aux_layer_ids: list[int]
+    aux_points: list[int] = Field(description="the capture points those ids are, by aerie.capture")
+    transport: Literal["json", "binary"]
+
+
+class SampledSequence(Contract):
+    shard: str
+    sequence: int = Field(ge=0)
+    tokens: int = Field(ge=1)
+
+
+class AlignmentReport(Contract):
+    """`runs/<run>/align/<server-id>.json`: one run against one serving configuration."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    server: ServerIdentity
+    run_dtype: str
+    precision: str = Field(description="the dtype whose thresholds applied: the less precise of run and server")
+    min_cosine: float
+    min_cosine_p1: float
+    min_top1: float
+    seed: int
+    samples: list[SampledSequence]
+    tokens: int
+    points: list[PointAlignment]
+    signal: SignalAlignment | None = None
+    tokenization: TokenizationCheck = Field(default_factory=TokenizationCheck)
+    passed: bool
+    causes: list[str] = Field(default_factory=list, description="what the measurements point at, most likely first")
+    seconds: float = 0.0
+    created_at: str = Field(default_factory=utcnow)
+
+
+class AlignmentSummary(Contract):
+    """One alignment report, as a drafter's lineage records it."""
+
+    run: str
+    key: str
+    passed: bool
+    server_id: str
+    model_path: str
+    sglang_version: str
+    quantization: str | None
+    dtype: str
+    tp_size: int
+    point_cosines: dict[int, float | None] = Field(description="capture point -> mean cosine at the same point")
+    top1_agreement: float | None
+    causes: list[str]
+    created_at: str
+
+
+class LineageAlignment(Contract):
+    """Whether the runs a drafter was trained on were checked against a serving server, and how."""
+
+    checked: bool
+    passed: bool | None = Field(None, description="every report passed; None when nothing was checked")
+    reports: list[AlignmentSummary] = Field(default_factory=list)
+    note: str = ""
+
+
+# --------------------------------------------------------------------------------------
 # The drafter's lineage, `drafters/<name>/<version>/aerie.json`
 # --------------------------------------------------------------------------------------
 class DrafterLineage(Contract):
@@ -343,8 +484,10 @@ class DrafterLineage(Contract):
     config: TrainConfig
     metrics: dict[str, float | int | str | list[float] | None]
     files: dict[str, str] = Field(description="file name -> sha256")
+    alignment: LineageAlignment | None = Field(None, description="the alignment checks of its runs (None: published before they were recorded)")
     created_at: str = Field(default_factory=utcnow)
 
 
 RunSpec.model_rebuild()
 IngestRequest.model_rebuild()
+AlignRequest.model_rebuild()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from aerie import layout
 from aerie.contracts import _NAME, DrafterLineage
+from aerie.runs import lineage_alignment
 from aerie.store import NotFound, ObjectStore, StoreError
 
 _NAME_RE = re.compile(_NAME)
@@ -60,9 +61,13 @@ def published_lineage(store: ObjectStore, name: str, version: str) -> DrafterLin
 def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:
     """Upload an exported drafter folder (its files first, `aerie.json` last), then move `latest`.
 
-    `lineage`: the DrafterLineage fields but `files`, which are the uploaded files' sha256."""
+    `lineage`: the DrafterLineage fields but `files`, which are the uploaded files' sha256. Unless
+    it says otherwise, `alignment` is what the store holds of its runs' alignment checks (or that
+    there were none): every published drafter says whether it was checked against a serving server."""
     folder = Path(folder)
     name, version = lineage["name"], lineage["version"]
+    if lineage.get("alignment") is None:
+        lineage = {**lineage, "alignment": lineage_alignment(store, list(lineage["runs"]))}
     files = {f: store.put_file(layout.drafter_file(name, version, f), folder / f) for f in layout.DRAFTER_FILES}
     record = DrafterLineage(**lineage, files=files)
     store.put_json(layout.drafter_lineage(name, version), record)

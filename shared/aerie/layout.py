@@ -7,6 +7,7 @@ runs/<run>/tokens/<shard>.safetensors (+ .json record)
 runs/<run>/hidden/<shard>.safetensors (+ .json record)
 runs/<run>/failed/<shard>.json            a shard whose extraction gave up (ingest.json: the ingest)
 runs/<run>/rejects/<part>.jsonl
+runs/<run>/align/<server-id>.json          the run against one serving configuration (aerie align)
 drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
 drafters/<name>/latest                    (text: the latest version)
 checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
@@ -27,6 +28,7 @@ LINEAGE_FILE = "aerie.json"  # a drafter's lineage, written last: its presence m
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what SGLang loads, written before the lineage
 _SHARD_NAME = re.compile(r"^\d{6}$")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_SERVER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the contracts' name pattern
 
 
 def dataset(name: str) -> str:
@@ -97,6 +99,28 @@ def rejects(run: str, part: str) -> str:
 
 def rejects_prefix(run: str) -> str:
     return f"runs/{run}/rejects/"
+
+
+# --- alignment reports --------------------------------------------------------------------
+def alignment_report(run: str, server_id: str) -> str:
+    """The alignment check of a run against one serving configuration (its server id)."""
+    if not _SERVER_ID.match(server_id):
+        raise ValueError(f"server id {server_id!r} is not a valid name")
+    return f"runs/{run}/align/{server_id}.json"
+
+
+def alignments_prefix(run: str) -> str:
+    return f"runs/{run}/align/"
+
+
+def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
+    """Server ids of the alignment reports among `keys` (a listing of the run's align folder), sorted."""
+    root, ids = alignments_prefix(run), set()
+    for key in keys:
+        rest = key[len(root):] if key.startswith(root) else ""
+        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.match(rest[: -len(".json")]):
+            ids.add(rest[: -len(".json")])
+    return sorted(ids)
 
 
 # --- drafters -----------------------------------------------------------------------------

@@ -33,8 +33,10 @@ INGEST, EXTRACT, TRAIN = "ingest", "extract", "train"
 INGEST_TASK = "aerie.ingest"
 EXTRACT_TASK = "aerie.extract"
 TRAIN_TASK = "aerie.train"
+ALIGN_TASK = "aerie.align"  # the alignment check before training: light (HTTP + numpy), an extractor's work
 
-ROUTES = {INGEST_TASK: {"queue": INGEST}, EXTRACT_TASK: {"queue": EXTRACT}, TRAIN_TASK: {"queue": TRAIN}}
+ROUTES = {INGEST_TASK: {"queue": INGEST}, EXTRACT_TASK: {"queue": EXTRACT}, TRAIN_TASK: {"queue": TRAIN},
+          ALIGN_TASK: {"queue": INGEST}}
 
 MAX_RETRIES = 5
 BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0

@@ -8,6 +8,9 @@ failure), so the trainer, `aerie run` and the Celery sub-commands share one view
 - `run_complete(store, run)`: every token shard has a hidden record (listings only: cheap).
 - `wait_for_run(store, run, timeout_s)`: until complete; fails naming the failed shards, or the
   deadline, and says where to look.
+- `alignment_reports(store, run)`, `lineage_alignment(store, runs)`: the run's alignment checks
+  against serving servers (written by the extractor's `aerie align`), and what a drafter's lineage
+  records of them: the trainer reads them here, never from the extractor.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import time
 from collections.abc import Callable
 
 from aerie import layout
-from aerie.contracts import IngestFailure, IngestRequest, RunSpec, RunStatus, ShardFailure, ShardRecord
+from aerie.contracts import (
+    AlignmentReport, AlignmentSummary, IngestFailure, IngestRequest, LineageAlignment, RunSpec, RunStatus, ShardFailure,
+    ShardRecord,
+)
 from aerie.store import NotFound, ObjectStore, StoreError
 
 
@@ -125,7 +131,46 @@ def wait_for_run(
         time.sleep(poll_s)
 
 
+def alignment_reports(store: ObjectStore, run: str) -> list[AlignmentReport]:
+    """The run's alignment reports (`runs/<run>/align/<server-id>.json`), oldest first."""
+    reports = []
+    for server_id in layout.alignment_server_ids(run, store.list(layout.alignments_prefix(run))):
+        try:
+            reports.append(store.get_json(layout.alignment_report(run, server_id), AlignmentReport))
+        except NotFound:  # replaced meanwhile
+            pass
+    return sorted(reports, key=lambda r: r.created_at)
+
+
+def summarize_alignment(report: AlignmentReport) -> AlignmentSummary:
+    server = report.server
+    return AlignmentSummary(
+        run=report.run, key=layout.alignment_report(report.run, server.server_id), passed=report.passed,
+        server_id=server.server_id, model_path=server.model_path, sglang_version=server.sglang_version,
+        quantization=server.quantization, dtype=server.dtype, tp_size=server.tp_size,
+        point_cosines={p.point: (None if p.at_point is None else p.at_point.mean) for p in report.points},
+        top1_agreement=None if report.signal is None else report.signal.top1_agreement,
+        causes=list(report.causes), created_at=report.created_at,
+    )
+
+
+def lineage_alignment(store: ObjectStore, runs: list[str]) -> LineageAlignment:
+    """What a drafter trained on `runs` records of their alignment checks: every report found (one
+    per run and serving configuration), or that none was made."""
+    reports = [summarize_alignment(r) for run in runs for r in alignment_reports(store, run)]
+    unchecked = [run for run in runs if not any(r.run == run for r in reports)]
+    if not reports:
+        return LineageAlignment(checked=False, note=f"no alignment check of run(s) {', '.join(runs)} against a serving "
+                                                    "server: run `aerie align --run RUN --server URL` before training")
+    failed = [r for r in reports if not r.passed]
+    note = "; ".join(filter(None, [
+        f"unchecked run(s): {', '.join(unchecked)}" if unchecked else "",
+        f"trained despite failed check(s): {', '.join(f'{r.run} vs {r.server_id}' for r in failed)}" if failed else "",
+    ]))
+    return LineageAlignment(checked=True, passed=not failed and not unchecked, reports=reports, note=note)
+
+
 __all__ = [
-    "RunError", "StoreError", "failures", "hidden_bytes", "load_run", "record_failure", "record_ingest_failure", "run_complete", "run_status",
+    "RunError", "StoreError", "failures", "hidden_bytes", "load_run", "record_failure", "record_ingest_failure", "alignment_reports", "lineage_alignment", "run_complete", "run_status",
     "shard_names", "wait_for_run",
 ]

@@ -67,6 +67,24 @@ class Settings(BaseSettings):
     device: str = "cpu"
     tokens_per_batch: int = Field(default=4096, ge=1)
 
+    # --- alignment check (aerie align) ---------------------------------------------------
+    # Thresholds by the less precise dtype of the run and the server. Measured on SmolLM2-135M,
+    # SGLang 0.5.23 on the CPU (BENCHMARKS.md, "Alignment"): the same weights give a mean cosine
+    # >= 0.99985 and p1 >= 0.9988 per point (bf16 states), 1.000000 in float32; a neighbouring
+    # layer 0.82-0.975; the 4-bit quantized weights 0.9966 (point 2) down to 0.969 (point 27).
+    # float16 was not measured: it takes bfloat16's bounds (fp16 rounds less than bf16).
+    align_min_cosine: dict[str, float] = Field(
+        default_factory=lambda: {"float32": 0.9999, "bfloat16": 0.999, "float16": 0.999},
+        description="least mean per-token cosine of a capture point (and the final state), by dtype",
+    )
+    align_min_cosine_p1: dict[str, float] = Field(
+        default_factory=lambda: {"float32": 0.999, "bfloat16": 0.995, "float16": 0.995},
+        description="least 1st-percentile per-token cosine, by dtype",
+    )
+    align_min_top1: float = Field(
+        default=0.9, ge=0, le=1, description="least top-1 agreement of the target distribution (same weights: 0.98; int4: 0.72)"
+    )
+
     # --- paths --------------------------------------------------------------------------
     cache_dir: Path = Path(os.path.expanduser("~/.cache/aerie"))
 
@@ -83,6 +101,14 @@ class Settings(BaseSettings):
                     f"store {self.store} is an S3 endpoint but {', '.join(missing)} "
                     "is not set: export the credentials of that server"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _align_dtypes(self) -> "Settings":
+        for name in ("align_min_cosine", "align_min_cosine_p1"):
+            unknown = sorted(set(getattr(self, name)) - {"float32", "bfloat16", "float16"})
+            if unknown:
+                raise ValueError(f"{ENV_PREFIX}{name.upper()} names {unknown}: its keys are float32, bfloat16, float16")
         return self
 
     @property

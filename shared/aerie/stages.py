@@ -2,6 +2,8 @@
 
     ingest   IngestRequest  -> IngestResult    dataset -> token shards + run.json      (extractor)
     extract  ExtractRequest -> ExtractResult   one token shard -> one hidden shard     (extractor)
+    align    AlignRequest   -> AlignmentReport a run's stored states against a         (extractor)
+                                               serving SGLang: per point cosine, cause
     train    TrainRequest   -> TrainResult     hidden shards -> trained, evaluated,    (trainer)
                                                exported and published drafter
     pull     NAME[:VERSION] -> folder          a published drafter, checked            (this package)
@@ -19,7 +21,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from aerie.contracts import (
-    ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, TrainRequest, TrainResult,
+    AlignmentReport, AlignRequest, ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, TrainRequest,
+    TrainResult,
 )
 from aerie.drafters import pull
 from aerie.settings import Settings
@@ -28,7 +31,7 @@ from aerie.store import ObjectStore
 Progress = Callable[[ProgressEvent], None]
 GROUP = "aerie.stages"
 PROVIDERS = {"ingest": "aerie-extractor (services/extractor)", "extract": "aerie-extractor (services/extractor)",
-             "train": "aerie-trainer (services/trainer)"}
+             "align": "aerie-extractor (services/extractor)", "train": "aerie-trainer (services/trainer)"}
 
 
 class StageUnavailable(RuntimeError):
@@ -54,8 +57,13 @@ def extract(store: ObjectStore, settings: Settings, request: ExtractRequest) -> 
     return implementation("extract")(store, settings, request)
 
 
+def align(store: ObjectStore, settings: Settings, request: AlignRequest) -> AlignmentReport:
+    """Compare a sample of the run's stored states with the serving server's; the report is stored."""
+    return implementation("align")(store, settings, request)
+
+
 def train(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None) -> TrainResult:
     return implementation("train")(store, settings, request, progress)
 
 
-__all__ = ["Progress", "StageUnavailable", "extract", "implementation", "ingest", "pull", "train"]
+__all__ = ["Progress", "StageUnavailable", "align", "extract", "implementation", "ingest", "pull", "train"]

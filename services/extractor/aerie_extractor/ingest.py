@@ -351,6 +351,7 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
         topk=request.topk if request.target_signal == "topk" else None,
         ingest=request.options,
         train_after=request.train_after,
+        align=request.align,
     )
 
 

@@ -1,4 +1,4 @@
-"""The Celery tasks of the extractor: the `ingest` and `extract` stages on the queues.
+"""The Celery tasks of the extractor: the `ingest`, `extract` and `align` stages on the queues.
 
 - Names come from `aerie.queue` (`aerie.ingest`, `aerie.extract`); routing sends them to the
   `ingest` and `extract` queues. Kwargs are JSON, validated by IngestRequest / ExtractRequest.
@@ -6,6 +6,9 @@
   and retryable engine errors are retried with backoff; a refused engine (EngineMismatch) or a
   bad request fails at once; what gives up is recorded in `runs/<run>/failed/` (shard or ingest).
 - No settings are read at import: the app that runs a task carries them (`app.aerie_settings`).
+- A complete run that asks for training (`train_after`) and for an alignment check first
+  (`align`: `enqueue --train-drafter D --server URL`) gets `aerie.align`, which enqueues the
+  training when the check passes (or `allow_misaligned`), and fails naming its report otherwise.
 
 Enqueue from the Celery CLI (the worker's app module is `aerie_extractor.worker`):
 
@@ -20,9 +23,10 @@ import logging
 from celery import Task, shared_task
 
 from aerie import runs, stages
-from aerie.contracts import ExtractRequest, IngestRequest
+from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest
 from aerie.queue import (
-    EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, TRAIN_TASK, claim_once, enqueue, mark_done, run_task, task_settings, task_store,
+    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, TRAIN_TASK, claim_once, enqueue, mark_done, run_task, task_settings,
+    task_store,
 )
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -59,6 +63,23 @@ def extract(self: Task, **kwargs) -> dict:
     return result.model_dump(mode="json")
 
 
+@shared_task(bind=True, name=ALIGN_TASK, max_retries=MAX_RETRIES)
+def align(self: Task, **kwargs) -> dict:
+    """The alignment check (report in `runs/<run>/align/`); with `then_train`, the training after it."""
+    from aerie_extractor.align import AlignmentFailed, failure_message
+
+    request = AlignRequest.model_validate(kwargs)
+    settings = task_settings(self.app)
+    report = run_task(self, lambda: stages.align(task_store(settings), settings, request))
+    if request.then_train is not None:
+        if not report.passed and not request.allow_misaligned:
+            raise AlignmentFailed(failure_message(report))
+        enqueue(self.app, TRAIN_TASK, request.then_train.model_dump(mode="json"))
+        log.info("run %s %s: enqueued %s for drafter %s", request.run, "aligned" if report.passed else
+                 "NOT aligned (allow_misaligned)", TRAIN_TASK, request.then_train.drafter)
+    return report.model_dump(mode="json")
+
+
 def maybe_enqueue_train(app, settings: Settings, store: ObjectStore, run: str, owner: str) -> bool:
     """When the run is complete and asks for training, enqueue `aerie.train` exactly once.
 
@@ -74,7 +95,12 @@ def maybe_enqueue_train(app, settings: Settings, store: ObjectStore, run: str, o
     name = f"train:{run}"  # not keyed by anything a concurrent re-ingest could rewrite
     if not claim_once(settings, name, owner):
         return False
-    enqueue(app, TRAIN_TASK, spec.train_after.model_dump(mode="json"))
+    if spec.align is not None:  # the check first; it enqueues the training
+        gate = spec.align
+        enqueue(app, ALIGN_TASK, AlignRequest(run=run, server=gate.server, samples=gate.samples, seed=gate.seed,
+                                              then_train=spec.train_after, allow_misaligned=gate.allow_misaligned).model_dump(mode="json"))
+    else:
+        enqueue(app, TRAIN_TASK, spec.train_after.model_dump(mode="json"))
     mark_done(settings, name)
-    log.info("run %s complete: enqueued %s for drafter %s", run, TRAIN_TASK, spec.train_after.drafter)
+    log.info("run %s complete: enqueued %s for drafter %s", run, ALIGN_TASK if spec.align else TRAIN_TASK, spec.train_after.drafter)
     return True

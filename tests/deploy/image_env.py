@@ -1,0 +1,108 @@
+"""A Python environment that holds what a service's image installs, and nothing else, built from the
+image's own requirement list (its Dockerfile's `pip install` lines) without building the image.
+
+`image_distributions(service)` reads the Dockerfile: local packages (shared, services/<name>, with
+their extras) and pinned names; each local or plain requirement brings its dependencies (resolved
+from the installed metadata, markers evaluated), a `--no-deps` one only itself. `image_env(service,
+folder)` returns the environment of a subprocess of this venv's Python in which a `sitecustomize`
+hides every other installed distribution: its modules cannot be imported and `importlib.metadata`
+does not list it (so neither its entry points nor its data are found), as in the image.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from scripts.deploy_checks.dockerfiles import dockerfile_instructions
+from tests.services import REPO, clean_env
+
+SITECUSTOMIZE = '''
+import importlib.metadata as md, json, os, re, sys
+
+_norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+_allowed = set(json.loads(os.environ["AERIE_TEST_IMAGE_DISTRIBUTIONS"]))
+_hidden = {mod for mod, dists in md.packages_distributions().items() if not {_norm(d) for d in dists} & _allowed}
+
+
+class _ImageFinder:
+    """Wraps each finder: a module or distribution the image lacks is simply not found (None)."""
+
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _hidden or not hasattr(self.finder, "find_spec"):
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def find_distributions(self, context=md.DistributionFinder.Context()):
+        found = getattr(self.finder, "find_distributions", lambda context: ())(context)
+        return (d for d in found if _norm(d.metadata["Name"] or "") in _allowed)
+
+    def invalidate_caches(self):
+        getattr(self.finder, "invalidate_caches", lambda: None)()
+
+
+sys.meta_path[:] = [_ImageFinder(f) for f in sys.meta_path]
+'''
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements_of(service: str) -> list[tuple[Requirement, bool]]:
+    """(requirement, with its dependencies) for each package a Dockerfile's RUN lines pip-install."""
+    found = []
+    for c in dockerfile_instructions((REPO / "services" / service / "Dockerfile").read_text()):
+        if c.cmd != "RUN":
+            continue
+        commands: list[list[str]] = [[]]
+        for token in shlex.split(" ".join(c.value)):
+            commands.append([]) if token in ("&&", ";", "||") else commands[-1].append(token)
+        for words in commands:
+            if "pip" not in words or "install" not in words:
+                continue
+            deps = "--no-deps" not in words
+            for word in words[words.index("install") + 1 :]:
+                if word.startswith("-"):
+                    continue
+                local = re.fullmatch(r"/opt/aerie/((?:shared|services/[a-z]+))(\[[\w,]+\])?", word)
+                if local:
+                    project = tomllib.loads((REPO / local.group(1) / "pyproject.toml").read_text())["project"]
+                    word = project["name"] + (local.group(2) or "")
+                found.append((Requirement(word), deps))
+    return found
+
+
+def image_distributions(service: str) -> set[str]:
+    """Normalized names of every distribution the service's image holds (beyond the base image's Python)."""
+    allowed: set[str] = set()
+    todo = _requirements_of(service)
+    while todo:
+        req, deps = todo.pop()
+        if _norm(req.name) in allowed:
+            continue
+        allowed.add(_norm(req.name))
+        if not deps:
+            continue
+        for line in metadata.requires(req.name) or []:
+            dep = Requirement(line)
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in (req.extras or {""})):
+                todo.append((dep, True))
+    return allowed
+
+
+def image_env(service: str, folder: Path, **extra: str) -> dict[str, str]:
+    """Environment for `sys.executable` restricted to the image's distributions (sitecustomize in `folder`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return clean_env(PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(image_distributions(service))),
+                     **extra)

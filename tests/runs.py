@@ -63,10 +63,11 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
 
 
 def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
-                      shard_sequences: int = 16, signal: str = "final", topk: int = 20) -> Path:
+                      shard_sequences: int = 16, signal: str = "final", topk: int = 20, points: list[int] | None = None) -> Path:
     """A filesystem store holding run `RUN`: ShareGPT conversations (user turns cut to 200
     characters, so short sequences are mostly assistant text) ingested and extracted by the
-    pipeline's own stages (aerie.stages: ingest, extract) with the `hf` engine. Built once per inputs."""
+    pipeline's own stages (aerie.stages: ingest, extract) with the `hf` engine. Built once per inputs.
+    `points`: capture points other than the default [2, N//2, N-3]."""
     from aerie.contracts import ExtractRequest, IngestRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
@@ -74,7 +75,8 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
     from aerie import stages
 
     target = describe(model_dir, name="SmolLM2-135M-Instruct")
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]).encode()).hexdigest()[:16]
+    inputs = [CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]
+    key = hashlib.sha256(json.dumps(inputs + ([points] if points else [])).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-hidden-runs" / key
     if _complete(folder):
         return folder
@@ -88,7 +90,7 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
             f.write(json.dumps({"conversations": turns}) + "\n")
     store = FsStore(tmp)
     settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048)
-    points = default_capture_points(target.num_layers)
+    points = points or default_capture_points(target.num_layers)
     ingested = stages.ingest(store, settings, IngestRequest(
         run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype="bfloat16",
         target_signal=signal, topk=topk, fan_out=False,

@@ -553,7 +553,10 @@ def report_table(report: AlignmentReport):
 def print_report(report: AlignmentReport, console=None) -> None:
     from rich.console import Console
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: wide enough for the table on one line a row
+            console = Console(width=max(console.width, 132))
     console.print(report_table(report))
     t = report.tokenization
     console.print(f"tokenization: {'differs at position ' + str(t.differs_at) if t.differs_at is not None else f'{t.checked} samples agree'}"

@@ -126,6 +126,14 @@ def trained_smol(cache_dir, smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def deepseek_tiny(cache_dir, smollm2_path) -> Path:
+    """The tiny random DeepSeek-V3 target (MLA, MoE, YaRN; tests/targets.py), built once and cached."""
+    from tests.targets import deepseek_v3_tiny
+
+    return deepseek_v3_tiny(cache_dir, smollm2_path)
+
+
+@pytest.fixture(scope="session")
 def reference(smollm2_path):
     """SmolLM2 in transformers, float32: token ids -> (hidden_states[POINTS] [T,K,H],
     hidden_states[N] (the final state) [T,H], logits [T,V]) — what every engine must reproduce."""

@@ -38,7 +38,7 @@ import torch
 
 from aerie.capture import convention_for, default_capture_points, from_engine_ids, to_engine_ids
 from tests.sglang_server import REPO, capture_args, sglang_python, sglang_server
-from tests.targets import NUM_LAYERS, deepseek_v3_tiny, load_reference
+from tests.targets import NUM_LAYERS, load_reference
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -49,11 +49,6 @@ SYNTHETIC = [[1, 504, 3060, 314, 253], [1, *range(3000, 3059)]]  # 5 and 60 toke
 TOLERANCE = 1e-4  # max abs difference, float32
 LAUNCH = REPO / "services/inference/aerie_sglang/cpu/launch.py"
 DATA = REPO / "tests/data"
-
-
-@pytest.fixture(scope="session")
-def deepseek_tiny(cache_dir, smollm2_path) -> Path:
-    return deepseek_v3_tiny(cache_dir, smollm2_path)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from aerie.capture import convention_for, default_capture_points, to_engine_ids
 from tests.sglang_server import serve_server
-from tests.targets import NUM_LAYERS, deepseek_v3_tiny, load_reference
+from tests.targets import NUM_LAYERS, load_reference
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -83,11 +83,6 @@ def random_drafter(folder: Path, target: Path) -> Path:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
-
-
-@pytest.fixture(scope="session")
-def deepseek_tiny(cache_dir, smollm2_path) -> Path:
-    return deepseek_v3_tiny(cache_dir, smollm2_path)
 
 
 @pytest.fixture(scope="module")

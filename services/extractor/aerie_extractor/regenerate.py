@@ -31,6 +31,8 @@ def regenerate(messages: Messages, answer: Callable[[Messages], str]) -> Message
     out: Messages = []
     for j, m in enumerate(messages):
         if m["role"] == "assistant":
+            if not any(turn["role"] == "user" for turn in out):
+                raise RegenerateRefused(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
             text = answer(out).strip()
             if not text:
                 raise RegenerateRefused(f"regenerated answer for turn {j + 1} is empty")

@@ -346,6 +346,34 @@ class HiddenData:
         return counts
 
 
+    def target_token_counts(self, vocab_size: int, argmax, max_tokens: int) -> np.ndarray:
+        """(V,) counts of the *target's* greedy token at the trained positions of the training
+        sequences (up to `max_tokens` of them, shard by shard): the tokens the drafter must propose.
+
+        argmax(rows) -> target ids: rows of the run's target signal (`final` [n, H], or
+        `topk_ids`/`topk_logprobs` [n, k]) for the positions whose next token is trained."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        signal = ["final"] if self.runset.spec.target_signal == "final" else ["topk_ids", "topk_logprobs"]
+        by_shard: dict[int, list[int]] = {}
+        for s, q in self.train_items:
+            by_shard.setdefault(s, []).append(q)
+        seen = 0
+        for s, seqs in by_shard.items():
+            if seen >= max_tokens:
+                break
+            t = read_tensors(self.store, self.shards[s].key, ["loss_mask", "offsets", *signal])
+            keep = np.zeros(len(t["loss_mask"]), dtype=bool)
+            for q in seqs:  # row r predicts token r+1: kept when that token is trained, in the same sequence
+                a, b = t["offsets"][q], t["offsets"][q + 1]
+                keep[a : b - 1] = t["loss_mask"][a + 1 : b] == 1
+            rows = np.flatnonzero(keep)[: max_tokens - seen]
+            if rows.size:
+                ids = np.asarray(argmax({name: t[name][rows] for name in signal}), dtype=np.int64)
+                counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+                seen += rows.size
+        return counts
+
+
 class Prefetcher:
     """Runs a batch generator in a daemon thread, `depth` batches ahead."""
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aerie import drafters
-from aerie.capture import convention_for, to_engine_ids
+from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import DrafterLineage, TrainRequest
 from aerie.store import ObjectStore
 
@@ -291,6 +291,28 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
     return report
 
 
+def check_layer_ids(folder: str | os.PathLike, capture_points: list[int], architecture: str, num_layers: int) -> list[int]:
+    """Refuse (ExportError) a folder whose layer ids make SGLang capture other tensors than the
+    drafter was trained on: the ids are read back with the serving engine's own rule for this
+    architecture (aerie.capture) and must give the capture points of the training data."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    ids = list((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+    convention = convention_for(SERVING_ENGINE, architecture)
+    try:
+        read = from_engine_ids(ids, convention, num_layers)
+    except CaptureError as e:
+        raise ExportError(f"{folder}: eagle_aux_hidden_state_layer_ids {ids}: {e}") from None
+    if read != list(capture_points):
+        shift = {b - a for a, b in zip(capture_points, read)} if len(read) == len(capture_points) else set()
+        what = f"an off-by-{abs(shift.pop())}" if len(shift) == 1 and 0 not in shift else "other layers"
+        raise ExportError(
+            f"{folder}: SGLang's {convention} rule reads eagle_aux_hidden_state_layer_ids {ids} of a {architecture} as "
+            f"capture points {read}, but the drafter was trained on {list(capture_points)}: {what}; export with "
+            f"{to_engine_ids(capture_points, convention, num_layers)} (aerie.capture.to_engine_ids)"
+        )
+    return read
+
+
 # --------------------------------------------------------------------------------------
 # Publish
 # --------------------------------------------------------------------------------------
@@ -301,6 +323,7 @@ def publish(store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRe
     layer_ids = to_engine_ids(spec.capture_points, convention, spec.target.num_layers)
     with tempfile.TemporaryDirectory(prefix="aerie-export-") as tmp:
         folder = export(drafter, tmp, layer_ids, load_target_config(request.model))
+        check_layer_ids(folder, spec.capture_points, spec.target.architecture, spec.target.num_layers)
         return drafters.publish(store, folder, dict(
             name=request.drafter, version=version, runs=list(request.runs), target=spec.target, engine=spec.engine,
             capture_points=list(spec.capture_points), exported_layer_ids=layer_ids, exported_convention=convention,

@@ -1,8 +1,11 @@
 """The draft vocabulary: the target tokens the drafter can propose.
 
-- The `draft_vocab_size` most frequent loss-masked (trained) target tokens of the runs, sorted by
-  target id; when the runs hold fewer distinct tokens, the lowest unused ids fill the rest so
-  the head always has exactly `draft_vocab_size` rows (SGLang sizes it from the config).
+- From what the target says (`draft_vocab_from: "target"`, the default): the tokens the target
+  itself predicts greedily at the trained positions, most frequent first — exactly the tokens a
+  chain of drafts must match — then the data's own trained tokens by frequency for any rows left;
+  or from the data alone (`"data"`: the loss-masked tokens of the runs, as EAGLE-3's recipe does).
+  Sorted by target id; when the runs hold fewer distinct tokens, the lowest unused ids fill the
+  rest so the head always has exactly `draft_vocab_size` rows (SGLang sizes it from the config).
 - `d2t[i] = target_id - i` (int64; SGLang's `hot_token_id = d2t + arange`), `t2d[target_id]`
   True for the draft tokens (bool over the target vocab).
 - A position whose target argmax is outside the draft vocab is masked from the loss: the
@@ -49,6 +52,13 @@ def target_to_draft(t2d: torch.Tensor) -> torch.Tensor:
     index = torch.full(t2d.shape, -1, dtype=torch.int64, device=t2d.device)
     index[t2d] = torch.arange(int(t2d.sum()), dtype=torch.int64, device=t2d.device)
     return index
+
+
+def ranked_counts(target_counts: np.ndarray | None, data_counts: np.ndarray) -> np.ndarray:
+    """One ranking: the target's greedy tokens first (by count), then the data's trained tokens."""
+    if target_counts is None or target_counts.sum() == 0:
+        return data_counts.astype(np.float64)
+    return target_counts.astype(np.float64) + data_counts / (data_counts.sum() + 1.0)
 
 
 def coverage(counts: np.ndarray, draft_ids: torch.Tensor) -> float:

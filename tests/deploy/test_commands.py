@@ -22,7 +22,7 @@ import yaml
 from scripts.deploy_checks.compose import unescape
 from scripts.deploy_checks.docs import compose_command, shell_commands
 from tests.deploy.images import image_packages
-from tests.services import REPO, clean_env
+from tests.services import REPO, clean_env, free_port, store_env, wait_until
 
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 
@@ -279,3 +279,47 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait(timeout=30)
         log.close()
+
+
+def test_a_stopped_compose_extractor_hands_its_task_back_at_once(compose_services, private_redis, s3_store,
+                                                                  smollm2_path, tmp_path):
+    """`docker compose stop` (or a KEDA scale-down) sends SIGTERM: the compose worker (REMAP_SIGTERM,
+    worker.soft_shutdown_timeout) gives its task the soft timeout, then puts it back on the queue and
+    exits -- instead of holding it until SIGKILL and the visibility timeout (an hour) hands it on."""
+    import redis
+
+    svc = compose_services["extractor"]
+    command = svc["command"]
+    assert command[-2:] == ["--", "worker.soft_shutdown_timeout=90"] and svc["environment"]["REMAP_SIGTERM"] == "SIGQUIT"
+    soft_s = 2
+    env = clean_env(**{**svc["environment"], **store_env(s3_store), "AERIE_BROKER": private_redis,
+                       "AERIE_RESULT_BACKEND": private_redis, "AERIE_ENGINE_URLS": f'["http://127.0.0.1:{free_port()}"]',
+                       "HOSTNAME": socket.gethostname()})
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log_path = tmp_path / "extractor.log"
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen([*command[:-1], f"worker.soft_shutdown_timeout={soft_s}"], env=env, cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        from aerie.contracts import IngestRequest
+        from aerie.queue import INGEST_TASK, make_app
+        from aerie.settings import Settings
+
+        app = make_app(Settings(broker=private_redis))
+        request = IngestRequest(run="held", dataset="datasets/none.jsonl", model=str(smollm2_path), engine="sglang")
+        app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
+        # the task runs: it waits for the (absent) SGLang server
+        wait_until(lambda: "is down" in log_path.read_text(), 120, "the ingest task waiting for SGLang",
+                   details=lambda: log_path.read_text()[-3000:])
+        stopped = time.monotonic()
+        worker.send_signal(signal.SIGTERM)  # what Docker and the kubelet send to the container's process
+        worker.wait(timeout=60)
+        took = time.monotonic() - stopped
+        assert soft_s <= took < 30, f"the worker took {took:.1f} s to stop:\n{log_path.read_text()[-3000:]}"
+        client = redis.Redis.from_url(private_redis)
+        queued = [json.loads(m)["headers"]["task"] for m in client.lrange("ingest", 0, -1)]
+        assert queued == [INGEST_TASK], f"the task is back on its queue: {queued}, unacked {client.hlen('unacked')}"
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)

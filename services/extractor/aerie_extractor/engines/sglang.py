@@ -211,6 +211,7 @@ class SGLangEngine(Engine):
         plugin and AERIE_ENGINE_TRANSPORT is not json)."""
         convention = convention_for("sglang", target.architecture)
         url = settings.engine_urls[0].rstrip("/")
+        wait_for_server(url, settings.engine_outage_wait_s)  # an ingest may start before SGLang too
         with httpx.Client(timeout=30.0) as client:
             info = server_info(client, url)
             transport = "json"

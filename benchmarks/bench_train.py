@@ -123,18 +123,18 @@ def main() -> None:
                       batch_tokens=args.batch_tokens, max_seq_tokens=args.seq_tokens, checkpoint_every=10**9,
                       eval_prompts=0, holdout_fraction=0.0, warmup_steps=2)
     request = TrainRequest(runs=runs, drafter="bench", model=args.model, config=cfg, train_id=f"bench-{time.time_ns()}", publish=False)
-    trainer = Trainer(store, request, setup_dist(settings.device))
+    trainer = Trainer(store, request, setup_dist(settings.device), trackers=[])
     trainer.save = lambda: None  # a benchmark does not checkpoint
 
     marks = {}
 
-    def progress(info: dict) -> None:
-        if info.get("stage") == "train" and info["step"] == args.warmup:
+    def progress(event) -> None:
+        if event.stage == "train" and event.step == args.warmup:
             if trainer.dist.device.type == "cuda":
                 import torch
 
                 torch.cuda.synchronize()
-            marks["t"], marks["tokens"], marks["wait"] = time.perf_counter(), info["tokens"], trainer.data.wait_s
+            marks["t"], marks["tokens"], marks["wait"] = time.perf_counter(), event.tokens, trainer.data.wait_s
 
     trainer.progress = progress
     state = trainer.train()

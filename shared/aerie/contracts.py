@@ -192,17 +192,23 @@ class DrafterShape(Contract):
 
 
 class TrainConfig(Contract):
+    """How a drafter is trained. Defaults follow SpecForge's reference EAGLE-3 recipe (lr 1e-4,
+    grad clip 0.5, 7 TTT steps, 2048-token sequences, 10 epochs, warmup 1.5% of the steps); where
+    aerie differs, docs/deploy.md ("Training settings") says why. `steps` unset: `epochs` passes
+    over the training shards (the trainer counts the batches)."""
+
     draft_vocab_size: int = Field(32000, ge=2)
     ttt_steps: int = Field(7, ge=1)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
-    steps: int = Field(1000, ge=1)
+    steps: int | None = Field(None, ge=1, description="optimizer steps; unset: epochs x the data's batches / grad_accum")
+    epochs: float = Field(10.0, gt=0, description="passes over the training data when steps is unset")
     batch_tokens: int = Field(4096, ge=16)
     max_seq_tokens: int = Field(2048, ge=16)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(3e-4, gt=0)
-    warmup_steps: int = Field(50, ge=0)
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int | None = Field(None, ge=0, description="unset: 1.5% of the steps")
     weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(0.5, gt=0)
     seed: int = 0
     holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     checkpoint_every: int = Field(200, ge=1)
@@ -211,6 +217,7 @@ class TrainConfig(Contract):
     eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
     prefetch: int = Field(4, ge=1)
     drafter: DrafterShape = Field(default_factory=DrafterShape)
+    preset: str | None = Field(None, description="the preset these values came from (recorded in the lineage, not read)")
 
 
 class TrainRequest(Contract):
@@ -283,6 +290,11 @@ class TrainResult(StageResult):
     tokens_per_second: float | None = None
     data_wait_fraction: float | None = None
     draft_vocab_coverage: float | None = None
+    evaluated_with: Literal["transformers", "sglang", "simulated"] | None = Field(
+        None, description="how acceptance was measured: the target in this process, through an SGLang server, or simulated only")
+    sharding: Literal["single", "ddp", "fsdp"] | None = None
+    ranks: int | None = None
+    logs: str | None = Field(None, description="store prefix of the TensorBoard event files")
 
     @classmethod
     def of(cls, drafter: str, version: str, metrics: dict, **fields) -> "TrainResult":
@@ -302,6 +314,104 @@ class ProgressEvent(Contract):
     loss: float | None = None
     tokens: int | None = None
     eta_s: float | None = None
+
+
+class TrainProgress(Contract):
+    """`runs/<run>/training/<train-id>.json`, one per run a training reads: where a training job
+    stands, written by its rank 0 (each checkpoint, every few seconds, and at the end), read by
+    `progress --run` and `aerie run` without importing the trainer."""
+
+    train_id: str = Field(pattern=_NAME)
+    drafter: str
+    runs: list[str]
+    stage: Literal["train", "evaluate", "publish", "done", "failed"]
+    step: int = Field(0, ge=0)
+    steps: int | None = None
+    loss: float | None = None
+    tokens: int = 0
+    eta_s: float | None = None
+    tokens_per_second: float | None = None
+    sharding: Literal["single", "ddp", "fsdp"] = "single"
+    ranks: int = Field(1, ge=1)
+    checkpoint_step: int | None = Field(None, description="the last complete checkpoint")
+    logs: str | None = Field(None, description="store prefix of the TensorBoard event files")
+    version: str | None = Field(None, description="the drafter version, once published")
+    message: str = ""
+    updated_at: str = Field(default_factory=utcnow)
+
+
+class Preset(Contract):
+    """A training recipe for one target family: data file `aerie/presets/<name>.json`, checked
+    here. `hidden_size`, `num_layers` and `vocab_size` are the target's, so a preset applied to
+    another model is refused by name; `capture_points` unset: the default [2, N//2, N-3]."""
+
+    name: str = Field(pattern=_NAME)
+    model: str = Field(description="the Hugging Face model the preset is for")
+    architectures: list[str] = Field(min_length=1, description="config.json `architectures` it accepts")
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    capture_points: list[int] | None = None
+    drafter: DrafterShape = Field(default_factory=DrafterShape)
+    draft_vocab_size: int = Field(ge=2)
+    max_seq_tokens: int = Field(ge=16)
+    lr: float = Field(gt=0)
+    epochs: float = Field(gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    batch_tokens: int = Field(ge=16)
+    train_gpus: int = Field(ge=1, description="GPUs the drafter's training needs (by aerie_trainer.sizing's estimate)")
+    gpu_memory_gib: int = Field(ge=1, description="memory of one GPU that train_gpus assumes")
+    serve_gpus: int = Field(ge=1, description="GPUs SGLang needs to serve the target (capture and serving), of serve_gpu_memory_gib")
+    serve_gpu_memory_gib: int = Field(ge=1)
+    notes: str = ""
+
+    @field_validator("capture_points")
+    @classmethod
+    def _points(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) < 2 or v != sorted(set(v))):
+            raise ValueError(f"capture_points {v}: at least 2, increasing")
+        return v
+
+
+class SpeculativeSetting(Contract):
+    """SGLang's speculative flags for one server: chain when eagle_topk is 1, a tree otherwise."""
+
+    num_steps: int = Field(ge=1, description="--speculative-num-steps")
+    eagle_topk: int = Field(ge=1, description="--speculative-eagle-topk")
+    num_draft_tokens: int = Field(ge=2, description="--speculative-num-draft-tokens")
+
+    @property
+    def shape(self) -> str:
+        return "chain" if self.eagle_topk == 1 else "tree"
+
+    def flags(self) -> list[str]:
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.num_steps),
+                "--speculative-eagle-topk", str(self.eagle_topk), "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+
+
+class SweepPoint(Contract):
+    setting: SpeculativeSetting | None = Field(description="None: the plain server (no drafter)")
+    acceptance_length: float | None
+    accept_rate: float | None
+    tokens_per_s: float
+    speedup: float | None = None
+    completion_tokens: int
+    requests: int
+    start_s: float = Field(description="seconds the server took to become healthy")
+
+
+class BenchSweep(Contract):
+    """`drafters/<name>/<version>/bench/<id>.json`: `aerie bench --sweep` of a published drafter
+    (beside its lineage; `aerie.json` itself never changes)."""
+
+    drafter: str
+    version: str
+    launch: str = Field(description="the server command the settings' flags were added to")
+    prompts: int
+    max_tokens: int
+    points: list[SweepPoint]
+    best: SpeculativeSetting | None = Field(description="the setting with the most tokens/s")
+    created_at: str = Field(default_factory=utcnow)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,9 +8,12 @@ runs/<run>/hidden/<shard>.safetensors (+ .json record)
 runs/<run>/failed/<shard>.json            a shard whose extraction gave up (ingest.json: the ingest)
 runs/<run>/rejects/<part>.jsonl
 runs/<run>/align/<server-id>.json          the run against one serving configuration (aerie align)
+runs/<run>/training/<train-id>.json       where a training job on the run stands (TrainProgress)
 drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
+drafters/<name>/<version>/bench/<id>.json  `aerie bench --sweep` of that version (BenchSweep)
 drafters/<name>/latest                    (text: the latest version)
 checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
+checkpoints/<train-id>/tensorboard/<events file>   the training's TensorBoard event files
 checkpoints/<train-id>/failed.json        a training job that gave up
 probes/<token>                            `aerie prepare-store`'s round trip (deleted at once)
 ```
@@ -123,6 +126,28 @@ def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
     return sorted(ids)
 
 
+# --- training progress --------------------------------------------------------------------
+def train_progress(run: str, train_id: str) -> str:
+    """Where a training job that reads `run` records how far it is (one per run it reads)."""
+    if not _SERVER_ID.match(train_id):
+        raise ValueError(f"train id {train_id!r} is not a valid name")
+    return f"runs/{run}/training/{train_id}.json"
+
+
+def train_progress_prefix(run: str) -> str:
+    return f"runs/{run}/training/"
+
+
+def train_progress_ids(run: str, keys: list[str]) -> list[str]:
+    """Train ids of the progress records among `keys` (a listing of the run's training folder), sorted."""
+    root, ids = train_progress_prefix(run), set()
+    for key in keys:
+        rest = key[len(root):] if key.startswith(root) else ""
+        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.match(rest[: -len(".json")]):
+            ids.add(rest[: -len(".json")])
+    return sorted(ids)
+
+
 # --- drafters -----------------------------------------------------------------------------
 def drafter_prefix(name: str, version: str) -> str:
     return f"drafters/{name}/{version}/"
@@ -137,6 +162,17 @@ def drafter_file(name: str, version: str, filename: str) -> str:
 
 def drafter_lineage(name: str, version: str) -> str:
     return drafter_file(name, version, LINEAGE_FILE)
+
+
+def drafter_bench(name: str, version: str, bench_id: str) -> str:
+    """A benchmark record of a published drafter, beside (never inside) its lineage."""
+    if not _SERVER_ID.match(bench_id):
+        raise ValueError(f"bench id {bench_id!r} is not a valid name")
+    return f"drafters/{name}/{version}/bench/{bench_id}.json"
+
+
+def drafter_bench_prefix(name: str, version: str) -> str:
+    return f"drafters/{name}/{version}/bench/"
 
 
 def drafter_latest(name: str) -> str:
@@ -166,6 +202,17 @@ def checkpoint_steps(train_id: str, keys: list[str]) -> list[int]:
             if m:
                 steps.add(int(m.group(1)))
     return sorted(steps)
+
+
+def train_logs_prefix(train_id: str) -> str:
+    """The training's TensorBoard event files (`tensorboard --logdir` on a copy of this folder)."""
+    return f"checkpoints/{train_id}/tensorboard/"
+
+
+def train_log(train_id: str, filename: str) -> str:
+    if "/" in filename or not filename.startswith("events.out.tfevents."):
+        raise ValueError(f"{filename!r} is not a TensorBoard events file name")
+    return f"checkpoints/{train_id}/tensorboard/{filename}"
 
 
 def train_failure(train_id: str) -> str:

@@ -67,6 +67,29 @@ class Settings(BaseSettings):
     device: str = "cpu"
     tokens_per_batch: int = Field(default=4096, ge=1)
 
+    # --- trainer --------------------------------------------------------------------------
+    train_ranks: str = Field(
+        default="auto", pattern=r"^(auto|[1-9][0-9]*)$",
+        description="ranks of a training job: auto = the visible CUDA devices (CUDA_VISIBLE_DEVICES), 1 on the CPU; N = N ranks (gloo on the CPU)",
+    )
+    train_sharding: Literal["auto", "ddp", "fsdp"] = Field(
+        default="auto", description="auto: DDP when the drafter and its optimizer state fit one device (aerie_trainer.sizing), else FSDP2",
+    )
+    train_device_memory_gib: float | None = Field(
+        default=None, gt=0, description="memory of one device for that choice (default: the GPU's; on the CPU: DDP)",
+    )
+    train_trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="where training metrics go; TensorBoard files are written to the store",
+    )
+    eval_server: str | None = Field(
+        default=None, pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="an SGLang server in capture mode at the run's capture points: the evaluation's target forward (no weights in the trainer)",
+    )
+    eval_max_target_params: float = Field(
+        default=9e9, gt=0,
+        description="largest target (parameters, from config.json) the evaluation loads into the trainer; larger ones go through AERIE_EVAL_SERVER or are simulated",
+    )
+
     # --- alignment check (aerie align) ---------------------------------------------------
     # Thresholds by the less precise dtype of the run and the server. Measured on SmolLM2-135M,
     # SGLang 0.5.23 on the CPU (BENCHMARKS.md, "Alignment"): the same weights give a mean cosine

@@ -104,9 +104,6 @@ def test_target_distribution_masks_tokens_outside_the_draft_vocab():
 
 
 def test_learning_rate_warms_up_then_decays():
-    from aerie.contracts import TrainConfig
-
-    cfg = TrainConfig(lr=1e-3, warmup_steps=10, steps=110)
-    lrs = [lr_at(s, cfg) for s in range(110)]
+    lrs = [lr_at(s, lr=1e-3, steps=110, warmup=10) for s in range(110)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(1e-4, rel=0.01)

@@ -1,5 +1,8 @@
 """Resumable trainer state in the store: safetensors for tensors, JSON for the rest. No pickle.
 
+The files hold full (unsharded) tensors whatever the job's sharding (aerie_trainer.parallel
+gathers them on rank 0 under FSDP), so one format serves one process, DDP and FSDP.
+
 `checkpoints/<train-id>/step-<n>/`:
 - `model.safetensors`      drafter weights and buffers (embeddings excluded: they are the target's)
 - `optimizer.safetensors`  AdamW state flattened: `state.<param name>.<exp_avg|exp_avg_sq|step>`
@@ -38,30 +41,28 @@ class TrainerState:
     data_wait_seconds: float = 0.0
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """AdamW state -> flat tensors by parameter name, and JSON-able param groups."""
-    sd = optimizer.state_dict()
+def flatten_optimizer(optim: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """{"state": {name: {key: tensor}}, "param_groups"} -> flat tensors `state.<name>.<key>`, groups."""
     tensors = {}
-    for idx, st in sd["state"].items():
+    for name, st in optim["state"].items():
         for key, value in st.items():
             value = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"state.{names[idx]}.{key}"] = value.detach().cpu().contiguous()
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return tensors, groups
+            tensors[f"state.{name}.{key}"] = value.detach().cpu().contiguous()
+    return tensors, [dict(g) for g in optim["param_groups"]]
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
-    index = {name: i for i, name in names.items()}
-    state: dict[int, dict] = {}
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    state: dict[str, dict] = {}
     for flat, value in tensors.items():
         _, rest = flat.split(".", 1)
-        pname, key = rest.rsplit(".", 1)
-        state.setdefault(index[pname], {})[key] = value
-    param_groups = [{**g, "params": [index[n] for n in g["params"]], "betas": tuple(g["betas"])} for g in groups]
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+        name, key = rest.rsplit(".", 1)
+        state.setdefault(name, {})[key] = value
+    return {"state": state, "param_groups": groups}
 
 
 class Checkpointer:
+    """Writes (rank 0) and reads (every rank) full states: the same files under any sharding."""
+
     def __init__(self, store: ObjectStore, train_id: str):
         self.store, self.train_id = store, train_id
 
@@ -71,11 +72,11 @@ class Checkpointer:
         except NotFound:
             return None
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str], state: TrainerState) -> str:
+    def save(self, weights: dict[str, torch.Tensor], optim: dict, state: TrainerState) -> str:
+        """weights: the drafter's tensors by name, embeddings excluded; optim: parallel.full_state's."""
         prefix = layout.checkpoint_prefix(self.train_id, state.step)
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
-        self.store.put_bytes(prefix + "model.safetensors", st_save(weights))
-        opt_tensors, groups = optimizer_tensors(optimizer, names)
+        self.store.put_bytes(prefix + "model.safetensors", st_save({k: v.detach().cpu().contiguous() for k, v in weights.items()}))
+        opt_tensors, groups = flatten_optimizer(optim)
         self.store.put_bytes(prefix + "optimizer.safetensors", st_save(opt_tensors))
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -87,18 +88,16 @@ class Checkpointer:
         self._prune(state.step)
         return prefix
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> TrainerState | None:
+    def load(self) -> tuple[dict[str, torch.Tensor], dict, TrainerState] | None:
+        """-> (weights, optimizer state, trainer state) of the latest complete checkpoint, or None;
+        the RNG state is restored."""
         step = self.latest_step()
         if step is None:
             return None
         prefix = layout.checkpoint_prefix(self.train_id, step)
         weights = st_load(self.store.get_bytes(prefix + "model.safetensors"))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if not m.startswith("embed_tokens.")]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {prefix} does not fit the drafter: missing {missing}, unexpected {unexpected}")
         record = json.loads(self.store.get_bytes(prefix + "trainer.json"))
-        load_optimizer(optimizer, names, st_load(self.store.get_bytes(prefix + "optimizer.safetensors")), record.pop("param_groups"))
+        optim = unflatten_optimizer(st_load(self.store.get_bytes(prefix + "optimizer.safetensors")), record.pop("param_groups"))
         rng = st_load(self.store.get_bytes(prefix + "rng.safetensors"))
         torch.set_rng_state(rng["torch_cpu"])
         if torch.cuda.is_available():
@@ -106,7 +105,7 @@ class Checkpointer:
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
         record.pop("train_id", None)
-        return TrainerState(**record)
+        return weights, optim, TrainerState(**record)
 
     def _prune(self, keep_from_step: int) -> None:
         steps = layout.checkpoint_steps(self.train_id, self.store.list(layout.checkpoints_prefix(self.train_id)))

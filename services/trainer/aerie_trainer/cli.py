@@ -1,7 +1,8 @@
 """The trainer's user command, registered in `aerie` through the `aerie.commands` entry point.
 
     aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
-    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # DDP
+    AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
+    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
 
 from __future__ import annotations
@@ -41,4 +42,7 @@ def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if main:
+        from aerie.training import logs_hint
+
         click.echo(json.dumps(result.model_dump(exclude={"losses"}, exclude_none=True), indent=1))
+        click.echo(logs_hint(settings.store, result.logs), err=True)

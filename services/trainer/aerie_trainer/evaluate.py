@@ -3,7 +3,8 @@
 - `heldout_metrics`: the TTT unroll on held-out batches; per-step top-1 accuracy against the
   target's argmax and the *simulated* acceptance length of a chain of `ttt_steps` drafts under
   greedy verification (1 + the number of leading steps that are all correct).
-- `speculative_generate`: greedy speculative decoding with the target in transformers. The
+- `speculative_generate`: greedy speculative decoding with the target's forward done in
+  transformers (`HFTarget`) or by an SGLang server in capture mode (`SGLangTarget`). The
   drafter proposes a chain of `draft_tokens` (topk 1), the target verifies it in one forward,
   the longest matching prefix is accepted plus one bonus token from the target. The drafter
   reads the target's states at the run's capture points (`output_hidden_states[k]`), exactly
@@ -106,20 +107,48 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids:
     return out_ids
 
 
+class HFTarget:
+    """The target's forward in transformers, with a KV cache (what `speculative_generate` verifies with)."""
+
+    def __init__(self, model, capture_points: list[int]):
+        from transformers import DynamicCache
+
+        self.model, self.device = model, next(model.parameters()).device
+        self.indices = hf_hidden_state_indices(capture_points, model.config.num_hidden_layers)
+        self.cache = DynamicCache()
+
+    def _forward(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=True)
+        return _aux(out, self.indices), out.logits[0].argmax(-1).tolist()
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """-> aux (1, n, K*H) at every prompt position, greedy[i] = the target's token after position i."""
+        return self._forward(list(prompt_ids))
+
+    def verify(self, tokens: list[int], draft: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """tokens: every committed token (the last not yet seen); -> the rows of [tokens[-1], *draft]."""
+        return self._forward([tokens[-1], *draft])
+
+    def keep(self, accepted: int, drafted: int) -> None:
+        """Drop the rejected drafts' keys (negative crop: tokens to remove)."""
+        if accepted < drafted:
+            self.cache.crop(accepted - drafted)
+
+
 @torch.no_grad()
 def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], capture_points: list[int],
                          max_new_tokens: int, draft_tokens: int, eos_ids: list[int] = ()) -> tuple[list[int], int]:
-    """-> (completion token ids, verify count). Greedy, chain drafts (topk 1)."""
-    from transformers import DynamicCache
+    """-> (completion token ids, verify count). Greedy, chain drafts (topk 1).
 
-    device = next(target.parameters()).device
+    target: a transformers model, an HFTarget (fresh per prompt: it holds the KV cache) or an SGLangTarget."""
+    if not hasattr(target, "verify"):
+        target = HFTarget(target, capture_points)
+    device = drafter.fc.weight.device
     dtype = drafter.fc.weight.dtype
-    indices = hf_hidden_state_indices(capture_points, target.config.num_hidden_layers)
-    cache = DynamicCache()
-    out = target(input_ids=torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True, output_hidden_states=True)
-    tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    new_aux, greedy = target.prefill(prompt_ids)
+    tokens = list(prompt_ids) + [greedy[-1]]
     completion = [tokens[-1]]
-    new_aux = _aux(out, indices)  # (1, n, K*H): target rows not yet seen by the drafter
     drafter_kv = None  # drafter keys of committed slots
     seen = 0  # slots (target rows) the drafter has read
     verify_count = 0
@@ -127,7 +156,7 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
         # 1. the drafter reads the new committed slots: slot t = (token t+1, target state t)
         n = seen + new_aux.shape[1]
         ids = torch.tensor([tokens[seen + 1 : n + 1]], device=device)
-        logits, hidden, drafter_kv = drafter(ids, drafter.project(new_aux.to(dtype)), torch.arange(seen, n, device=device), past=drafter_kv)
+        logits, hidden, drafter_kv = drafter(ids, drafter.project(new_aux.to(device, dtype)), torch.arange(seen, n, device=device), past=drafter_kv)
         seen = n
         draft = [int(drafter.draft_to_target(logits[0, -1].argmax()))]
         hidden = hidden[:, -1:]  # (1, 1, H)
@@ -140,17 +169,14 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
             chain.append(kv)
             draft.append(int(drafter.draft_to_target(logits[0, -1].argmax())))
         # 3. verify: the last committed token and the drafts in one target forward
-        verify = torch.tensor([[tokens[-1], *draft]], device=device)
-        out = target(input_ids=verify, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        aux, greedy = target.verify(tokens, draft)  # greedy[i]: the target's token after verify row i
         verify_count += 1
-        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's token after verify[i]
         accepted = 0
         while accepted < len(draft) and draft[accepted] == greedy[accepted]:
             accepted += 1
         new_tokens = draft[:accepted] + [greedy[accepted]]
-        if accepted < len(draft):  # drop the rejected drafts' keys (negative: tokens to remove)
-            cache.crop(accepted - len(draft))
-        new_aux = _aux(out, indices)[:, : accepted + 1]
+        target.keep(accepted, len(draft))
+        new_aux = aux[:, : accepted + 1]
         for tok in new_tokens:
             tokens.append(tok)
             completion.append(tok)
@@ -159,9 +185,100 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
     return completion[:max_new_tokens], verify_count
 
 
+class EvalError(RuntimeError):
+    """An evaluation server that cannot give the run's target forward; the message says the fix."""
+
+
+class SGLangTarget:
+    """The target's forward done by an SGLang server in capture mode — the one the extractors use
+    (`--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids <the run's ids>
+    --disable-radix-cache`): no target weights in the trainer.
+
+    Each call sends the whole sequence (`input_ids`, `max_new_tokens: 1`, greedy) and reads the
+    aux states at every position (`meta_info.hidden_states[0]`, [T][K*H]) and the target's greedy
+    token after every position: `input_top_logprobs[i]` (top-1) predicts token i, so the token after
+    position j is entry j+1's, and after the last one the output step's. Stateless (the radix cache
+    is off, every request is computed whole), so one instance serves every prompt. Cost: T*K*H
+    floats as JSON per verify — fine for a few held-out prompts; the number of prompts and tokens
+    are TrainConfig.eval_prompts / eval_new_tokens."""
+
+    def __init__(self, url: str, layer_ids: list[int], num_aux: int, hidden_size: int, architecture: str | None = None,
+                 timeout_s: float = 600.0):
+        self.url, self.layer_ids, self.K, self.H, self.timeout_s = url.rstrip("/"), list(layer_ids), num_aux, hidden_size, timeout_s
+        info = self._call("/server_info", None, fallback="/get_server_info")
+        if not info.get("enable_return_aux_hidden_states"):
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url} is not in capture mode: start it with --enable-return-aux-hidden-states "
+                            f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}")
+        served = [int(i) for i in info.get("return_aux_hidden_state_layer_ids") or []]
+        if served != self.layer_ids:
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url} captures layer ids {served}, the run's capture points are layer ids "
+                            f"{self.layer_ids}: restart it with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}")
+        if not info.get("disable_radix_cache"):
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url} runs with its radix cache on (it would return states for uncached "
+                            "tokens only): restart it with --disable-radix-cache")
+        if architecture is not None:
+            model = self._call("/model_info", None, fallback="/get_model_info")
+            if architecture not in (model.get("architectures") or []):
+                raise EvalError(f"AERIE_EVAL_SERVER {self.url} serves {model.get('model_path')} ({model.get('architectures')}), "
+                                f"the run's target is a {architecture}: serve the run's target")
+
+    def _call(self, path: str, payload: dict | None, fallback: str | None = None) -> dict:
+        import urllib.error
+        import urllib.request
+
+        import orjson
+
+        data = None if payload is None else orjson.dumps(payload)
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return orjson.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 404 and fallback:
+                return self._call(fallback, payload)
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url}: no answer ({e}): is the capture server up?") from None
+
+    def forward(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """-> aux (1, T, K*H) float32, greedy (T,)."""
+        out = self._call("/generate", {
+            "input_ids": [int(i) for i in ids], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
+        })
+        meta = out.get("meta_info") or {}
+        rows = (meta.get("hidden_states") or [None])[0]
+        if rows and not isinstance(rows[0], list):  # a one-token input comes back flat
+            rows = [rows]
+        aux = torch.tensor(rows or [], dtype=torch.float32)
+        T = len(ids)
+        if aux.shape != (T, self.K * self.H):
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url} returned hidden states {list(aux.shape)} for {T} tokens, expected "
+                            f"[{T}, {self.K * self.H}]: is it the run's target, at its layer ids, with the radix cache off?")
+        inputs, outputs = meta.get("input_top_logprobs") or [], meta.get("output_top_logprobs") or []
+        if len(inputs) != T or not outputs:
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url} returned {len(inputs)} input log-prob rows for {T} tokens: "
+                            "an SGLang that honours logprob_start_len 0 is needed")
+        greedy = [int(row[0][1]) for row in inputs[1:]] + [int(outputs[0][0][1])]
+        return aux[None], greedy
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return self.forward(list(prompt_ids))
+
+    def verify(self, tokens: list[int], draft: list[int]) -> tuple[torch.Tensor, list[int]]:
+        aux, greedy = self.forward([*tokens, *draft])
+        rows = 1 + len(draft)
+        return aux[:, -rows:], greedy[-rows:]
+
+    def keep(self, accepted: int, drafted: int) -> None:
+        pass
+
+
 def acceptance_length(target, drafter: Eagle3Drafter, prompts: list[list[int]], capture_points: list[int],
                       max_new_tokens: int, draft_tokens: int, eos_ids: list[int] = ()) -> dict:
-    """SGLang's definition over a prompt set: sum(completion tokens) / sum(verify counts)."""
+    """SGLang's definition over a prompt set: sum(completion tokens) / sum(verify counts).
+
+    target: a transformers model (a fresh KV cache per prompt), or an SGLangTarget (stateless)."""
     per_prompt, completion, verifies = [], 0, 0
     for prompt in prompts:
         ids, n_verify = speculative_generate(target, drafter, prompt, capture_points, max_new_tokens, draft_tokens, eos_ids)
@@ -209,18 +326,43 @@ def prompts_from_file(path_or_text: str, model_dir: str | os.PathLike) -> list[l
 # --------------------------------------------------------------------------------------
 class Evaluator:
     """Held-out metrics and the speculative-decoding loop for one drafter, before and after
-    training. It gets what it uses: the drafter, the target head, the data, the model folder."""
+    training. It gets what it uses: the drafter, the target head, the data, the model folder.
+
+    How acceptance is measured (`mode`, recorded in the metrics as `evaluated_with`):
+    - `sglang`: `server` (AERIE_EVAL_SERVER) does the target's forward (SGLangTarget); the
+      trainer never loads the target.
+    - `transformers`: the target in this process, only when its parameter count (config.json,
+      aerie_trainer.sizing) is at most `max_target_params` (AERIE_EVAL_MAX_TARGET_PARAMS).
+    - `simulated`: neither — the held-out TTT figure (`simulated_acceptance`) only, said in the
+      metrics' `evaluation_note`."""
 
     HOLDOUT_BATCHES = 16
 
     def __init__(self, drafter: Eagle3Drafter, target: TargetHead, data: HiddenData, model_dir: str | os.PathLike,
-                 capture_points: list[int], config: TrainConfig, device: torch.device, prompts_jsonl: str | None = None):
+                 capture_points: list[int], config: TrainConfig, device: torch.device, prompts_jsonl: str | None = None,
+                 *, server: str | None = None, max_target_params: float = float("inf"), layer_ids: list[int] | None = None,
+                 architecture: str | None = None):
         """prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations."""
+        from aerie_trainer.sizing import target_parameters_of
+
         self.drafter, self.target, self.data, self.model_dir = drafter, target, data, str(model_dir)
         self.capture_points, self.cfg, self.device, self.prompts_jsonl = list(capture_points), config, device, prompts_jsonl
         self.ttt = TTT(drafter, config.ttt_steps, config.step_decay)
         self._target_model = None
         self._prompts: list[list[int]] | None = None
+        self.target_params = target_parameters_of(model_dir)
+        self.server, self.layer_ids, self.architecture = server, layer_ids, architecture
+        if server:
+            self.mode = "sglang"
+            self.note = f"target forward by the SGLang server {server}"
+        elif self.target_params <= max_target_params:
+            self.mode = "transformers"
+            self.note = f"target ({self.target_params / 1e9:.2f} B parameters) in transformers in the trainer"
+        else:
+            self.mode = "simulated"
+            self.note = (f"simulated only: the target ({self.target_params / 1e9:.1f} B parameters) is over "
+                         f"AERIE_EVAL_MAX_TARGET_PARAMS ({max_target_params / 1e9:.1f} B) and no AERIE_EVAL_SERVER is set; "
+                         "measure the drafter with `aerie bench` on its serving server")
 
     def prompts(self) -> list[list[int]]:
         if self._prompts is None:
@@ -231,17 +373,25 @@ class Evaluator:
                 self._prompts = prompts_from_sequences(self.data.holdout_sequences(4 * n + 8))[:n]
         return self._prompts
 
+    def target_forward(self):
+        if self._target_model is None:
+            if self.mode == "sglang":
+                self._target_model = SGLangTarget(self.server, self.layer_ids, len(self.capture_points),
+                                                  self.drafter.config.target_hidden_size, self.architecture)
+            else:
+                self._target_model = load_target(self.model_dir, self.device)
+        return self._target_model
+
     def run(self) -> dict:
         drafter = self.drafter
         was_training = drafter.training
         drafter.eval()
         try:
             metrics = heldout_metrics(self.ttt, self.data.holdout_batches(self.HOLDOUT_BATCHES), self.target)
-            prompts = self.prompts() if self.cfg.eval_prompts else []
+            metrics.update(evaluated_with=self.mode, evaluation_note=self.note)
+            prompts = self.prompts() if self.cfg.eval_prompts and self.mode != "simulated" else []
             if prompts:
-                if self._target_model is None:
-                    self._target_model = load_target(self.model_dir, self.device)
-                spec = acceptance_length(self._target_model, drafter, prompts, self.capture_points,
+                spec = acceptance_length(self.target_forward(), drafter, prompts, self.capture_points,
                                          self.cfg.eval_new_tokens, self.cfg.eval_draft_tokens, eos_token_ids(self.model_dir))
                 metrics.update(spec, eval_prompts=len(prompts))
             return metrics

@@ -1,9 +1,13 @@
-"""The trainer loop: components (data, drafter, optimizer, checkpoints) composed by a thin loop.
+"""The trainer loop: components (data, drafter, optimizer, checkpoints, tracking) composed by a thin loop.
 
-One process (CPU or one GPU) or one rank of a `torch.distributed` job (DDP; rank 0 checkpoints).
-A trainer built again with the same request resumes from its last checkpoint: the learning rate
-is a pure function of the step, the data position is (epoch, batch), and the optimizer state,
-RNG and loss curve come back from the store (aerie_trainer.checkpoint).
+One process (CPU or one GPU), or one rank of a `torch.distributed` job: DDP or FSDP2
+(aerie_trainer.parallel; rank 0 checkpoints, tracks and evaluates). A trainer built again with the
+same request resumes from its last checkpoint: the learning rate is a pure function of the step,
+the data position is (epoch, batch), and the optimizer state, RNG and loss curve come back from
+the store (aerie_trainer.checkpoint) — the same files whatever the sharding.
+
+Steps: `TrainConfig.steps`, else `epochs` passes over this rank's batches (divided by
+`grad_accum`); warmup: `warmup_steps`, else 1.5% of the steps.
 """
 
 from __future__ import annotations
@@ -11,78 +15,41 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from aerie.contracts import ProgressEvent, TrainConfig, TrainRequest
+from aerie.contracts import ProgressEvent, TrainRequest
 from aerie.store import ObjectStore
 from aerie.target import describe
 
 from aerie_trainer.checkpoint import Checkpointer, TrainerState
 from aerie_trainer.data import Batch, HiddenData, load_runs
-from aerie_trainer.model import build_drafter, load_target_lm_head
+from aerie_trainer.model import Eagle3Drafter, build_drafter, load_target_lm_head
+from aerie_trainer.parallel import Dist, full_state, load_full_state, set_gradient_sync, setup_dist, wrap
+from aerie_trainer.tracking import Tracking
 from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
 from aerie_trainer.vocab import build_draft_vocab, coverage, draft_vocab_size
 
 Progress = Callable[[ProgressEvent], None]
+WARMUP_FRACTION = 0.015  # SpecForge's reference warmup ratio
+
+__all__ = ["Dist", "Progress", "Trainer", "default_train_id", "lr_at", "setup_dist"]
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, lr: float, steps: int, warmup: int) -> float:
     """Linear warmup, then cosine decay to 10% of the peak (pure function of the step)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-# --------------------------------------------------------------------------------------
-# Distributed setup (torchrun)
-# --------------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-    def mean(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.device)
-        torch.distributed.all_reduce(t)
-        return float(t) / self.world_size
-
-
-def setup_dist(device: str) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(device=torch.device(device))
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    dev = torch.device(f"cuda:{local}") if device.startswith("cuda") else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return Dist(rank, world, dev)
-
-
-# --------------------------------------------------------------------------------------
-# The trainer: components composed by a thin loop
-# --------------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, store: ObjectStore, request: TrainRequest, dist: Dist, progress: Progress | None = None):
-        self.store, self.request, self.cfg, self.dist = store, request, request.config, dist
+    def __init__(self, store: ObjectStore, request: TrainRequest, dist: Dist, progress: Progress | None = None,
+                 sharding: str = "single", trackers: list[str] = ("tensorboard",)):
+        self.store, self.request, self.cfg, self.dist, self.sharding = store, request, request.config, dist, sharding
         self.progress = progress or (lambda event: None)
         self.train_id = request.train_id or default_train_id(request)
         cfg = self.cfg
@@ -90,41 +57,70 @@ class Trainer:
         self.data = HiddenData(store, self.runset, batch_tokens=cfg.batch_tokens, max_seq_tokens=cfg.max_seq_tokens,
                                ttt_steps=cfg.ttt_steps, seed=cfg.seed, holdout_fraction=cfg.holdout_fraction,
                                prefetch=cfg.prefetch, rank=dist.rank, world_size=dist.world_size)
+        self.steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(self.data.epoch_plan(0)) / cfg.grad_accum))
+        self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(WARMUP_FRACTION * self.steps)
         torch.manual_seed(cfg.seed)
         target = self.runset.spec.target
         if describe(request.model).weights_sha256 != target.weights_sha256:
             raise ValueError(f"target folder {request.model} holds other weights than the model runs {request.runs} were "
                              f"captured from ({target.model}, sha256 {target.weights_sha256[:12]}…): pass that model")
-        self.drafter = build_drafter(request.model, len(self.runset.capture_points),
-                                     draft_vocab_size(cfg.draft_vocab_size, target.vocab_size), cfg.drafter)
-        self.drafter.to(dist.device)
-        self.names = {i: n for i, (n, p) in enumerate((n, p) for n, p in self.drafter.named_parameters() if p.requires_grad)}
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        drafter = build_drafter(request.model, len(self.runset.capture_points),
+                                draft_vocab_size(cfg.draft_vocab_size, target.vocab_size), cfg.drafter)
         self.checkpointer = Checkpointer(store, self.train_id)
-        self.state = self.checkpointer.load(self.drafter, self.optimizer, self.names) or TrainerState()
+        saved = self.checkpointer.load()
+        self.state = saved[2] if saved else TrainerState()
         self.resumed_from = self.state.step if self.state.step else None
-        if self.resumed_from is None:  # a fresh run builds its vocabulary; a resumed one loaded it
+        if saved:  # the full weights (and the vocabulary in d2t/t2d) before any sharding
+            drafter.load_state_dict(saved[0], strict=False)
+        else:  # a fresh run builds its vocabulary; a resumed one loaded it
             counts = self.data.loss_token_counts(target.vocab_size)
-            draft_ids = build_draft_vocab(counts, self.drafter.config.draft_vocab_size)
-            self.drafter.set_vocab(draft_ids)
+            draft_ids = build_draft_vocab(counts, drafter.config.draft_vocab_size)
+            drafter.set_vocab(draft_ids)
             self.state.metrics["draft_vocab_coverage"] = coverage(counts, draft_ids)
-        self.drafter.to(dist.device)
+        drafter.to(dist.device)
+        self.drafter = drafter
+        # what rank 0 evaluates and exports: the drafter itself, or under FSDP a full copy that
+        # shares the frozen embedding and takes the gathered weights (sync_full_drafter)
+        self.full_drafter = drafter if sharding != "fsdp" or not dist.main else self._full_copy(drafter)
         head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
         amp = dist.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else contextlib.nullcontext
-        self.target = TargetHead(None if head is None else head.to(dist.device), self.drafter.t2d, self.drafter.d2t,
+        self.target = TargetHead(None if head is None else head.to(dist.device), drafter.t2d, drafter.d2t,
                                  torch.bfloat16 if amp else torch.float32)
-        self.model = TTT(self.drafter, cfg.ttt_steps, cfg.step_decay)
-        if dist.world_size > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[dist.device.index] if amp else None)
+        self.ttt = TTT(drafter, cfg.ttt_steps, cfg.step_decay)
+        self.model = wrap(self.ttt, sharding, dist)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if saved:
+            load_full_state(drafter, self.optimizer, sharding, saved[0], saved[1])
+        self.tracking = Tracking(store, self.train_id, request.drafter, request.runs, list(trackers),
+                                 {**cfg.model_dump(mode="json"), "steps": self.steps}, sharding,
+                                 dist.world_size) if dist.main else None
 
-    def micro_step(self, batch: Batch, sync: bool) -> float:
-        ctx = contextlib.nullcontext() if sync or self.dist.world_size == 1 else self.model.no_sync()
-        with ctx, self.autocast():
+    @staticmethod
+    def _full_copy(drafter: Eagle3Drafter) -> Eagle3Drafter:
+        with torch.device("meta"):
+            copy = Eagle3Drafter(drafter.config)
+        copy.to_empty(device=drafter.fc.weight.device)
+        copy.embed_tokens = drafter.embed_tokens  # shared, frozen, never sharded
+        copy.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}, strict=False)
+        copy.midlayer.self_attn.inv_freq = drafter.midlayer.self_attn.inv_freq.clone()  # a computed buffer, not in the state dict
+        return copy
+
+    def sync_full_drafter(self) -> Eagle3Drafter | None:
+        """Every rank calls it (FSDP gathers); rank 0 gets the full, current drafter."""
+        if self.sharding == "fsdp":
+            weights, _ = full_state(self.drafter, self.optimizer, self.sharding, optimizer_too=False)
+            if self.dist.main:
+                self.full_drafter.load_state_dict(weights, strict=False)
+        return self.full_drafter if self.dist.main else None
+
+    def micro_step(self, batch: Batch, sync: bool) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (loss, per-TTT-step losses (S,), correct (S,), valid (S,)) of one micro-batch."""
+        with set_gradient_sync(self.model, self.sharding, sync), self.autocast():
             out = ttt_forward(self.model, batch, self.target)
             (out.loss / self.cfg.grad_accum).backward()
-        return float(out.loss.detach())
+        return float(out.loss.detach()), out.step_loss.float().cpu(), out.correct.sum((1, 2)).cpu(), out.valid.sum((1, 2)).cpu()
 
     def train(self) -> TrainerState:
         cfg, st = self.cfg, self.state
@@ -132,15 +128,18 @@ class Trainer:
         wait0 = self.data.wait_s
         t0 = time.perf_counter()
         try:
-            while st.step < cfg.steps:
+            while st.step < self.steps:
+                lr = lr_at(st.step, cfg.lr, self.steps, self.warmup)
                 for group in self.optimizer.param_groups:
-                    group["lr"] = lr_at(st.step, cfg)
-                loss, tokens = 0.0, 0
+                    group["lr"] = lr
+                loss, tokens, step_loss, correct, valid = 0.0, 0, 0.0, 0, 0
                 for micro in range(cfg.grad_accum):
                     (st.epoch, st.batch), batch = next(batches)
                     tokens += batch.tokens
-                    loss += self.micro_step(batch.to(self.dist.device), sync=micro == cfg.grad_accum - 1) / cfg.grad_accum
-                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+                    m_loss, m_steps, m_correct, m_valid = self.micro_step(batch.to(self.dist.device), sync=micro == cfg.grad_accum - 1)
+                    loss += m_loss / cfg.grad_accum
+                    step_loss, correct, valid = step_loss + m_steps / cfg.grad_accum, correct + m_correct, valid + m_valid
+                torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad], cfg.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 st.step += 1
@@ -151,17 +150,35 @@ class Trainer:
                 st.data_wait_seconds += self.data.wait_s - wait0
                 t0, wait0 = now, self.data.wait_s
                 rate = st.step / max(st.train_seconds, 1e-9)
-                self.progress(ProgressEvent(stage="train", step=st.step, steps=cfg.steps, loss=st.losses[-1], tokens=st.tokens,
-                                            eta_s=round((cfg.steps - st.step) / rate, 1) if rate else None))
-                if st.step % cfg.checkpoint_every == 0 or st.step == cfg.steps:
+                eta = round((self.steps - st.step) / rate, 1) if rate else None
+                self._track(st, lr, step_loss, correct, valid, eta)
+                self.progress(ProgressEvent(stage="train", step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta))
+                if st.step % cfg.checkpoint_every == 0 or st.step == self.steps:
                     self.save()
         finally:
             batches.close()
         return st
 
+    def _track(self, st: TrainerState, lr: float, step_loss, correct, valid, eta: float | None) -> None:
+        if self.tracking is None:
+            return
+        tps = st.tokens / max(st.train_seconds, 1e-9)
+        scalars = {"loss/total": st.losses[-1], "lr": lr, "tokens_per_second": tps,
+                   "data_wait_fraction": st.data_wait_seconds / max(st.train_seconds, 1e-9)}
+        for k in range(len(step_loss)):
+            scalars[f"loss/step_{k}"] = float(step_loss[k])
+            scalars[f"accuracy/step_{k}"] = float(correct[k]) / max(int(valid[k]), 1)
+        self.tracking.log(scalars, st.step)
+        self.tracking.progress(step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta,
+                               tokens_per_second=round(tps, 1))
+
     def save(self) -> None:
+        """Every rank calls it (FSDP gathers the full state); rank 0 writes."""
+        weights, optim = full_state(self.drafter, self.optimizer, self.sharding)
         if self.dist.main:
-            self.checkpointer.save(self.drafter, self.optimizer, self.names, self.state)
+            self.checkpointer.save(weights, optim, self.state)
+            if self.tracking is not None:
+                self.tracking.checkpointed(self.state.step)
         self.dist.barrier()
 
 

@@ -1,0 +1,217 @@
+"""A training job over every device the worker was given: torchrun as a child of the task.
+
+    AERIE_TRAIN_RANKS=auto   # the visible CUDA devices (compose TRAINER_GPU_IDS / the k8s GPU
+                             # resource -> CUDA_VISIBLE_DEVICES); 1 on the CPU
+    AERIE_TRAIN_RANKS=2      # two ranks (gloo on the CPU: how the tests run it)
+
+`run_ranks` (called by the `train` stage when this process is not already a rank and more than
+one rank is wanted) starts
+
+    python -m aerie_trainer.launch guard -- python -m torch.distributed.run --standalone \\
+        --nproc_per_node N --max-restarts 0 -m aerie_trainer.launch rank JOB_DIR
+
+and relays what rank 0 reports (progress events, then the result) from files in JOB_DIR.
+
+- The job dies with the task's process: the guard sets PR_SET_PDEATHSIG (SIGTERM) before it
+  execs torchrun, so a SIGKILLed worker's torchrun is told at once and stops its ranks; every
+  rank sets PR_SET_PDEATHSIG (SIGKILL) towards torchrun, so a torchrun that dies hard takes its
+  ranks with it. No orphan keeps training beside the redelivered task.
+- A rank that dies (killed, out of memory) makes torchrun stop the others and exit non-zero:
+  `RankFailed`, a retryable error (aerie.queue.run_task retries it with backoff), and the retry
+  resumes from the last complete checkpoint, as a redelivered task does.
+- Settings travel as the AERIE_* environment (credentials included, never written to a file);
+  the request as JSON in JOB_DIR.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aerie.contracts import ProgressEvent, TrainRequest, TrainResult
+from aerie.settings import ENV_PREFIX, Settings
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.5
+
+
+class RankFailed(RuntimeError):
+    """A rank of the training job died; retry: the job resumes from its last checkpoint."""
+
+    retryable = True
+
+
+def resolve_ranks(settings: Settings) -> int:
+    """AERIE_TRAIN_RANKS -> how many ranks: auto = the visible CUDA devices on a GPU device, 1 on the CPU."""
+    if settings.train_ranks != "auto":
+        n = int(settings.train_ranks)
+        if settings.device.startswith("cuda"):
+            import torch
+
+            visible = torch.cuda.device_count()
+            if n > visible:
+                raise ValueError(f"AERIE_TRAIN_RANKS={n} but {visible} CUDA device(s) are visible here "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or use auto")
+        return n
+    if settings.device.startswith("cuda"):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings as AERIE_* variables (what Settings.load() reads back in the ranks)."""
+    env = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        if hasattr(getattr(settings, name), "get_secret_value"):
+            value = getattr(settings, name).get_secret_value()
+        env[f"{ENV_PREFIX}{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask the kernel to send `sig` to this process when its parent goes (Linux); exit at once if
+    the parent is already gone (it may have died before the call)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        parent = os.getppid()
+        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if parent == 1 or os.getppid() != parent:
+            os._exit(1)
+
+
+def run_ranks(settings: Settings, request: TrainRequest, ranks: int, progress: Callable[[ProgressEvent], None]) -> TrainResult:
+    """Train on `ranks` ranks (torchrun child), relaying rank 0's progress; raises RankFailed."""
+    job = Path(tempfile.mkdtemp(prefix="aerie-train-"))
+    try:
+        (job / "request.json").write_text(request.model_dump_json())
+        events, result = job / "events.jsonl", job / "result.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env.update(settings_env(settings))
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        cmd = [sys.executable, "-m", "aerie_trainer.launch", "guard", str(os.getpid()), "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               "--max-restarts", "0", "-m", "aerie_trainer.launch", "rank", str(job)]
+        log = open(job / "torchrun.log", "wb")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        relayed = 0
+        try:
+            while True:
+                done = proc.poll() is not None
+                relayed = _relay(events, relayed, progress)
+                if done:
+                    break
+                time.sleep(POLL_S)
+        except BaseException:  # the task is being torn down (soft time limit, shutdown): take the job with it
+            _stop(proc)
+            raise
+        finally:
+            log.close()
+        if proc.returncode == 0 and result.is_file():
+            return TrainResult.model_validate_json(result.read_text())
+        tail = (job / "torchrun.log").read_text(errors="replace")[-2000:]
+        failure = job / "failure.json"
+        if failure.is_file():  # rank 0 raised: its error, and whether it is worth a retry
+            f = json.loads(failure.read_text())
+            error = RuntimeError(f"training {request.drafter} failed on rank 0: {f['error']}")
+            error.retryable = f["retryable"]  # type: ignore[attr-defined]
+            raise error
+        raise RankFailed(f"training {request.drafter} on {ranks} ranks exited with {proc.returncode} (a rank died?): "
+                         f"retried from its last checkpoint; torchrun's log ends:\n{tail}")
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def _relay(events: Path, done: int, progress: Callable[[ProgressEvent], None]) -> int:
+    """Report the complete lines of `events` after the first `done`; -> lines reported so far."""
+    if not events.is_file():
+        return done
+    lines = events.read_text().split("\n")[:-1]  # the last piece may be half-written
+    for line in lines[done:]:
+        progress(ProgressEvent.model_validate_json(line))
+    return len(lines)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+# --------------------------------------------------------------------------------------
+# Inside the child processes
+# --------------------------------------------------------------------------------------
+def _guard(argv: list[str]) -> None:
+    """`guard PARENT_PID -- CMD...`: die with the task's process, then become CMD (torchrun)."""
+    parent, sep, cmd = int(argv[0]), argv[1], argv[2:]
+    assert sep == "--" and cmd, "usage: guard PARENT_PID -- CMD..."
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+    os.execv(cmd[0], cmd)
+
+
+def _rank(job: Path) -> None:
+    """One rank: the train stage in this process (RANK/WORLD_SIZE from torchrun)."""
+    die_with_parent(signal.SIGKILL)
+    from aerie.queue import retryable
+    from aerie.store import open_store
+
+    from aerie_trainer.job import run_train
+
+    settings = Settings.load()
+    request = TrainRequest.model_validate_json((job / "request.json").read_text())
+    main = int(os.environ.get("RANK", "0")) == 0
+    events = open(job / "events.jsonl", "a") if main else None
+
+    def report(event: ProgressEvent) -> None:
+        if events is not None:
+            events.write(event.model_dump_json(exclude_none=True) + "\n")
+            events.flush()
+
+    try:
+        result = run_train(open_store(settings), settings, request, report)
+    except Exception as e:
+        if main:
+            (job / "failure.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}))
+        raise
+    if main:
+        part = job / "result.json.part"
+        part.write_text(result.model_dump_json())
+        part.rename(job / "result.json")
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["guard"]:
+        _guard(argv[1:])
+    elif argv[:1] == ["rank"] and len(argv) == 2:
+        _rank(Path(argv[1]))
+    else:
+        raise SystemExit("usage: python -m aerie_trainer.launch guard PARENT_PID -- CMD... | rank JOB_DIR")
+
+
+if __name__ == "__main__":
+    main()

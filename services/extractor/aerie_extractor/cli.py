@@ -18,6 +18,7 @@ from celery.bin.base import CeleryCommand
 
 from aerie import layout
 from aerie.contracts import IngestOptions, IngestRequest, RunStatus, TrainRequest
+from aerie.presets import train_options
 from aerie.queue import INGEST_TASK
 
 
@@ -55,11 +56,19 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
+@train_options()
 @click.pass_context
 def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
-            max_tokens, overlong, shard_tokens, max_records, fan_out, train_drafter, upload, wait):
+            max_tokens, overlong, shard_tokens, max_records, fan_out, train_drafter, upload, wait, **training):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
+    from aerie import presets
+
     app, settings = _app_settings(ctx)
+    try:  # the training settings (and a preset's capture points) are checked before anything is sent
+        config = presets.train_config(model_config=_model_config(model), **training)
+        capture_points = capture_points or (",".join(map(str, presets.capture_points(training["preset"]) or [])) or None)
+    except presets.PresetError as e:
+        raise click.UsageError(str(e)) from None
     local = Path(dataset).expanduser()
     if upload and local.is_file():
         from aerie.store import open_store
@@ -76,7 +85,7 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
             dtype=dtype, target_signal=target_signal, topk=topk, fan_out=fan_out,
             options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong,
                                   shard_tokens=shard_tokens, max_records=max_records),
-            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model) if train_drafter else None,
+            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -86,6 +95,14 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
         summary = result.get(timeout=wait)
         ctx.obj.echo(f"ingested: {summary['sequences']} sequences, {summary['tokens']} tokens in "
                      f"{len(summary['shards'])} shards, {summary['rejects']} rejects")
+
+
+def _model_config(model: str) -> dict | None:
+    """The target's config.json when the model folder is readable here (a preset is checked against it)."""
+    import json
+
+    path = Path(model).expanduser() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def status_table(status: RunStatus):
@@ -126,9 +143,15 @@ def progress(ctx, run_name, watch, timeout, as_json):
                 time.sleep(2)
                 status = run_status(store, run_name)
                 bar.update(task, total=max(status.shards_total, 1), completed=status.hidden_done)
+    from aerie.training import logs_hint, progress_table, trainings
+
+    jobs = trainings(store, run_name)  # the training jobs on this run (their rank 0's records)
     if as_json:
         click.echo(status.model_dump_json())
     else:
         console.print(status_table(status))
+        if jobs:
+            console.print(progress_table(jobs))
+            console.print(logs_hint(settings.store, jobs[0].logs))
     if watch and not status.complete:
         raise SystemExit(1)

@@ -1,0 +1,138 @@
+"""Training recipes per target family, and the training options of the user's commands.
+
+Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Preset`
+(capture points, drafter shape, draft vocab, sequence length, lr, epochs, GPUs needed):
+
+    llama-3.1-8b  qwen3-8b  qwen3-30b-a3b  deepseek-v3  kimi-k2.5
+
+- `load(name)`: the preset, checked by the contract; an unknown name lists the known ones.
+- `check_model(preset, config)`: a preset applied to another model (architecture, hidden size,
+  layers, vocab) is refused by name, before anything is enqueued.
+- `train_options` (a click decorator) and `train_config(...)`: the training settings every command
+  that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
+  `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
+  `--drafter-shape`, and `--train-config` (any TrainConfig field as JSON). Precedence: an explicit
+  option, then `--train-config`, then the preset, then the command's own defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+
+import click
+from pydantic import ValidationError
+
+from aerie.contracts import DrafterShape, Preset, TrainConfig
+
+RECIPES = "recipes"
+
+
+class PresetError(ValueError):
+    """An unknown preset, or one that does not fit the model; the message names both."""
+
+
+def names() -> list[str]:
+    return sorted(p.name[: -len(".json")] for p in files("aerie").joinpath(RECIPES).iterdir() if p.name.endswith(".json"))
+
+
+def load(name: str) -> Preset:
+    if name not in names():
+        raise PresetError(f"no preset {name!r}: known presets are {', '.join(names())}")
+    raw = files("aerie").joinpath(RECIPES, f"{name}.json").read_text()
+    try:
+        preset = Preset.model_validate_json(raw)
+    except ValidationError as e:
+        raise PresetError(f"preset file {RECIPES}/{name}.json: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    if preset.name != name:
+        raise PresetError(f"preset file {RECIPES}/{name}.json names itself {preset.name!r}")
+    if preset.capture_points and preset.capture_points[-1] >= preset.num_layers:
+        raise PresetError(f"preset {name}: capture point {preset.capture_points[-1]} >= its {preset.num_layers} layers")
+    return preset
+
+
+def check_model(preset: Preset, config: dict, where: str = "the model") -> None:
+    """Refuse a model the preset is not for (its config.json; a wrapper's `text_config` is read too)."""
+    text = {**(config.get("text_config") or {}), **{k: v for k, v in config.items() if k != "text_config"}}
+    archs = set(config.get("architectures") or []) | set((config.get("text_config") or {}).get("architectures") or [])
+    found = {"architecture": sorted(archs), "hidden_size": text.get("hidden_size"), "num_layers": text.get("num_hidden_layers"),
+             "vocab_size": text.get("vocab_size")}
+    wanted = {"architecture": preset.architectures, "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
+              "vocab_size": preset.vocab_size}
+    wrong = ["architecture"] if not archs & set(preset.architectures) else []
+    wrong += [k for k in ("hidden_size", "num_layers", "vocab_size") if found[k] != wanted[k]]
+    if wrong:
+        diff = ", ".join(f"{k} {found[k]} (preset: {wanted[k]})" for k in wrong)
+        raise PresetError(f"preset {preset.name} is for {preset.model}; {where} differs: {diff}: pick its preset "
+                          f"({', '.join(names())}) or pass the settings yourself")
+
+
+def preset_config(preset: Preset) -> dict:
+    """The TrainConfig fields a preset sets."""
+    return {"draft_vocab_size": preset.draft_vocab_size, "max_seq_tokens": preset.max_seq_tokens, "lr": preset.lr,
+            "epochs": preset.epochs, "ttt_steps": preset.ttt_steps, "batch_tokens": preset.batch_tokens,
+            "drafter": preset.drafter, "preset": preset.name}
+
+
+# --------------------------------------------------------------------------------------
+# The commands' options
+# --------------------------------------------------------------------------------------
+OPTIONS = {
+    "preset": click.option("--preset", default=None, help="training recipe: " + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)"),
+    "epochs": click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None, help="passes over the data (default 10; ignored with --steps)"),
+    "steps": click.option("--steps", type=click.IntRange(min=1), default=None, help="optimizer steps (default: from --epochs and the data size)"),
+    "lr": click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="peak learning rate (default 1e-4)"),
+    "batch_tokens": click.option("--batch-tokens", type=click.IntRange(min=16), default=None, help="tokens per micro-batch and rank (default 4096)"),
+    "seq_len": click.option("--seq-len", type=click.IntRange(min=16), default=None, help="tokens of a sequence trained on (default 2048)"),
+    "ttt_steps": click.option("--ttt-steps", type=click.IntRange(min=1), default=None, help="training-time-test steps (default 7)"),
+    "draft_vocab": click.option("--draft-vocab", type=click.IntRange(min=2), default=None, help="draft vocabulary size (default 32000)"),
+    "drafter_shape": click.option("--drafter-shape", default=None, help='the drafter layer\'s shape as JSON, e.g. \'{"num_key_value_heads": 8}\''),
+    "train_config": click.option("--train-config", default=None, help='any TrainConfig field as JSON, e.g. \'{"grad_accum": 4}\''),
+}
+FIELDS = {"epochs": "epochs", "steps": "steps", "lr": "lr", "batch_tokens": "batch_tokens", "seq_len": "max_seq_tokens",
+          "ttt_steps": "ttt_steps", "draft_vocab": "draft_vocab_size"}
+
+
+def train_options(skip: tuple[str, ...] = ()):
+    """Add the training options (all but `skip`, which the command already has) to a click command."""
+
+    def decorate(command):
+        for name in reversed(list(OPTIONS)):
+            if name not in skip:
+                command = OPTIONS[name](command)
+        return command
+
+    return decorate
+
+
+def train_config(preset: str | None = None, base: dict | None = None, model_config: dict | None = None, **options) -> TrainConfig:
+    """The TrainConfig of a command's options: explicit options > --train-config > preset > `base`.
+    `model_config`: the target's config.json when readable here (the preset is checked against it)."""
+    fields = dict(base or {})
+    if preset:
+        chosen = load(preset)
+        if model_config is not None:
+            check_model(chosen, model_config)
+        fields.update(preset_config(chosen))
+    if options.get("train_config"):
+        try:
+            fields.update(json.loads(options["train_config"]))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise click.BadParameter(f"--train-config {options['train_config']!r}: not a JSON object ({e})") from None
+    for option, field in FIELDS.items():
+        if options.get(option) is not None:
+            fields[field] = options[option]
+    if options.get("drafter_shape"):
+        try:
+            fields["drafter"] = DrafterShape.model_validate_json(options["drafter_shape"])
+        except ValidationError as e:
+            raise click.BadParameter(f"--drafter-shape: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    try:
+        return TrainConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise click.BadParameter(f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}") from None
+
+
+def capture_points(preset: str | None) -> list[int] | None:
+    return list(load(preset).capture_points or []) or None if preset else None

@@ -1,0 +1,102 @@
+"""Presets for the targets users train, from the real models' config.json fields (tests/data):
+each loads through its contract, fits its model and no other, builds its drafter (on the meta
+device: no memory at any size) and asks for no more GPUs than the memory estimate needs. The
+parameter counts the evaluation's size threshold reads are the published ones."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import redis
+import torch
+
+from aerie import presets
+from aerie.contracts import IngestRequest
+from aerie_trainer.model import DrafterConfig, Eagle3Drafter
+from aerie_trainer.sizing import FIT_FRACTION, GiB, choose_sharding, target_parameters, training_bytes
+from tests.runs import DATA
+from tests.workers import CELERY, EXTRACTOR_APP, worker_env
+
+CONFIGS = {  # preset -> (config.json in tests/data, published parameter count in billions)
+    "llama-3.1-8b": ("llama_3_1_8b_instruct_config.json", 8.03),
+    "qwen3-8b": ("qwen3_8b_config.json", 8.19),
+    "qwen3-30b-a3b": ("qwen3_30b_a3b_config.json", 30.5),
+    "deepseek-v3": ("deepseek_v3_config.json", 671.0),
+    "kimi-k2.5": ("kimi_k25_config.json", 1026.4),  # the language model (Moonshot: "1 T"), vision tower not counted
+}
+
+
+def config(name: str) -> dict:
+    return json.loads((DATA / CONFIGS[name][0]).read_text())
+
+
+def test_every_target_family_has_a_preset():
+    assert presets.names() == sorted(CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_preset_builds_its_drafter_from_the_real_config(name):
+    preset, cfg = presets.load(name), config(name)
+    presets.check_model(preset, cfg)
+    train = presets.train_config(name, model_config=cfg)
+    assert (train.preset, train.lr, train.ttt_steps, train.max_seq_tokens) == (name, preset.lr, 7, 2048)
+    drafter = DrafterConfig.from_target(cfg, len(preset.capture_points), train.draft_vocab_size, train.drafter)
+    with torch.device("meta"):
+        model = Eagle3Drafter(drafter)
+    shapes = {k: list(v.shape) for k, v in model.exported_state_dict().items()}
+    H = preset.hidden_size
+    assert shapes["fc.weight"] == [H, len(preset.capture_points) * H] and shapes["lm_head.weight"] == [32000, H]
+    assert shapes["t2d"] == [preset.vocab_size]
+    # the GPUs the preset asks for hold the training, by the estimate that picks DDP or FSDP
+    memory = training_bytes(drafter, train)
+    assert memory.total <= FIT_FRACTION * preset.train_gpus * preset.gpu_memory_gib * GiB, memory
+    # the published parameter count, within 1%
+    assert target_parameters(cfg) / 1e9 == pytest.approx(CONFIGS[name][1], rel=0.01)
+
+
+def test_a_preset_for_another_model_is_refused_by_name():
+    with pytest.raises(presets.PresetError, match=r"preset qwen3-8b is for Qwen/Qwen3-8B; the model differs: .*hidden_size 7168"):
+        presets.check_model(presets.load("qwen3-8b"), config("kimi-k2.5"))
+    with pytest.raises(presets.PresetError, match="no preset 'llama-3-8b': known presets are deepseek-v3, kimi-k2.5"):
+        presets.load("llama-3-8b")
+
+
+def test_fsdp_is_chosen_when_the_drafter_does_not_fit_one_device():
+    """A Kimi-K2.5 drafter (H 7168, 32k draft vocab, the 164k embedding frozen): DDP on 80 GB GPUs,
+    FSDP on 48 GB ones (its sharded state then fits), one rank never shards, the setting wins."""
+    cfg = config("kimi-k2.5")
+    train = presets.train_config("kimi-k2.5")
+    memory = training_bytes(DrafterConfig.from_target(cfg, 3, 32000), train)
+    assert FIT_FRACTION * 48 * GiB < memory.total < FIT_FRACTION * 80 * GiB
+    assert choose_sharding(8, "auto", memory, 80 * GiB)[0] == "ddp"
+    kind, why = choose_sharding(8, "auto", memory, 48 * GiB)
+    assert kind == "fsdp" and "exceeds" in why and memory.sharded(8) < FIT_FRACTION * 48 * GiB
+    assert choose_sharding(1, "auto", memory, 48 * GiB)[0] == "single"
+    assert choose_sharding(2, "fsdp", memory, None)[0] == "fsdp" and choose_sharding(2, "auto", memory, None)[0] == "ddp"
+
+
+def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_path):
+    """`enqueue --preset llama-3.1-8b --train-drafter`: the ingest message carries the preset's
+    capture points and its training recipe, with an explicit option over the preset."""
+    import subprocess
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text((DATA / CONFIGS["llama-3.1-8b"][0]).read_text())
+    env = worker_env(s3_store, private_redis)
+    base = [CELERY, "-A", EXTRACTOR_APP, "enqueue", "--dataset", "datasets/chat.jsonl", "--run", "llama-run",
+            "--model", str(model), "--train-drafter", "llama-eagle3"]
+    out = subprocess.run([*base, "--preset", "llama-3.1-8b", "--epochs", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    client = redis.Redis.from_url(private_redis)
+    message = json.loads(client.lpop("ingest"))
+    request = IngestRequest.model_validate(json.loads(base64.b64decode(message["body"]))[1])
+    assert request.capture_points == [2, 16, 29]
+    train = request.train_after.config
+    assert (train.preset, train.lr, train.epochs, train.steps, train.ttt_steps, train.grad_clip) == ("llama-3.1-8b", 1e-4, 3, None, 7, 0.5)
+
+    wrong = subprocess.run([*base, "--preset", "qwen3-8b"], env=env, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "preset qwen3-8b is for Qwen/Qwen3-8B" in wrong.stderr, wrong.stderr
+    assert client.llen("ingest") == 0  # nothing sent

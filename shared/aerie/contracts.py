@@ -7,9 +7,11 @@ record written by another version is an error that names the field, not a silent
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from aerie.layout import SHARD_NAME
 
 SCHEMA_VERSION = 1
 
@@ -30,6 +32,7 @@ class Contract(BaseModel):
 
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+Name = Annotated[str, Field(pattern=_NAME)]  # a name that becomes part of a store key (run, drafter, version)
 
 
 # --------------------------------------------------------------------------------------
@@ -175,7 +178,7 @@ class IngestRequest(Contract):
 
 class ExtractRequest(Contract):
     run: str = Field(pattern=_NAME)
-    shard: str
+    shard: str = Field(pattern=SHARD_NAME, description="six digits, as aerie.layout.shard_name makes")
 
 
 class DrafterShape(Contract):
@@ -221,11 +224,11 @@ class TrainConfig(Contract):
 
 
 class TrainRequest(Contract):
-    runs: list[str] = Field(min_length=1)
+    runs: list[Name] = Field(min_length=1)
     drafter: str = Field(pattern=_NAME)
     model: str = Field(description="target model folder (for embeddings, lm_head, config)")
     config: TrainConfig = Field(default_factory=TrainConfig)
-    train_id: str | None = Field(None, description="checkpoint namespace; default derived from inputs")
+    train_id: str | None = Field(None, pattern=_NAME, description="checkpoint namespace and drafter version; default derived from inputs")
     eval_prompts_file: str | None = None
     publish: bool = True
 

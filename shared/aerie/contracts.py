@@ -219,6 +219,9 @@ class TrainConfig(Contract):
     eval_new_tokens: int = Field(64, ge=1)
     eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
     prefetch: int = Field(4, ge=1)
+    draft_vocab_from: Literal["target", "data"] = Field(
+        "target", description="the target's own greedy tokens at trained positions (then the data's), or the data's trained tokens")
+    vocab_sample_tokens: int = Field(2_000_000, ge=1, description="trained positions the target's greedy tokens are counted over")
     drafter: DrafterShape = Field(default_factory=DrafterShape)
     preset: str | None = Field(None, description="the preset these values came from (recorded in the lineage, not read)")
 

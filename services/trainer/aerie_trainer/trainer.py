@@ -30,7 +30,7 @@ from aerie_trainer.model import Eagle3Drafter, build_drafter, load_target_lm_hea
 from aerie_trainer.parallel import Dist, full_state, load_full_state, set_gradient_sync, setup_dist, wrap
 from aerie_trainer.tracking import Tracking
 from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
-from aerie_trainer.vocab import build_draft_vocab, coverage, draft_vocab_size
+from aerie_trainer.vocab import choose_draft_vocab, draft_vocab_size
 
 Progress = Callable[[ProgressEvent], None]
 WARMUP_FRACTION = 0.015  # SpecForge's reference warmup ratio
@@ -73,10 +73,13 @@ class Trainer:
         if saved:  # the full weights (and the vocabulary in d2t/t2d) before any sharding
             drafter.load_state_dict(saved[0], strict=False)
         else:  # a fresh run builds its vocabulary; a resumed one loaded it
-            counts = self.data.loss_token_counts(target.vocab_size)
-            draft_ids = build_draft_vocab(counts, drafter.config.draft_vocab_size)
+            head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
+            draft_ids, covered, of = choose_draft_vocab(
+                self.data, drafter.config.draft_vocab_size, target.vocab_size, cfg.draft_vocab_from,
+                None if head is None else head.to(dist.device, torch.bfloat16 if dist.device.type == "cuda" else torch.float32),
+                dist.device, cfg.vocab_sample_tokens)
             drafter.set_vocab(draft_ids)
-            self.state.metrics["draft_vocab_coverage"] = coverage(counts, draft_ids)
+            self.state.metrics.update(draft_vocab_coverage=covered, draft_vocab_coverage_of=of)
         drafter.to(dist.device)
         self.drafter = drafter
         # what rank 0 evaluates and exports: the drafter itself, or under FSDP a full copy that

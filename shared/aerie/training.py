@@ -50,7 +50,8 @@ def progress_table(records: list[TrainProgress]):
 
     table = Table(title="training")
     for col in ("train id", "drafter", "stage", "step", "loss", "tokens/s", "ETA", "ranks", "checkpoint", "updated"):
-        table.add_column(col, justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left")
+        table.add_column(col, justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left",
+                         overflow="fold")
     for r in records:
         step = f"{r.step}/{r.steps}" if r.steps else str(r.step)
         eta = "-" if r.eta_s is None or r.stage != "train" else f"{r.eta_s / 60:.0f} min" if r.eta_s >= 60 else f"{r.eta_s:.0f} s"

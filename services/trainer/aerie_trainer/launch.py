@@ -172,10 +172,9 @@ def _guard(argv: list[str]) -> None:
 def _rank(job: Path) -> None:
     """One rank: the train stage in this process (RANK/WORLD_SIZE from torchrun)."""
     die_with_parent(signal.SIGKILL)
+    from aerie import stages  # the registered train stage (aerie_trainer.job.run_train), run as a rank
     from aerie.queue import retryable
     from aerie.store import open_store
-
-    from aerie_trainer.job import run_train
 
     settings = Settings.load()
     request = TrainRequest.model_validate_json((job / "request.json").read_text())
@@ -188,7 +187,7 @@ def _rank(job: Path) -> None:
             events.flush()
 
     try:
-        result = run_train(open_store(settings), settings, request, report)
+        result = stages.train(open_store(settings), settings, request, report)
     except Exception as e:
         if main:
             (job / "failure.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}))

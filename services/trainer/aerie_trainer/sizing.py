@@ -42,7 +42,7 @@ def target_parameters(config: dict) -> int:
         attention = q + kv + nh * v_dim * H
     else:
         attention = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
-    dense_mlp = 3 * H * int(cfg["intermediate_size"])
+    dense_mlp = 3 * H * int(cfg.get("intermediate_size") or 0)
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
     moe_layers = 0
     if experts:

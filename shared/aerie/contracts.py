@@ -66,6 +66,10 @@ class IngestOptions(Contract):
     overlong: Literal["truncate", "reject"] = "truncate"
     shard_tokens: int = Field(65536, ge=64, description="tokens per shard (whole sequences)")
     max_records: int | None = Field(None, ge=1, description="stop after this many accepted records")
+    max_record_bytes: int = Field(
+        1 << 20, ge=1024,
+        description="a dataset line (JSONL) or array element larger than this is rejected before it is decoded or tokenized",
+    )
     regenerate: bool = False
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_tokens: int = Field(512, ge=1)

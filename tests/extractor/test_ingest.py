@@ -8,6 +8,7 @@ every refused line with its number and reason, without stopping the run.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 
 import numpy as np
@@ -201,3 +202,91 @@ def test_generation_tagged_template_gives_the_same_mask(smollm2_path, chat):
         ids_a, mask_a = chat.encode(messages, loss_on)
         ids_b, mask_b = tagged.encode(messages, loss_on)
         assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b), loss_on
+
+
+GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+
+
+def _jsonl(*lines: bytes) -> bytes:
+    return b"".join(line + b"\n" for line in lines)
+
+
+def _array(*records: bytes) -> bytes:
+    return b"[\n" + b",\n".join(records) + b"\n]\n"
+
+
+@pytest.mark.parametrize("layout_", ["jsonl", "array"])
+def test_invalid_utf8_line_is_rejected_with_its_line_number(layout_):
+    """A line holding bytes that are not UTF-8 (here 0xff, and a UTF-8 sequence cut short) is
+    refused with its line and the reason; its neighbours are read. On 2026-12-02's code the bytes
+    were replaced by U+FFFD and the record was trained on."""
+    good = json.dumps(GOOD).encode()
+    bad = good.replace(b"Hello.", b"Hel\xfflo.")
+    cut = good.replace(b"Hello.", b"Hello \xe2\x82.")  # the euro sign's first two bytes only
+    data = _jsonl(good, bad, good, cut, good) if layout_ == "jsonl" else _array(good, bad, good, cut, good)
+    first = 1 if layout_ == "jsonl" else 2
+    for size in (3, 7, 1 << 20):  # chunk boundaries anywhere, even inside a multi-byte character
+        got = list(iter_records(data[i : i + size] for i in range(0, len(data), size)))
+        assert [line for line, _ in got] == [first + i for i in range(5)], got
+        refused = {line: str(r) for line, r in got if isinstance(r, Rejected)}
+        assert sorted(refused) == [first + 1, first + 3], got
+        assert all(reason.startswith("invalid UTF-8") for reason in refused.values()), refused
+        assert all(r == GOOD for _, r in got if not isinstance(r, Rejected))
+
+
+def test_invalid_utf8_line_is_rejected_in_the_runs_rejects(fs_store, smollm2_path):
+    good = json.dumps(GOOD).encode()
+    fs_store.put_bytes("datasets/mixed.jsonl", _jsonl(good, good.replace(b"Hello.", b"Hel\xfflo."), good))
+    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
+        run="utf8", dataset="datasets/mixed.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96)))
+    assert summary.sequences == 2 and summary.rejects == 1
+    (reason,) = rejects_of(fs_store, "utf8").values()
+    assert list(rejects_of(fs_store, "utf8")) == [2] and reason.startswith("invalid UTF-8: byte 0xff"), reason
+
+
+def _huge(n_bytes: int, chunk: int = 1 << 20):
+    """A record whose assistant answer is `n_bytes` of text, made chunk by chunk (never whole):
+    escaped quotes and backslashes, brackets and commas inside the string, cut anywhere."""
+    head = b'{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "'
+    yield head
+    text = b'ab\\"c{]}[,\\\\ \xc3\xa9' * (chunk // 15 + 1)
+    for _ in range(n_bytes // chunk):
+        yield text[:chunk]
+    yield b'"}], "meta": [1, {"k": "}"}]}'
+
+
+@pytest.mark.parametrize("layout_", ["jsonl", "array"])
+def test_an_over_long_record_is_rejected_and_memory_stays_bounded(layout_):
+    """A 64 MB line between two good ones, read with a cap of 1 MiB: refused with its line and
+    the limit, the next record is read, and the reader never holds more than a few MB (on
+    2026-12-02's code there was no cap: the whole line was held, then tokenized)."""
+    import tracemalloc
+
+    good = json.dumps(GOOD).encode()
+
+    def chunks():
+        yield (b"[\n" if layout_ == "array" else b"") + good + (b",\n" if layout_ == "array" else b"\n")
+        yield from _huge(64 << 20)
+        yield (b",\n" if layout_ == "array" else b"\n") + good + (b"\n]\n" if layout_ == "array" else b"\n")
+
+    tracemalloc.start()
+    try:
+        got = list(iter_records(chunks(), max_record_bytes=1 << 20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    first = 1 if layout_ == "jsonl" else 2
+    assert [line for line, _ in got] == [first, first + 1, first + 2], got
+    assert got[0][1] == GOOD and got[2][1] == GOOD
+    assert isinstance(got[1][1], Rejected) and str(got[1][1]).startswith("over-long"), got[1]
+    assert "1048576 bytes" in str(got[1][1]) and "max_record_bytes" in str(got[1][1])
+    assert peak < 8 << 20, f"the reader held {peak / 2**20:.0f} MiB for a 64 MiB line"
+
+
+def test_max_record_bytes_is_an_ingest_option(fs_store, smollm2_path):
+    long_answer = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x" * 5000}]}
+    fs_store.put_bytes("datasets/long.jsonl", _jsonl(json.dumps(GOOD).encode(), json.dumps(long_answer).encode()))
+    assert IngestOptions().max_record_bytes == 1 << 20
+    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
+        run="cap", dataset="datasets/long.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96, max_record_bytes=4096)))
+    assert summary.sequences == 1 and rejects_of(fs_store, "cap")[2].startswith("over-long line: more than 4096 bytes")

@@ -43,7 +43,7 @@ def test_cli_surface():
     out = subprocess.run([CELERY, "-A", "aerie_extractor.worker", "enqueue", "--help"], env=clean_env(), capture_output=True, text=True, timeout=120)
     flags = sorted({w.split("/")[0].rstrip(",") for w in out.stdout.split() if w.startswith("--")})
     assert flags == sorted([
-        "--capture-points", "--dataset", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-records",
+        "--capture-points", "--dataset", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
         "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
         "--train-drafter", "--upload", "--wait",
     ]), flags

@@ -52,6 +52,8 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--overlong", type=click.Choice(["truncate", "reject"]), default="truncate")
 @click.option("--shard-tokens", type=int, default=65536)
 @click.option("--max-records", type=int, default=None, help="stop after this many accepted records")
+@click.option("--max-record-bytes", type=int, default=None,
+              help="reject dataset lines / array elements larger than this (default 1 MiB: IngestOptions.max_record_bytes)")
 @click.option("--fan-out/--no-fan-out", default=True, help="enqueue one extract task per shard")
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
@@ -59,7 +61,7 @@ def _points(value: str | None) -> list[int] | None:
 @train_options()
 @click.pass_context
 def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
-            max_tokens, overlong, shard_tokens, max_records, fan_out, train_drafter, upload, wait, **training):
+            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, **training):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
     from aerie import presets
 
@@ -83,8 +85,8 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
         request = IngestRequest(
             run=run_name, dataset=dataset, model=model, capture_points=_points(capture_points), engine=engine,
             dtype=dtype, target_signal=target_signal, topk=topk, fan_out=fan_out,
-            options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong,
-                                  shard_tokens=shard_tokens, max_records=max_records),
+            options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong, shard_tokens=shard_tokens,
+                                  max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {})),
             train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
         )
     except ValueError as e:

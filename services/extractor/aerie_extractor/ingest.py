@@ -3,6 +3,9 @@
 - Input: a store key (`datasets/x.jsonl`) or a local path; JSONL (one record a line) or a JSON
   array (ShareGPT's own files), streamed record by record with `json.JSONDecoder.raw_decode`,
   so a 100 MB array is never held whole and an array cut off at the end stops cleanly.
+- A record must be UTF-8 (never "repaired") and at most `max_record_bytes` (1 MiB by default:
+  SmolLM2's tokenizer turns 1 MiB of text into 203k tokens, +109 MiB peak RSS): a longer one is
+  refused with its line, its bytes skipped as they stream by, never held.
 - Records: ShareGPT (`conversations`: `from`/`value`) or OpenAI (`messages`: `role`/`content`),
   with system prompts and any number of turns.
 - The *target's* chat template renders the conversation. The loss mask covers assistant tokens
@@ -41,8 +44,6 @@ from aerie.store import NotFound, ObjectStore
 from aerie.target import describe
 
 log = logging.getLogger(__name__)
-
-CHUNK_CHARS = 1 << 20
 
 ROLES = {
     # ShareGPT `from`
@@ -93,101 +94,208 @@ def _byte_chunks(store: ObjectStore | None, dataset: str) -> tuple[str, Iterator
     )
 
 
-def _texts(chunks: Iterator[bytes]) -> Iterator[str]:
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for chunk in chunks:
-        text = decoder.decode(chunk)
-        if text:
-            yield text
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        yield tail
+_JSON_SPACE = b" \t\r\n"
+_SEPARATORS = re.compile(r"[ \t\r\n,]*")
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, as 'surrogateescape' decodes them
+_OUTSIDE_STRING = re.compile(r'["{}\[\],]')  # what opens a string or changes the nesting
+_STRING_BODY = re.compile(r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.S)  # a string's characters and escapes, up to its quote (possessive: no backtracking state)
 
 
-def iter_records(chunks: Iterator[bytes]) -> Iterator[tuple[int, object]]:
-    """(1-based line, parsed record or Rejected) for JSONL or a JSON array (possibly cut off)."""
-    texts = _texts(chunks)
-    buf = ""
-    for text in texts:
-        buf += text
-        if buf.lstrip():
+def _over_long(what: str, cap: int) -> Rejected:
+    return Rejected(f"over-long {what}: more than {cap} bytes (limit IngestOptions.max_record_bytes; enqueue --max-record-bytes)")
+
+
+def iter_records(chunks: Iterator[bytes], max_record_bytes: int = IngestOptions.model_fields["max_record_bytes"].default) -> Iterator[tuple[int, object]]:
+    """(1-based line, parsed record or Rejected) for JSONL or a JSON array (possibly cut off).
+
+    A record of more than `max_record_bytes` is refused without being held: its bytes are
+    skipped as they stream by. Bytes that are not UTF-8 refuse their record (never replaced)."""
+    chunks = iter(chunks)
+    head, lines_before = next(chunks, b"").removeprefix(b"\xef\xbb\xbf"), 0  # a UTF-8 byte order mark is not data
+    while True:
+        first = len(head) - len(head.lstrip(_JSON_SPACE))
+        lines_before += head.count(b"\n", 0, first)
+        head = head[first:]  # leading blank lines are never a record: counted, not kept
+        if head or (head := next(chunks, None)) is None:
             break
-    if buf.lstrip().startswith("["):
-        yield from _iter_array(buf, texts)
+    if not head:
+        return
+    rest = itertools.chain([head], chunks)
+    if head.startswith(b"["):
+        yield from _iter_array(_Text(rest), lines_before + 1, max_record_bytes)
     else:
-        yield from _iter_jsonl(buf, texts)
+        yield from _iter_jsonl(rest, lines_before, max_record_bytes)
 
 
-def _iter_jsonl(buf: str, texts: Iterator[str]) -> Iterator[tuple[int, object]]:
-    line_no = 0
+def _iter_jsonl(chunks: Iterator[bytes], line_no: int, cap: int) -> Iterator[tuple[int, object]]:
+    """Lines as bytes: each is decoded (strict UTF-8) and parsed on its own; a line longer than
+    `cap` is dropped as it streams by, never accumulated."""
+    line, over = bytearray(), False
 
-    def parse(line: str) -> Iterator[tuple[int, object]]:
+    def parse() -> Iterator[tuple[int, object]]:
+        if over:
+            yield line_no, _over_long("line", cap)
+            return
         if not line.strip():
             return
         try:
-            yield line_no, json.loads(line)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield line_no, Rejected(f"invalid UTF-8: byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line ({e.reason}); "
+                                    "save the file as UTF-8")
+            return
+        try:
+            yield line_no, json.loads(text)
         except json.JSONDecodeError as e:
             yield line_no, Rejected(f"bad JSON: {e.msg} at column {e.colno}")
 
-    for text in itertools.chain([""], texts):
-        buf += text
-        *lines, buf = buf.split("\n")
-        for line in lines:
+    for chunk in chunks:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = memoryview(chunk)[start : len(chunk) if end < 0 else end]
+            if not over and len(line) + len(piece) > cap:
+                over = True
+                line.clear()
+            if not over:
+                line += piece
+            if end < 0:
+                break
             line_no += 1
-            yield from parse(line)
-    if buf:
+            yield from parse()
+            line.clear()
+            over = False
+            start = end + 1
+    if line or over:
         line_no += 1
-        yield from parse(buf)
+        yield from parse()
 
 
-def _iter_array(buf: str, texts: Iterator[str]) -> Iterator[tuple[int, object]]:
-    """Decode a JSON array element by element; a record cut off by the file's end stops it."""
-    decoder = json.JSONDecoder()
-    pos = buf.index("[") + 1
-    line_base = buf.count("\n", 0, pos) + 1  # line number at buf[pos]
-    exhausted = False
+class _Text:
+    """A JSON array's text, decoded chunk by chunk; what is consumed (before `pos`) is dropped as
+    more is read. Bytes that are not UTF-8 become lone surrogates ('surrogateescape'), found per
+    record, so they refuse their record instead of being replaced."""
 
-    def more() -> bool:
-        nonlocal buf, pos, exhausted
-        if exhausted:
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks, self._decoder = chunks, codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        self.buf, self.pos, self.exhausted = "", 0, False
+        self.more()
+
+    def more(self) -> bool:
+        """Append the next text (dropping the consumed); False at the end of the data."""
+        if self.exhausted:
             return False
-        text = next(texts, None)
-        if text is None:
-            exhausted = True
-            return False
-        buf = buf[pos:] + text
-        pos = 0
-        return True
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            self.exhausted = True
+            text = self._decoder.decode(b"", final=True)
+        else:
+            text = self._decoder.decode(chunk)
+        self.buf, self.pos = self.buf[self.pos :] + text, 0
+        return chunk is not None or bool(text)
 
+    def skip_value(self) -> tuple[int, bool]:
+        """Consume the JSON value at `pos` without holding it: (newlines in it, whether it ended
+        before the data did). Strings are jumped over by regex, so this costs little per byte."""
+        depth, in_string, newlines, i = 0, False, 0, self.pos
+
+        def done(end: int) -> tuple[int, bool]:
+            nonlocal newlines
+            newlines += self.buf.count("\n", self.pos, end)
+            self.pos = end
+            return newlines, True
+
+        while True:
+            buf = self.buf
+            if in_string:
+                j = _STRING_BODY.match(buf, i).end()
+                if j < len(buf) and buf[j] == '"':
+                    in_string, i = False, j + 1
+                    if depth == 0:
+                        return done(i)
+                    continue
+                keep = j  # the end of the text (or an escape at its very end, waiting for its character)
+            else:
+                m = _OUTSIDE_STRING.search(buf, i)
+                if m:
+                    c, i = m.group(), m.end()
+                    if c == '"':
+                        in_string = True
+                    elif c in "{[":
+                        depth += 1
+                    elif depth == 0:  # a bare literal, ended by the array's ',' or ']'
+                        return done(m.start())
+                    elif c in "}]":
+                        depth -= 1
+                        if depth == 0:
+                            return done(i)
+                    continue
+                keep = len(buf)
+            newlines += buf.count("\n", self.pos, keep)
+            self.pos = keep
+            if not self.more():
+                return newlines, False
+            i = self.pos
+
+
+_TRUNCATED = "bad JSON: the file ends inside this record (truncated array): stopped here"
+
+
+def _decode_element(decoder: json.JSONDecoder, text: _Text, cap: int) -> tuple[object, int | None]:
+    """The array element at `text.pos` and where it ends, reading more text as needed; end None:
+    it does not end within `cap` characters (so neither within `cap` bytes)."""
     while True:
-        # skip whitespace and the separating comma
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                if buf[pos] == "\n":
-                    line_base += 1
-                pos += 1
-            if pos < len(buf) or not more():
+        try:
+            record, end = decoder.raw_decode(text.buf, text.pos)
+        except json.JSONDecodeError as e:
+            if len(text.buf) - text.pos > cap:
+                return None, None
+            if text.more():
+                continue
+            if e.pos >= len(text.buf.rstrip()) or e.msg.startswith("Unterminated"):
+                raise Rejected(_TRUNCATED) from None
+            raise Rejected(f"bad JSON: {e.msg} (the rest of the array cannot be read)") from None
+        # a number or literal at the very end of a chunk may continue in the next one
+        if end == len(text.buf) and not text.exhausted and text.more():
+            continue
+        return record, end
+
+
+def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]]:
+    """Decode a JSON array element by element; a record cut off by the file's end stops it, an
+    over-long one is skipped (its bytes streamed past) and the next one read."""
+    decoder = json.JSONDecoder()
+    text.pos = text.buf.index("[") + 1
+    while True:
+        while True:  # whitespace and the separating comma
+            end = _SEPARATORS.match(text.buf, text.pos).end()
+            line += text.buf.count("\n", text.pos, end)
+            text.pos = end
+            if text.pos < len(text.buf) or not text.more():
                 break
-        if pos >= len(buf) or buf[pos] == "]":
+        if text.pos >= len(text.buf) or text.buf[text.pos] == "]":
             return
-        while True:
-            try:
-                record, end = decoder.raw_decode(buf, pos)
-                # a number or literal at the very end of a chunk may continue in the next one
-                if end == len(buf) and not exhausted and more():
-                    continue
-                break
-            except json.JSONDecodeError as e:
-                if more():
-                    continue
-                if e.pos >= len(buf.rstrip()) or e.msg.startswith("Unterminated"):
-                    yield line_base, Rejected("bad JSON: the file ends inside this record (truncated array): stopped here")
-                else:
-                    yield line_base, Rejected(f"bad JSON: {e.msg} (the rest of the array cannot be read)")
+        try:
+            record, end = _decode_element(decoder, text, cap)
+        except Rejected as e:  # the file ends inside the record, or it cannot be parsed: no way to the next
+            yield line, e
+            return
+        if end is None:  # over-long: skipped as it streamed by
+            newlines, ended = text.skip_value()
+            yield line, _over_long("record", cap) if ended else Rejected(_TRUNCATED)
+            if not ended:
                 return
-        yield line_base, record
-        line_base += buf.count("\n", pos, end)
-        pos = end
+            line += newlines
+            continue
+        raw = text.buf[text.pos : end]
+        if end - text.pos > cap:
+            yield line, _over_long("record", cap)
+        elif _NOT_UTF8.search(raw):
+            yield line, Rejected("invalid UTF-8: the record holds bytes that are not UTF-8 text; save the file as UTF-8")
+        else:
+            yield line, record
+        line += raw.count("\n")
+        text.pos = end
 
 
 # --------------------------------------------------------------------------------------
@@ -421,7 +529,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
         pending_tokens = 0
 
     accepted = 0
-    for line, record in iter_records(chunks):
+    for line, record in iter_records(chunks, opts.max_record_bytes):
         try:
             if isinstance(record, Rejected):
                 raise record

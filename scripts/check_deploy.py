@@ -1,11 +1,9 @@
-"""Static checks of aerie's deployment files: what Docker and a cluster would refuse, found without them.
+"""aerie's deployment files checked the way Docker and a cluster would take them, without either.
 
     .venv/bin/python scripts/check_deploy.py              # every check; one line per problem, exit 1
     .venv/bin/python scripts/check_deploy.py compose k8s  # some of them
 
-The checks are scripts/deploy_checks/ (compose, dockerfiles, k8s, docs, shell); tests/deploy/ runs
-them on the real files and on broken copies. Their tools are pinned in requirements-dev.txt
-(pykustomize in scripts/setup.sh).
+The checks are scripts/deploy_checks/; tests/deploy/ runs them on the real files and on broken copies.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from deploy_checks import CHECKS
 
 
 def main(argv: list[str]) -> int:
-    unknown = [n for n in argv if n not in CHECKS]
-    if unknown:
+    if unknown := [n for n in argv if n not in CHECKS]:
         print(f"unknown check(s) {unknown}; known: {', '.join(CHECKS)}", file=sys.stderr)
         return 2
     failed = 0
@@ -26,8 +23,7 @@ def main(argv: list[str]) -> int:
             problems = CHECKS[name]()
         except (OSError, RuntimeError) as e:  # a tool missing or refusing to run: its own message
             problems = [f"could not run: {e}"]
-        for p in problems:
-            print(f"[{name}] {p}")
+        print("".join(f"[{name}] {p}\n" for p in problems), end="")
         print(f"{name}: {'ok' if not problems else f'{len(problems)} problem(s)'}", file=sys.stderr)
         failed += len(problems)
     return 1 if failed else 0

@@ -1,7 +1,7 @@
-"""Static checks of aerie's deployment files, one module each. A check returns its problems, each
-naming the file, the place in it and the fix; none means it passed. Real tools parse and validate
-(Docker Compose, BuildKit's parser, hadolint, ShellCheck, kustomize, the Kubernetes OpenAPI
-schema); the modules add only aerie's own rules on what those tools return."""
+"""Checks of aerie's deployment files, one module each. A check returns its problems, each naming
+the file, the place in it and the fix; none means it passed. Real tools parse and validate (Docker
+Compose, BuildKit's parser, hadolint, ShellCheck, kustomize, the Kubernetes OpenAPI schema);
+aerie's own rules are tables run on what those tools return."""
 
 from __future__ import annotations
 

@@ -39,12 +39,9 @@ def shell_commands(markdown: str) -> list[tuple[str, list[str]]]:
             tokens = shlex.split(line, comments=True)
         except ValueError:  # a quote spanning lines (a heredoc, a JSON block): not a command line
             continue
-        argv = [[]]
+        argv: list[list[str]] = [[]]
         for t in tokens:
-            if t in ("&&", "||", ";", "|"):
-                argv.append([])
-            else:
-                argv[-1].append(t)
+            argv.append([]) if t in ("&&", "||", ";", "|") else argv[-1].append(t)
         out += [(line, a) for a in argv if a]
     return out
 
@@ -68,34 +65,30 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | 
         return [f"{doc_path}: missing (the deployment guide)"]
     repo = doc_path.parent.parent
     project = project or Project(repo / "docker-compose.yml", repo / ".env.example")
-    name, cname = doc_path.name, project.compose_path.name
     try:
         services = project.render()["services"]
     except ComposeError as e:
-        return [f"{cname}: docker compose config: {e}"]
+        return [f"{project.compose_path.name}: docker compose config: {e}"]
     profiles = {p for svc in services.values() for p in svc.get("profiles") or []}
     apps = {app for svc in services.values() for app in celery_apps(svc.get("command"))}
     objects = {(d.get("kind"), (d.get("metadata") or {}).get("name"))
                for f in sorted((repo / "k8s" / "base").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d}
     commands = shell_commands(doc_path.read_text())
-    problems = []
-    if not any(argv[:2] == ["docker", "compose"] for _, argv in commands):
-        problems.append(f"{name}: no `docker compose` command in a ```bash block")
+    problems = [] if any(a[:2] == ["docker", "compose"] for _, a in commands) else [
+        f"{doc_path.name}: no `docker compose` command in a ```bash block"]
     for line, argv in commands:
-        at = f"{name}: `{line}`"
+        at, (profs, svcs, _) = f"{doc_path.name}: `{line}`", compose_command(argv)
         if argv[:2] == ["docker", "compose"]:
-            profs, svcs, _ = compose_command(argv)
-            problems += [f"{at}: profile {p!r} is not in {cname} (profiles: {', '.join(sorted(profiles))})"
+            problems += [f"{at}: profile {p!r} is not in {project.compose_path.name} (profiles: {', '.join(sorted(profiles))})"
                          for p in profs if p not in profiles]
-            problems += [f"{at}: service {s!r} is not in {cname}" for s in svcs if s not in services]
+            problems += [f"{at}: service {s!r} is not in {project.compose_path.name}" for s in svcs if s not in services]
         if argv[0] == "kubectl":
-            for flag, path in zip(argv, argv[1:], strict=False):
-                local = flag in ("-k", "-f", "--kustomize", "--filename") and path.startswith(("k8s/", "./k8s/"))
-                if local and not (repo / path).exists():
-                    problems.append(f"{at}: {path} does not exist")
-            for kind, slash, obj in (t.partition("/") for t in argv):
-                if slash and kind in _KUBECTL_KINDS and (_KUBECTL_KINDS[kind], obj) not in objects:
-                    problems.append(f"{at}: there is no {_KUBECTL_KINDS[kind]} {obj!r} in k8s/base")
-        for app in sorted(celery_apps(argv) - apps):
-            problems.append(f"{at}: Celery app {app!r} is no compose service's app ({', '.join(sorted(apps))})")
+            problems += [f"{at}: {path} does not exist" for flag, path in zip(argv, argv[1:], strict=False)
+                         if flag in ("-k", "-f", "--kustomize", "--filename") and path.startswith(("k8s/", "./k8s/"))
+                         and not (repo / path).exists()]
+            problems += [f"{at}: there is no {_KUBECTL_KINDS[k]} {o!r} in k8s/base" for k, slash, o in
+                         (t.partition("/") for t in argv) if slash and k in _KUBECTL_KINDS
+                         and (_KUBECTL_KINDS[k], o) not in objects]
+        problems += [f"{at}: Celery app {app!r} is no compose service's app ({', '.join(sorted(apps))})"
+                     for app in sorted(celery_apps(argv) - apps)]
     return problems

@@ -12,15 +12,10 @@ from .compose import Project, unescape
 
 
 def check_shell(repo: Path = REPO) -> list[str]:
-    problems: list[str] = []
     project = Project(repo / "docker-compose.yml", repo / ".env.example")
-    if project.compose_path.exists() and project.env_example.exists():
-        for where, script in embedded_scripts(project.render()["services"], "services"):
-            problems += shellcheck(unescape(script), f"{project.compose_path.name}: {where}")
-    for manifest in sorted((repo / "k8s").rglob("*.yaml")):
-        for n, doc in enumerate(yaml.safe_load_all(manifest.read_text())):
-            for where, script in embedded_scripts(doc):
-                problems += shellcheck(script, f"{manifest.relative_to(repo)}[{n}]: {where}")
-    for script in sorted((repo / "scripts").glob("minio_init.sh")):
-        problems += shellcheck(script.read_text(), str(script.relative_to(repo)))
-    return problems
+    scripts = [(f"{project.compose_path.name}: {where}", unescape(script))
+               for where, script in embedded_scripts(project.render()["services"], "services")]
+    scripts += [(f"{m.relative_to(repo)}[{n}]: {where}", script) for m in sorted((repo / "k8s").rglob("*.yaml"))
+                for n, doc in enumerate(yaml.safe_load_all(m.read_text())) for where, script in embedded_scripts(doc)]
+    scripts += [(str(s.relative_to(repo)), s.read_text()) for s in sorted((repo / "scripts").glob("minio_init.sh"))]
+    return [p for where, script in scripts for p in shellcheck(script, where)]

@@ -83,7 +83,7 @@ def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = N
         return found
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(entry.with_suffix(".lock"), "a")  # noqa: SIM115 (held by the `with` below)
+        lock = open(entry.with_suffix(".lock"), "a")  # held by the `with` below
     except OSError as e:
         log.warning("target %s: cannot cache its hash in %s (%s): hashing in this process; set AERIE_CACHE_DIR "
                     "to a writable folder", folder, entry.parent, e)

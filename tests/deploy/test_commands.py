@@ -188,6 +188,7 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
         "SPEC_NUM_STEPS": "3",
         "SPEC_EAGLE_TOPK": "1",
         "SPEC_NUM_DRAFT_TOKENS": "4",
+        "SGLANG_API_KEY": "a-key",
     }
     s = compose_services
     base = yaml.safe_load_all((REPO / "k8s" / "base" / "inference.yaml").read_text())
@@ -206,6 +207,8 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
     assert lines["compose capture"][lines["compose capture"].index("--return-aux-hidden-state-layer-ids") + 1 :][
         :3
     ] == ["1", "14", "26"]
+    for name, argv in lines.items():  # metrics for Prometheus, and the key every client must send
+        assert "--enable-metrics" in argv and argv[argv.index("--api-key") + 1] == "a-key", name
     probe = (
         "import argparse, json, sys\n"
         "from sglang.srt.server_args import ServerArgs\n"

@@ -35,14 +35,16 @@ def test_trainer_image_carries_the_pinned_torch_and_extractor_image_none():
 # (the checker's hand-written version is gone).
 EXTRACTOR, INFERENCE = "services/extractor/Dockerfile", "services/inference/Dockerfile"
 DOCKERFILE_BREAKS = [
-    ("hadolint: FROM latest", EXTRACTOR, "FROM python:3.11.13-slim-bookworm", "FROM python:latest", "DL3007"),
-    ("hadolint: FROM without a tag", EXTRACTOR, "FROM python:3.11.13-slim-bookworm", "FROM python", "DL3006"),
+    ("hadolint: FROM latest", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python:latest", "DL3007"),
+    ("hadolint: FROM without a tag", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python", "DL3006"),
     ("hadolint: root USER", EXTRACTOR, "USER 10001:10001\n", "USER root\n", "DL3002"),
     ("hadolint: a non-numeric USER", EXTRACTOR, "USER 10001:10001\n", "USER aerie\n", "DL3066"),
     ("hadolint: a RUN finding", EXTRACTOR, "USER 10001:10001\n", "RUN cd /opt && ls\nUSER 10001:10001\n", "DL3003"),
     ("a Dockerfile BuildKit cannot parse", EXTRACTOR, "USER 10001:10001\n", "RUN <<EOF\nUSER 10001:10001\n",
      "does not parse: unterminated heredoc"),
-    ("no FROM", EXTRACTOR, "FROM python:3.11.13-slim-bookworm\n", "", "no FROM"),
+    ("no FROM", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm\n", "", "no FROM"),
+    ("a FROM of no named registry", EXTRACTOR, "FROM docker.io/library/python:", "FROM python:",
+     "image 'python:3.11.13-slim-bookworm' names no registry"),
     ("no USER", EXTRACTOR, "USER 10001:10001\n", "", "no USER"),
     ("no HEALTHCHECK", EXTRACTOR, "HEALTHCHECK ", "# HEALTHCHECK ", "no HEALTHCHECK"),
     ("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared",
@@ -52,7 +54,7 @@ DOCKERFILE_BREAKS = [
     ("an ARG with a secret default", EXTRACTOR, "USER 10001:10001\n", "ARG HF_TOKEN=hf_abc\nUSER 10001:10001\n",
      "ARG HF_TOKEN carries a secret default"),
     ("a FROM tag from an ARG set to latest", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG=latest",
-     "FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'lmsysorg/sglang:latest' uses `latest`"),
+     "FROM docker.io/lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'docker.io/lmsysorg/sglang:latest' uses `latest`"),
     ("a FROM tag from an ARG without a default", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG",
      "ARG SGLANG_IMAGE_TAG has no default"),
     (".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "",

@@ -9,8 +9,8 @@ from scripts.deploy_checks.docs import check_docs
 from scripts.deploy_checks.shell import check_shell
 
 DOC_BREAKS = [
-    ("a Deployment that does not exist", "kubectl -n aerie scale deploy/trainer --replicas 1",
-     "kubectl -n aerie scale deploy/trainers --replicas 1", "no Deployment 'trainers'"),
+    ("a Deployment that does not exist", "kubectl -n aerie logs -f deploy/trainer",
+     "kubectl -n aerie logs -f deploy/trainers", "no Deployment 'trainers'"),
     ("a profile that does not exist", "docker compose --profile capture up -d --scale extractor=4",
      "docker compose --profile captur up -d --scale extractor=4", "profile 'captur'"),
     ("a service that does not exist", "docker compose --profile train up -d trainer",

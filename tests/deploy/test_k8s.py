@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.deploy_checks.k8s import check_k8s, check_rendered, kustomize_build, overlays
+from scripts.deploy_checks.k8s import (
+    check_k8s,
+    check_rendered,
+    kustomize_build,
+    overlays,
+)
 from tests.services import REPO
 
 
@@ -40,7 +45,7 @@ def _component_overlay(tmp_path: Path, components: list[str], literals: list[str
                 "kind": "Kustomization",
                 "namespace": "aerie",
                 "resources": [f"{rel}/base"],
-                "components": [f"{rel}/components/{c}" for c in components],
+                "components": [f"{rel}/components/{c}" for c in ["models-rwo", *components]],
                 "configMapGenerator": [{"name": "inference-config", "behavior": "merge", "literals": literals}],
             }
         )
@@ -127,6 +132,19 @@ K8S_BREAKS = [
     ("a KEDA trigger naming no TriggerAuthentication", "components/keda/scaledobject.yaml",
      "      authenticationRef:\n        name: redis-auth", "      authenticationRef:\n        name: redis-login",
      "authenticationRef: TriggerAuthentication 'redis-login' is not in this render"),
+    ("an aerie image of no named registry", "base/extractor.yaml", "image: registry.invalid/aerie/extractor:0.1.0",
+     "image: aerie/extractor:0.1.0", "'aerie/extractor:0.1.0' names no registry"),
+    ("replicas on an autoscaled Deployment", "base/extractor.yaml", "spec:\n  selector:", "spec:\n  replicas: 1\n  selector:",
+     "Deployment/extractor: sets spec.replicas while an autoscaler owns them"),
+    ("SGLang reachable from any pod", "base/network-policy.yaml", "      app.kubernetes.io/component: inference\n",
+     "      app.kubernetes.io/component: nothing\n", "pods of component 'inference' are reachable from any pod"),
+    ("a liveness probe that generates", "base/inference.yaml", "httpGet: {path: /ready, port: http}",
+     "httpGet: {path: /health, port: http}", "livenessProbe GETs /health, which generates a token"),
+    ("a worker that keeps its task on SIGTERM", "base/extractor.yaml", "            - name: REMAP_SIGTERM\n",
+     "            - name: REMAP_SIGTERN\n", "container worker: a Celery worker that keeps its task on SIGTERM"),
+    ("pods of a ReadWriteOnce claim free to spread", "overlays/single-host/kustomization.yaml",
+     "  - ../../components/models-rwo", "  # - ../../components/models-rwo",
+     "aerie-models (ReadWriteOnce) is mounted by extractor, inference, trainer without a podAffinity"),
     ("a KEDA address in another namespace", "overlays/multi-node/kustomization.yaml", "namespace: aerie\n",
      "namespace: llm\n", "is not <service>.llm.svc"),
 ]

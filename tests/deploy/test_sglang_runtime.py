@@ -19,8 +19,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-
 from aerie.runs import run_status
+
 from scripts.deploy_checks.docs import compose_command, shell_commands
 from tests.deploy.image_env import image_env
 from tests.deploy.test_target_hash import linked_copy
@@ -94,7 +94,7 @@ def test_extraction_waits_out_an_sglang_restart_and_hashes_the_target_once(sglan
     celery_cli(env, "enqueue", "--dataset", str(dataset), "--run", "outage", "--model", str(target),
                "--capture-points", ",".join(map(str, POINTS)), "--target-signal", "topk", "--topk", "4",
                "--shard-tokens", "64", "--dtype", "float32")
-    logs = lambda: "\n".join(w.log()[-2000:] for w in workers)  # noqa: E731
+    logs = lambda: "\n".join(w.log()[-2000:] for w in workers)
     wait_until(lambda: s3_store.exists("runs/outage/run.json") and run_status(s3_store, "outage").hidden_done >= 2,
                300, "the first shards extracted", poll=0.5, details=logs)
     sglang.stop()  # mid-run: requests in flight are dropped, new ones refused

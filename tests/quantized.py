@@ -53,23 +53,23 @@ def is_quantized(name: str) -> bool:
     return ".layers." in name and name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED
 
 
-def smollm2_int4(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike) -> Path:
+def smollm2_int4(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = GROUP) -> Path:
     """The quantized SmolLM2 folder (config, tokenizer, model.safetensors), built once."""
     source = Path(smollm2_path)
     h = hashlib.sha256(Path(__file__).read_bytes())
     from aerie.target import describe
 
     h.update(describe(source).weights_sha256.encode())
-    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{BITS}-g{GROUP}-{h.hexdigest()[:16]}"
+    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{BITS}-g{group}-{h.hexdigest()[:16]}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building it: wait for it
         if not (out / "model.safetensors").is_file():
-            _build(out, source)
+            _build(out, source, group)
     return out
 
 
-def _build(out: Path, source: Path) -> None:
+def _build(out: Path, source: Path, group: int) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
@@ -77,7 +77,7 @@ def _build(out: Path, source: Path) -> None:
     if len(done) != 7 * json.loads((source / "config.json").read_text())["num_hidden_layers"]:
         raise AssertionError(f"{source}: found {len(done)} decoder linear weights to quantize")
     for name in done:
-        tensors[name] = quantize_dequantize(tensors[name]).contiguous()
+        tensors[name] = quantize_dequantize(tensors[name], BITS, group).contiguous()
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -2,6 +2,7 @@
 
     aerie run            # default size: a real gain in acceptance length, < 15 min on 2 CPU cores
     aerie run --quick    # a first look in under 2 minutes
+    aerie run --server http://sglang:30000   # train only if the run is aligned with that serving SGLang
 
 Stages (aerie.stages): prepare the target -> ingest -> extract -> train (draft vocab, training,
 evaluation before and after with a real speculative-decoding loop, export, publish) -> pull.
@@ -29,9 +30,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aerie import layout, presets, runs, stages
+from aerie import datasets, layout, presets, runs, stages
 from aerie.contracts import (
-    ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RunStatus, TrainConfig, TrainRequest, TrainResult,
+    AlignmentReport, AlignRequest, ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RunStatus, TrainConfig,
+    TrainRequest, TrainResult,
 )
 from aerie.presets import train_options
 from aerie.settings import Settings
@@ -120,7 +122,7 @@ def serve_command(model: str, drafter_dir: str, layer_ids: list[int], steps: int
 # The two ways to run the stages: in this process, or on the workers
 # --------------------------------------------------------------------------------------
 def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
-                   watch: Stopwatch) -> TrainResult:
+                   watch: Stopwatch, align: AlignRequest | None = None) -> TrainResult:
     """Every stage here, one after the other (the embedded default)."""
     watch.start("ingest")
     with console.status(f"ingesting {ingest.options.max_records} conversations from {Path(ingest.dataset).name}"):
@@ -137,11 +139,13 @@ def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest
             bar.advance(task)
     if reused:
         console.print(f"[yellow]extract: {reused} of {len(ingested.shards)} shards already extracted: reused[/]")
+    if align is not None:
+        _check_alignment(align, watch, lambda: stages.align(store, settings, align))
     return _train_with_bar(train, watch, lambda report: stages.train(store, settings, train, report))
 
 
 def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
-                   watch: Stopwatch, timeout_s: float) -> TrainResult:
+                   watch: Stopwatch, timeout_s: float, align: AlignRequest | None = None) -> TrainResult:
     """Enqueue on the broker and watch: the run through the store, the training through its task."""
     from aerie.queue import INGEST_TASK, TRAIN_TASK, check_broker, make_app
 
@@ -161,6 +165,8 @@ def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest
 
         status = runs.wait_for_run(store, ingest.run, timeout_s=deadline - time.monotonic(), on_status=show)
     _print_ingested(status)
+    if align is not None:
+        _check_alignment(align, watch, lambda: _wait_for_alignment(app, align, deadline))
     result = app.send_task(TRAIN_TASK, kwargs=train.model_dump(mode="json"))
 
     def wait(report: Callable[[ProgressEvent], None]) -> TrainResult:
@@ -176,6 +182,33 @@ def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest
         return TrainResult.model_validate(result.result)
 
     return _train_with_bar(train, watch, wait)
+
+
+def _check_alignment(request: AlignRequest, watch: Stopwatch, measure: Callable[[], AlignmentReport]) -> None:
+    """`--server`: the run against the serving server before training; a failed check stops here."""
+    from aerie.alignment import failure_message, print_report
+
+    watch.start("align")
+    with console.status(f"aerie align: run {request.run} against {request.server}"):
+        report = measure()
+    print_report(report)  # its own console: one line a row in a log too
+    if not report.passed and not request.allow_misaligned:
+        raise click.ClickException(failure_message(report))
+
+
+def _wait_for_alignment(app, request: AlignRequest, deadline: float) -> AlignmentReport:
+    from celery.exceptions import TimeoutError as ResultTimeout
+
+    from aerie.queue import ALIGN_TASK
+
+    pending = app.send_task(ALIGN_TASK, kwargs=request.model_dump(mode="json"))
+    try:
+        return AlignmentReport.model_validate(pending.get(timeout=max(1.0, deadline - time.monotonic())))
+    except ResultTimeout:
+        raise click.ClickException(f"the alignment check (task {pending.id}) did not finish within the --timeout: is a "
+                                   "worker consuming queue 'ingest'?") from None
+    except Exception as e:  # the task's own error, raised here by Celery
+        raise click.ClickException(f"the alignment check failed on the worker: {type(e).__name__}: {e}") from None
 
 
 def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) -> TrainResult:
@@ -247,9 +280,12 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
               help="seconds to wait for the workers (with --broker redis://)")
 @click.option("--out", default=None, help="folder to pull the published drafter into (default ./drafters/<name>)")
 @click.option("--device", default=None, help="cpu or cuda")
+@click.option("--server", default=None, help="serving SGLang in capture mode: check the run's alignment with it before "
+              "training (aerie align); a failed check stops the run")
+@click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
 @train_options(skip=("steps", "draft_vocab"))
 def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
-        store_url, broker, timeout_s, out, device, **training):
+        store_url, broker, timeout_s, out, device, server, allow_misaligned, **training):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
     size = SIZES["quick" if quick else "default"]
@@ -270,6 +306,8 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
 
     points = [int(p) for p in capture_points.split(",")] if capture_points else presets.capture_points(training["preset"])
     dataset_path = str(Path(dataset).resolve()) if dataset else str(sharegpt_path())
+    if not Path(dataset_path).is_file():
+        raise click.ClickException(f"--dataset {dataset}: no such file")
     n_records = records or size.records
     run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}")
     drafter = drafter or f"{re.sub(r'[^a-z0-9._-]+', '-', model_dir.name.lower())[:40].strip('-.') or 'target'}-eagle3"
@@ -282,14 +320,23 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
                               max_records=n_records, overlong="truncate"),
         fan_out=False,
     )
+    if allow_misaligned and not server:
+        raise click.UsageError("--allow-misaligned overrides the alignment check of --server: give --server URL")
+    try:
+        align = AlignRequest(run=run_name, server=server, allow_misaligned=allow_misaligned) if server else None
+    except ValueError:
+        raise click.UsageError(f"--server {server!r}: give the serving SGLang's http(s)://host:port") from None
     if settings.embedded:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # our own bars show each stage
         transformers.utils.logging.set_verbosity_error()
-        result = run_in_process(store, settings, ingest_request, train_request, watch)
-    else:
-        result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s)
+        # the file the user named, read in this process: the one local folder this ingest may read
+        settings = settings.model_copy(update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]})
+        result = run_in_process(store, settings, ingest_request, train_request, watch, align)
+    else:  # workers read datasets from the store only: upload it first (keyed by its content)
+        ingest_request = ingest_request.model_copy(update={"dataset": datasets.upload(store, dataset_path)})
+        result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s, align)
 
     watch.start("pull")
     dest = Path(out or Path("drafters") / drafter).resolve()

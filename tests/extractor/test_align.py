@@ -200,3 +200,49 @@ def test_a_quantized_serving_target_fails_with_the_drop_measured_and_the_quantiz
     (cause,) = quantized.causes
     assert cause.startswith("every point at a lower cosine, matching its own layer best (2: 0.99")
     assert "a different quantization or dtype than the run" in cause and "re-quantized or modified weights" in cause
+
+
+# --------------------------------------------------------------------------------------
+# In the flow: the check runs before training when a serving server is given
+# --------------------------------------------------------------------------------------
+def test_aerie_run_with_a_misaligned_serving_server_stops_before_training(int4_server, smollm2_path, tmp_path):
+    env = clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent))
+    out = subprocess.run([AERIE, "run", "--quick", "--records", "8", "--server", int4_server.url, "--out", str(tmp_path / "drafter")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    print(out.stdout[-3000:])
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "NOT aligned: report runs/" in out.stdout  # the table, then the one-line reason
+    (reason,) = out.stderr.strip().splitlines()
+    assert "is not aligned with " + int4_server.url in reason and "a different quantization or dtype" in reason, reason
+    assert "--allow-misaligned" in reason
+    assert "train (steps)" not in out.stdout and not (tmp_path / "drafter").exists()
+    assert not list((tmp_path / "aerie-data").rglob("drafters/*"))  # nothing trained, nothing published
+
+
+def test_enqueue_with_a_server_trains_only_after_the_check_passed(smol_server, s3_store, private_redis, smollm2_path, workers,
+                                                                  tmp_path):
+    import redis
+
+    from tests.runs import DATA
+    from tests.services import wait_until
+    from tests.workers import ExtractorWorker, celery_cli, worker_env
+
+    env = worker_env(s3_store, private_redis, AERIE_CACHE_DIR=str(smollm2_path.parent))
+    workers.append(ExtractorWorker(env, "extractor", tmp_path))
+    workers[0].wait_for(r"ready\.", 120)
+    celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "checked", "--model", str(smollm2_path),
+               "--capture-points", "2,15,27", "--max-tokens", "96", "--shard-tokens", "64", "--train-drafter", "d-checked",
+               "--server", smol_server.url)
+    client = redis.Redis.from_url(private_redis)
+    try:  # no trainer worker here: the training waits in its queue, sent by the check
+        wait_until(lambda: client.llen("train"), 600, "aerie.train enqueued after the check", poll=1,
+                   details=lambda: workers[0].log()[-3000:])
+        message = json.loads(client.lindex("train", 0))
+    finally:
+        client.close()
+    assert message["headers"]["task"] == "aerie.train"
+    workers[0].wait_for(r"run checked aligned: enqueued aerie.train for drafter d-checked", 30)
+    (server_id,) = layout.alignment_server_ids("checked", s3_store.list(layout.alignments_prefix("checked")))
+    report = s3_store.get_json(layout.alignment_report("checked", server_id), AlignmentReport)
+    assert report.passed and report.server.url == smol_server.url
+    assert "succeeded" in workers[0].wait_for(r"Task aerie\.align\[[0-9a-f-]+\] (succeeded)", 30).group(0)

@@ -45,7 +45,7 @@ def test_cli_surface():
     assert flags == sorted([
         "--capture-points", "--dataset", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
         "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
-        "--train-drafter", "--upload", "--wait",
+        "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned",
     ]), flags
     bad = subprocess.run(
         [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--capture-points", "2,a"],
@@ -55,7 +55,7 @@ def test_cli_surface():
 
 
 def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
-    settings = Settings(store=f"file://{tmp_path / 'store'}", broker="memory://", engine="hf")
+    settings = Settings(store=f"file://{tmp_path / 'store'}", broker="memory://", engine="hf", ingest_local_dirs=[DATA])
     app = make_app(settings, include=["aerie_extractor.tasks"])
     app.loader.import_default_modules()
     request = IngestRequest(

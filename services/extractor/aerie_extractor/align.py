@@ -30,7 +30,8 @@ before training, for the user's own run and serving deployment:
   the server (`/v1/tokenize`) and by the run's tokenizer; the first position where they differ.
 - Pass/fail by the thresholds of the less precise dtype of run and server (settings
   `AERIE_ALIGN_MIN_COSINE`, `..._P1`, `AERIE_ALIGN_MIN_TOP1`, measured defaults); `diagnose` turns
-  the measurements into causes, most likely first.
+  the measurements into causes, most likely first. The table is `aerie.alignment`'s (shared with
+  `aerie run --server`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import numpy as np
 import orjson
 
 from aerie import layout
+from aerie.alignment import print_report
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import (
     AlignmentReport, AlignRequest, CosineStats, PointAlignment, RunSpec, SampledSequence, ServerIdentity, ShardRecord,
@@ -523,50 +525,8 @@ def compare_signal(run: RunSpec, stored: list[dict], served: list[Served], setti
 
 
 # --------------------------------------------------------------------------------------
-# The table, and the command
+# The command
 # --------------------------------------------------------------------------------------
-def report_table(report: AlignmentReport):
-    from rich.markup import escape
-    from rich.table import Table
-
-    s = report.server
-    table = Table(title=(f"run {report.run} vs {s.url} ({s.server_id}): {len(report.samples)} sequences, {report.tokens} tokens"),
-                  caption=escape(f"{s.model_path} | SGLang {s.sglang_version} | quantization {s.quantization or 'none'} | "
-                           f"dtype {s.dtype} | TP {s.tp_size} | ids {s.aux_layer_ids} = points {s.aux_points} | {s.transport}; "
-                           f"thresholds ({report.precision}): mean >= {report.min_cosine}, p1 >= {report.min_cosine_p1}, "
-                           f"top-1 >= {report.min_top1}"))
-    for col in ("point", "cos mean", "cos p1", "cos min", "rel L2", "best server point", "top-1", "verdict"):
-        table.add_column(col, justify="right")
-    for p in report.points:
-        a = p.at_point
-        best = "-" if p.best_point is None else f"{p.best_point} ({p.cosines[p.best_point]:.4f})"
-        cells = ["-"] * 4 if a is None else [f"{a.mean:.6f}", f"{a.p1:.6f}", f"{a.min:.6f}", f"{a.rel_l2:.2e}"]
-        table.add_row(str(p.point), *cells, best, "", "pass" if p.passed else "[red]FAIL[/]")
-    sig = report.signal
-    if sig is not None:
-        f = sig.final
-        cells = ["-"] * 4 if f is None else [f"{f.mean:.6f}", f"{f.p1:.6f}", f"{f.min:.6f}", f"{f.rel_l2:.2e}"]
-        table.add_row(sig.signal, *cells, "", f"{sig.top1_agreement:.1%}", "pass" if sig.passed else "[red]FAIL[/]")
-    return table
-
-
-def print_report(report: AlignmentReport, console=None) -> None:
-    from rich.console import Console
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a log or a pipe: wide enough for the table on one line a row
-            console = Console(width=max(console.width, 132))
-    console.print(report_table(report))
-    t = report.tokenization
-    console.print(f"tokenization: {'differs at position ' + str(t.differs_at) if t.differs_at is not None else f'{t.checked} samples agree'}"
-                  + (f" ({t.note})" if t.note else ""))
-    verdict = "[green]aligned[/]" if report.passed else "[red]NOT aligned[/]"
-    console.print(f"{verdict}: report {layout.alignment_report(report.run, report.server.server_id)}")
-    for cause in report.causes:
-        console.print(f"  - {cause}", highlight=False, markup=False)
-
-
 @click.command("align")
 @click.option("--run", "run_name", required=True, help="the run whose stored states are checked")
 @click.option("--server", required=True, help="SGLang in capture mode, configured as the serving deployment (URL)")
@@ -599,12 +559,4 @@ def align_command(run_name: str, server: str, samples: int, seed: int, max_token
         raise SystemExit(1)
 
 
-def failure_message(report: AlignmentReport) -> str:
-    """One line: why training was stopped, and where the report is."""
-    key = layout.alignment_report(report.run, report.server.server_id)
-    return (f"run {report.run!r} is not aligned with {report.server.url} ({key}): {report.causes[0] if report.causes else 'see the report'}"
-            "; fix it, or train anyway with --allow-misaligned")
-
-
-__all__ = ["AlignmentFailed", "LmHead", "align_command", "diagnose", "draw_sample", "failure_message", "neighbour_layer_ids",
-           "print_report", "run_align"]
+__all__ = ["AlignmentFailed", "LmHead", "align_command", "diagnose", "draw_sample", "neighbour_layer_ids", "run_align"]

@@ -2,6 +2,8 @@
 
     celery -A aerie_extractor.worker enqueue --dataset chat.jsonl --run r1 --model /models/target \\
         --capture-points 2,15,27 --max-tokens 2048 --shard-tokens 65536
+    celery -A aerie_extractor.worker enqueue ... --train-drafter d1 --server http://sglang-capture:30000
+        # training waits for `aerie align` of the run against that serving server, and not if it fails
     celery -A aerie_extractor.worker progress --run r1 [--watch --timeout 3600]
 
 `progress`, not `status`: Celery registers its own `status` (workers online) after plugins, so a
@@ -17,7 +19,7 @@ import click
 from celery.bin.base import CeleryCommand
 
 from aerie import layout
-from aerie.contracts import IngestOptions, IngestRequest, RunStatus, TrainRequest
+from aerie.contracts import AlignGate, IngestOptions, IngestRequest, RunStatus, TrainRequest
 from aerie.presets import train_options
 from aerie.queue import INGEST_TASK
 
@@ -58,13 +60,20 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
+@click.option("--server", "align_server", default=None,
+              help="with --train-drafter: check the run against this serving SGLang (capture mode) before training (aerie align)")
+@click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
 @train_options()
 @click.pass_context
 def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
-            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, **training):
+            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, align_server,
+            allow_misaligned, **training):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
     from aerie import presets
 
+    if align_server and not train_drafter or allow_misaligned and not align_server:
+        raise click.UsageError("--server checks the run before --train-drafter trains on it, and --allow-misaligned "
+                               "overrides that check: give --train-drafter with --server, --server with --allow-misaligned")
     app, settings = _app_settings(ctx)
     try:  # the training settings (and a preset's capture points) are checked before anything is sent
         config = presets.train_config(model_config=_model_config(model), **training)
@@ -88,6 +97,7 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
             options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong, shard_tokens=shard_tokens,
                                   max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {})),
             train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
+            align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

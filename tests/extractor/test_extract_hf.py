@@ -23,7 +23,7 @@ from tests.conftest import POINTS
 from tests.runs import DATA
 
 def ingest(store, smollm2_path, run: str, dtype: str = "float32", signal: str = "final") -> RunSpec:
-    run_ingest(store, Settings(engine="hf"), IngestRequest(
+    run_ingest(store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
         run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=POINTS,
         dtype=dtype, target_signal=signal, topk=5, options=IngestOptions(max_tokens=96, shard_tokens=80),
     ))
@@ -81,8 +81,8 @@ def test_pipelined_extraction_stores_what_packing_the_captures_stores(fs_store, 
     settings = Settings(engine="hf", tokens_per_batch=96)
     names = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("pipe", "tokens")) if k.endswith(".json")]
     requests = [ExtractRequest(run="pipe", shard=n) for n in names]
-    with pytest.raises(ExtractError, match="no token shard 'missing'"):
-        extract_shards(fs_store, settings, [requests[0], ExtractRequest(run="pipe", shard="missing"), *requests[1:]], writers=2)
+    with pytest.raises(ExtractError, match="no token shard '000099'"):
+        extract_shards(fs_store, settings, [requests[0], ExtractRequest(run="pipe", shard="000099"), *requests[1:]], writers=2)
     assert fs_store.exists(layout.shard_record("pipe", "hidden", names[0]))  # stored before the error surfaced
     summaries = extract_shards(fs_store, settings, requests, writers=2)
     assert summaries[0].skipped and not any(s.skipped for s in summaries[1:])

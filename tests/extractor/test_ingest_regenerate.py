@@ -39,7 +39,7 @@ def greedy(smollm2_path):
 def test_regenerated_turns_are_the_targets_own_greedy_answers(fs_store, smollm2_path, greedy):
     tok, answer = greedy
     options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
-    summary = run_ingest(fs_store, Settings(engine="hf"), IngestRequest(
+    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
         run="regen", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
     ))
     assert summary.sequences == 2
@@ -68,7 +68,7 @@ def test_regeneration_through_sglangs_chat_api(fs_store, smollm2_path, tmp_path)
 
     with sglang_server(["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path) as server:
         options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
-        settings = Settings(engine="sglang", engine_urls=[server.url])
+        settings = Settings(engine="sglang", engine_urls=[server.url], ingest_local_dirs=[DATA])
         summary = run_ingest(fs_store, settings, IngestRequest(
             run="regen-sglang", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
         ))

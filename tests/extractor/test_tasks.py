@@ -55,7 +55,7 @@ def test_cli_surface():
 
 
 def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
-    settings = Settings(store=f"file://{tmp_path / 'store'}", broker="memory://", engine="hf")
+    settings = Settings(store=f"file://{tmp_path / 'store'}", broker="memory://", engine="hf", ingest_local_dirs=[DATA])
     app = make_app(settings, include=["aerie_extractor.tasks"])
     app.loader.import_default_modules()
     request = IngestRequest(

@@ -1,6 +1,7 @@
 """Ingest: a chat dataset -> tokenized, loss-masked token shards + the run spec.
 
-- Input: a store key (`datasets/x.jsonl`) or a local path; JSONL (one record a line) or a JSON
+- Input: a store key (`datasets/x.jsonl`), or a local path inside a folder the settings allow
+  (AERIE_INGEST_LOCAL_DIRS, empty by default: a worker opens nothing a message names); JSONL (one record a line) or a JSON
   array (ShareGPT's own files), streamed record by record with `json.JSONDecoder.raw_decode`,
   so a 100 MB array is never held whole and an array cut off at the end stops cleanly.
 - A record must be UTF-8 (never "repaired") and at most `max_record_bytes` (1 MiB by default:
@@ -37,6 +38,7 @@ import numpy as np
 from aerie import layout
 from aerie.capture import default_capture_points, validate_capture_points
 from aerie.contracts import IngestOptions, IngestRequest, IngestResult, RejectRecord, RunSpec, ShardRecord
+from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
 from aerie.runs import shard_names
 from aerie.settings import Settings
 from aerie.shard import pack
@@ -71,10 +73,14 @@ class Rejected(ValueError):
 # --------------------------------------------------------------------------------------
 # Reading: store key or path -> (line, record | Rejected)
 # --------------------------------------------------------------------------------------
-def _byte_chunks(store: ObjectStore | None, dataset: str) -> tuple[str, Iterator[bytes]]:
-    """The dataset's bytes, from a local path or the store; returns (source name, chunks)."""
-    path = Path(os.path.expanduser(dataset))
-    if path.is_file():
+def _byte_chunks(store: ObjectStore, dataset: str, local_dirs: list[Path]) -> tuple[str, Iterator[bytes]]:
+    """The dataset's bytes: from a local file inside `local_dirs` (AERIE_INGEST_LOCAL_DIRS), else
+    from the store. Nothing else is opened (aerie.datasets); returns (source name, chunks)."""
+    try:
+        path = allowed_local_path(dataset, local_dirs)
+    except DatasetRefused as e:
+        raise IngestError(str(e)) from None
+    if path is not None and path.is_file():
 
         def read() -> Iterator[bytes]:
             with open(path, "rb") as f:
@@ -82,15 +88,15 @@ def _byte_chunks(store: ObjectStore | None, dataset: str) -> tuple[str, Iterator
                     yield chunk
 
         return str(path), read()
-    if store is None:
-        raise IngestError(f"dataset {dataset!r}: no such file, and no store to read a key from")
+    if path is not None or is_local_form(dataset):
+        raise IngestError(str(refusal(dataset, local_dirs)) if path is None else f"dataset {dataset!r}: no such file")
     keys = [dataset] if "/" in dataset else [dataset, layout.dataset(dataset)]
     for key in keys:
         if store.exists(key):
             return key, store.open(key)
     raise IngestError(
-        f"dataset {dataset!r} is neither a local file nor an object in {store.url} "
-        f"(tried {', '.join(keys)}): upload it to datasets/<name>.jsonl or pass a path the worker can read"
+        f"dataset {dataset!r} is not an object in {store.url} (tried {', '.join(keys)}): upload it "
+        "(`enqueue --dataset FILE` does), or name a file in a folder of AERIE_INGEST_LOCAL_DIRS"
     )
 
 
@@ -447,12 +453,19 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
         if request.capture_points
         else default_capture_points(target.num_layers)
     )
-    engine = request.engine or settings.engine
+    engine = engine_spec(settings, request.engine or settings.engine, target, points, request.dtype)
+    if engine.transport == "json" and request.target_signal == "final":
+        raise IngestError(
+            f"run {request.run!r} wants target_signal 'final', but the SGLang server gives this extractor JSON only (it "
+            "advertises no aerie plugin, or its captures are not readable here), and JSON carries top-k log-probs only: "
+            "start SGLang with AERIE_SGLANG_BINARY=1 and a sink this extractor reads (AERIE_ENGINE_SINK=s3 when they run "
+            "in other pods), or ingest with target_signal 'topk'"
+        )
     return RunSpec(
         run=request.run,
         dataset=request.dataset,
         target=target,
-        engine=engine_spec(settings, engine, target, points, request.dtype),
+        engine=engine,
         capture_points=points,
         dtype=request.dtype,
         target_signal=request.target_signal,
@@ -491,13 +504,13 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
         return summary
 
     opts: IngestOptions = request.options
+    source, chunks = _byte_chunks(store, request.dataset, settings.ingest_local_dirs)  # refused before any work
     chat = ChatTokenizer(request.model)
     answerer = None
     if opts.regenerate:
         from aerie_extractor.regenerate import make_answerer
 
         answerer = make_answerer(settings, spec.engine.name, request.model, opts)
-    source, chunks = _byte_chunks(store, request.dataset)
     pending: list[dict[str, np.ndarray]] = []
     pending_tokens = 0
     rejects: list[RejectRecord] = []

@@ -98,7 +98,7 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             untrained = evaluator.run()
             st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k not in ("evaluated_with", "evaluation_note")})
             _log_eval(tracking, untrained, 0)
-            tracking.progress(stage="train")
+            tracking.progress(stage="train", message="")
         trainer.train()
         result = TrainResult(drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from)
         full = trainer.sync_full_drafter()  # every rank: FSDP gathers the weights to rank 0

@@ -157,7 +157,9 @@ class Client:
 
     def __init__(self, settings: Settings, url: str, hidden_size: int, k: int):
         self.settings, self.url, self.H, self.k = settings, url, hidden_size, k
-        self.http = httpx.Client(timeout=settings.engine_timeout_s)
+        key = getattr(settings, "engine_api_key", None)  # SGLang's --api-key, when the settings carry one
+        key = key.get_secret_value() if hasattr(key, "get_secret_value") else key
+        self.http = httpx.Client(timeout=settings.engine_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
         self.sinks = None
         self.note = ""
 

@@ -110,3 +110,22 @@ def test_extraction_waits_out_an_sglang_restart_and_hashes_the_target_once(sglan
     hashed = text.count("sha256 of 1 weight files")
     assert hashed == 1, f"the target's weights were hashed {hashed} times across the two workers"
     assert sorted(p.name for p in target.iterdir()) == before, "nothing may be written into the model folder"
+
+
+def test_a_run_sglang_cannot_serve_is_refused_at_ingest(sglang, target, tmp_path):
+    """Without aerie's plugin (or a sink the extractor reads: Kubernetes before AERIE_ENGINE_SINK=s3)
+    SGLang answers in JSON, which has no final state: the default target_signal 'final' is refused
+    when the run is ingested, naming the fix, not on every shard afterwards."""
+    from aerie import stages
+    from aerie.contracts import IngestRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from aerie_extractor.ingest import IngestError
+
+    store = FsStore(tmp_path / "store")
+    settings = Settings(store=f"file://{store.root}", engine="sglang", engine_urls=[sglang.url])
+    request = IngestRequest(run="k8s", dataset="datasets/chat.jsonl", model=str(target), engine="sglang",
+                            capture_points=POINTS)
+    with pytest.raises(IngestError, match="wants target_signal 'final'.*AERIE_ENGINE_SINK=s3.*target_signal 'topk'"):
+        stages.ingest(store, settings, request)
+    assert not store.exists("runs/k8s/run.json")

@@ -282,8 +282,18 @@ class SGLangEngine(Engine):
                 "(AERIE_SGLANG_BINARY=1 on the inference server; compose profile capture does) and ingest a new run, "
                 "or ingest with target_signal 'topk'"
             )
-        for url in self.urls:
-            wait_for_server(url, self.settings.engine_outage_wait_s)
+        deadline = time.monotonic() + self.settings.engine_outage_wait_s
+        while True:  # a server that goes down during the check is waited for and checked again
+            for url in self.urls:
+                wait_for_server(url, max(deadline - time.monotonic(), 0.0))
+            try:
+                return self._check_servers(run, transport)
+            except EngineError as e:
+                if not isinstance(e.__cause__, httpx.TransportError) or time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: checking again once the server is up", e)
+
+    def _check_servers(self, run: RunSpec, transport: str) -> None:
         with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
             infos = {url: self._check_server(client, url, run) for url in self.urls}
             if transport == "binary":
@@ -464,6 +474,7 @@ class SGLangEngine(Engine):
         body = orjson.dumps(self._body(ids))
 
         async def post() -> httpx.Response:
+            refusals = 0  # failures while /health says the server is up: not an outage, do not loop on them
             while True:
                 try:
                     r = await client.post(url + "/generate", content=body, headers={"content-type": "application/json"})
@@ -475,9 +486,11 @@ class SGLangEngine(Engine):
                     if r.status_code not in (502, 503) or "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" in r.text:
                         return r
                     why = f"HTTP {r.status_code}"
-                if not self.settings.engine_outage_wait_s:
+                if not self.settings.engine_outage_wait_s or refusals >= 5:
                     raise EngineError(f"SGLang server {url}: request for {len(ids)} tokens failed ({why})")
-                await self._outage(url)
+                if not await self._outage(url):
+                    refusals += 1
+                    await asyncio.sleep(refusals)
 
         def sink_full(r: httpx.Response) -> bool:
             if r.status_code != 503 or "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES" not in r.text:
@@ -510,16 +523,19 @@ class SGLangEngine(Engine):
             return await asyncio.to_thread(self._parse, url, out, len(ids))
         return self._parse(url, out, len(ids))
 
-    async def _outage(self, url: str) -> None:
+    async def _outage(self, url: str) -> bool:
         """Wait for `url` to come back (one waiter per server; the others queue behind it), then
-        check it again: a restarted server must still give this run's tensors."""
+        check it again: a restarted server must still give this run's tensors. False: it was up."""
         async with self._outages.setdefault(url, asyncio.Lock()):
-            if await asyncio.to_thread(wait_for_server, url, self.settings.engine_outage_wait_s):
-                def recheck() -> None:
-                    with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
-                        self._check_server(client, url, self.run)
+            if not await asyncio.to_thread(wait_for_server, url, self.settings.engine_outage_wait_s):
+                return False
 
-                await asyncio.to_thread(recheck)
+            def recheck() -> None:
+                with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+                    self._check_server(client, url, self.run)
+
+            await asyncio.to_thread(recheck)
+            return True
 
     async def _capture_all(self, sequences: list[np.ndarray]) -> list[Captured]:
         results: list[Captured | None] = [None] * len(sequences)

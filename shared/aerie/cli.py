@@ -10,7 +10,9 @@ entry point group (as Celery's `celery.commands`), so this module imports none o
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from importlib.metadata import entry_points
 
 import click
@@ -18,9 +20,13 @@ import click
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user causes and can fix (settings, credentials, unreachable services, refused
-    names, bad inputs): one line naming the cause, no traceback (`aerie --debug ...` shows it)."""
+    names, bad inputs): one line naming the cause, no traceback (`aerie --debug ...` shows it).
+    Services mark theirs with aerie.errors.ExpectedError."""
     from aerie.capture import CaptureError
+    from aerie.datasets import DatasetRefused
     from aerie.drafters import DrafterError
+    from aerie.errors import ExpectedError
+    from aerie.presets import PresetError
     from aerie.queue import QueueError
     from aerie.runs import RunError
     from aerie.settings import SettingsError
@@ -28,7 +34,35 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from aerie.store import StoreError
     from aerie.target import TargetError
 
-    return (CaptureError, DrafterError, QueueError, RunError, SettingsError, StageUnavailable, StoreError, TargetError)
+    return (CaptureError, DatasetRefused, DrafterError, ExpectedError, PresetError, QueueError, RunError, SettingsError,
+            StageUnavailable, StoreError, TargetError)
+
+
+def one_line(error: Exception, debug: bool) -> click.ClickException | None:
+    """The one-line form of an expected failure; None for a bug or with --debug (re-raise it)."""
+    if debug or not isinstance(error, expected_errors()):
+        return None
+    return click.ClickException(" ".join(str(error).split()))
+
+
+def one_line_failures(command: Callable) -> Callable:
+    """For a command outside the `aerie` group (the Celery sub-commands): a --debug flag, and its
+    expected failures as one line (exit 1) instead of a traceback. Put it above @click.pass_context."""
+
+    @click.option("--debug", is_flag=True, help="show the traceback of a failure instead of one line")
+    @functools.wraps(command)
+    def run(*args, debug: bool = False, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            short = one_line(e, debug)
+            if short is None:
+                raise
+            raise short from None
+
+    return run
 
 
 class _Group(click.Group):
@@ -40,9 +74,10 @@ class _Group(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as e:
-            if ctx.params.get("debug") or not isinstance(e, expected_errors()):
+            short = one_line(e, bool(ctx.params.get("debug")))
+            if short is None:
                 raise
-            raise click.ClickException(" ".join(str(e).split())) from None
+            raise short from None
 
     def _plugins(self) -> dict:
         return {ep.name: ep for ep in entry_points(group="aerie.commands")}

@@ -15,10 +15,11 @@ import os
 from pathlib import Path
 
 from aerie import layout
+from aerie.errors import ExpectedError
 from aerie.store import ObjectStore
 
 
-class DatasetRefused(ValueError):
+class DatasetRefused(ExpectedError, ValueError):
     """A dataset a worker may not read (a local path outside the allowed folders, or a malformed
     key); the message names AERIE_INGEST_LOCAL_DIRS."""
 
@@ -61,10 +62,11 @@ def file_sha256(path: str | os.PathLike) -> str:
     return sha.hexdigest()
 
 
-def upload(store: ObjectStore, path: str | os.PathLike) -> str:
-    """Upload a local dataset under its content's key (once: an existing key holds the same bytes)."""
+def upload(store: ObjectStore, path: str | os.PathLike, sha: str | None = None) -> str:
+    """Upload a local dataset under its content's key (once: an existing key holds the same bytes);
+    `sha`: its sha256 when already computed."""
     path = Path(path)
-    sha = file_sha256(path)
+    sha = sha or file_sha256(path)
     key = layout.dataset_upload(sha, path.name)
     if not store.exists(key):
         written = store.put_file(key, path)

@@ -150,7 +150,9 @@ def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest
     from aerie.queue import INGEST_TASK, TRAIN_TASK, check_broker, make_app
 
     app = make_app(settings)
-    check_broker(app)
+    check_broker(app)  # before anything is written: a broker that is down leaves no orphan upload
+    # workers read datasets from the store only: upload it (keyed by its content)
+    ingest = ingest.model_copy(update={"dataset": datasets.upload(store, ingest.dataset)})
     deadline = time.monotonic() + timeout_s
     watch.start("ingest + extract")
     app.send_task(INGEST_TASK, kwargs=ingest.model_copy(update={"fan_out": True, "train_after": None}).model_dump(mode="json"))
@@ -334,8 +336,7 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
         # the file the user named, read in this process: the one local folder this ingest may read
         settings = settings.model_copy(update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]})
         result = run_in_process(store, settings, ingest_request, train_request, watch, align)
-    else:  # workers read datasets from the store only: upload it first (keyed by its content)
-        ingest_request = ingest_request.model_copy(update={"dataset": datasets.upload(store, dataset_path)})
+    else:
         result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s, align)
 
     watch.start("pull")

@@ -81,7 +81,7 @@ def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_
             for line in s3_store.get_bytes(key).decode().splitlines():
                 r = RejectRecord.model_validate_json(line)
                 rejects[r.line] = r.reason
-                assert r.source == "datasets/malformed.jsonl"
+                assert r.source == layout.dataset_upload(hashlib.sha256((DATA / "malformed.jsonl").read_bytes()).hexdigest(), "malformed.jsonl")
         assert {line: rejects[line][: len(start)] for line, start in MALFORMED_REJECTS.items()} == MALFORMED_REJECTS
         assert check_against_reference(s3_store, "cli-run", reference) == 3
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,12 @@ def test_importing_the_extractor_reads_no_settings():
     code = (
         "import aerie_extractor.worker as w, aerie_extractor.tasks, aerie_extractor.cli, aerie_extractor.ingest, "
         "aerie_extractor.extract, aerie_extractor.engines\n"
-        "try:\n    w.app\nexcept ValueError as e:\n    print('refused:', e)\n"
+        "try:\n    w.app\nexcept SystemExit as e:\n    print('refused:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(AERIE_TYPO="1"), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     # the import succeeded with a bad variable set; only building the app read (and refused) it
-    assert "refused: unknown setting(s) AERIE_TYPO" in out.stdout
+    assert "refused: Error: unknown setting(s) AERIE_TYPO" in out.stdout
 
 
 def test_cli_surface():
@@ -41,11 +42,13 @@ def test_cli_surface():
     assert out.returncode == 0, out.stderr
     assert "enqueue" in out.stdout and "progress" in out.stdout
     out = subprocess.run([CELERY, "-A", "aerie_extractor.worker", "enqueue", "--help"], env=clean_env(), capture_output=True, text=True, timeout=120)
-    flags = sorted({w.split("/")[0].rstrip(",") for w in out.stdout.split() if w.startswith("--")})
+    flags = sorted({f for pair in re.findall(r"^  (--[a-z-]+)(?: / (--[a-z-]+))?", out.stdout, re.M) for f in pair if f})
+    training = ["--batch-tokens", "--draft-vocab", "--drafter-shape", "--epochs", "--lr", "--preset", "--seq-len", "--steps",
+                "--train-config", "--ttt-steps"]  # aerie.presets.train_options
     assert flags == sorted([
-        "--capture-points", "--dataset", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
+        "--capture-points", "--dataset", "--debug", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
         "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
-        "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned",
+        "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned", *training,
     ]), flags
     bad = subprocess.run(
         [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--capture-points", "2,a"],

@@ -8,6 +8,12 @@
 
 `progress`, not `status`: Celery registers its own `status` (workers online) after plugins, so a
 plugin of that name would be silently replaced.
+
+`enqueue` checks everything before it writes anything: the request (names, options), then the
+broker (AERIE_BROKER), then uploads a local dataset under its content's key
+(`datasets/sha256/<hex>/<name>`: two files of the same name never overwrite each other), then
+sends. Expected failures print one line naming the cause and the setting; `--debug` shows the
+traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pathlib import Path
 import click
 from celery.bin.base import CeleryCommand
 
-from aerie import layout
+from aerie import datasets, layout
+from aerie.cli import one_line_failures
 from aerie.contracts import AlignGate, IngestOptions, IngestRequest, RunStatus, TrainRequest
 from aerie.presets import train_options
 from aerie.queue import INGEST_TASK
@@ -64,6 +71,7 @@ def _points(value: str | None) -> list[int] | None:
               help="with --train-drafter: check the run against this serving SGLang (capture mode) before training (aerie align)")
 @click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
 @train_options()
+@one_line_failures
 @click.pass_context
 def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
             max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, align_server,
@@ -80,14 +88,12 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
         capture_points = capture_points or (",".join(map(str, presets.capture_points(training["preset"]) or [])) or None)
     except presets.PresetError as e:
         raise click.UsageError(str(e)) from None
-    local = Path(dataset).expanduser()
-    if upload and local.is_file():
-        from aerie.store import open_store
-
-        key = layout.dataset(local.name)
-        open_store(settings).put_file(key, local)
-        ctx.obj.echo(f"uploaded {local} -> {key}")
-        dataset = key
+    local, sha = Path(dataset).expanduser(), None
+    if upload and local.is_file():  # its key comes from its content; uploaded once all is checked
+        sha = datasets.file_sha256(local)
+        dataset = layout.dataset_upload(sha, local.name)
+    elif upload and datasets.is_local_form(dataset):
+        raise click.ClickException(f"--dataset {dataset}: no such file")
     if Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
     try:
@@ -99,12 +105,29 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
             train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
             align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
         )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    except ValueError as e:  # a refused name or option: one line naming the field
+        raise click.ClickException(" ".join(str(e).split())) from None
+    from aerie.queue import check_broker
+    from aerie.store import open_store
+
+    check_broker(app)  # before anything is written: a broker that is down leaves no orphan upload
+    store = open_store(settings)
+    if sha is not None:
+        datasets.upload(store, local, sha)
+        ctx.obj.echo(f"uploaded {local} -> {dataset}")
+    elif upload and not datasets.is_local_form(dataset) and not any(store.exists(k) for k in (dataset, layout.dataset(dataset))):
+        raise click.ClickException(f"--dataset {dataset}: neither a file here nor an object in {store.url} "
+                                   "(give a local file to upload, or the key of an uploaded dataset)")
     result = app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
     ctx.obj.echo(f"enqueued {INGEST_TASK} {result.id} for run {run_name}")
     if wait:
-        summary = result.get(timeout=wait)
+        from celery.exceptions import TimeoutError as ResultTimeout
+
+        try:
+            summary = result.get(timeout=wait)
+        except ResultTimeout:
+            raise click.ClickException(f"the ingest of run {run_name} (task {result.id}) did not finish within --wait {wait:g} s: "
+                                       "is a worker consuming queue 'ingest'? (`progress --run` shows it)") from None
         ctx.obj.echo(f"ingested: {summary['sequences']} sequences, {summary['tokens']} tokens in "
                      f"{len(summary['shards'])} shards, {summary['rejects']} rejects")
 
@@ -133,6 +156,7 @@ def status_table(status: RunStatus):
 @click.option("--watch", is_flag=True, help="follow the run with a progress bar until it completes")
 @click.option("--timeout", type=float, default=3600.0, help="seconds --watch waits")
 @click.option("--json", "as_json", is_flag=True, help="print the RunStatus record as JSON")
+@one_line_failures
 @click.pass_context
 def progress(ctx, run_name, watch, timeout, as_json):
     """Show a run's progress: shards tokenized / extracted / failed, tokens, rejects."""

@@ -39,6 +39,7 @@ from aerie import layout
 from aerie.capture import default_capture_points, validate_capture_points
 from aerie.contracts import IngestOptions, IngestRequest, IngestResult, RejectRecord, RunSpec, ShardRecord
 from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
+from aerie.errors import ExpectedError
 from aerie.runs import shard_names
 from aerie.settings import Settings
 from aerie.shard import pack
@@ -62,7 +63,7 @@ ROLES = {
 }
 
 
-class IngestError(ValueError):
+class IngestError(ExpectedError, ValueError):
     """The whole run cannot be ingested (missing dataset, template, existing run...)."""
 
 

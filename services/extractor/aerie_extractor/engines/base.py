@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from aerie.contracts import EngineSpec, RunSpec, TargetSpec
+from aerie.errors import ExpectedError
 from aerie.settings import Settings
 
 
-class EngineError(RuntimeError):
+class EngineError(ExpectedError, RuntimeError):
     """The engine failed or disagrees with the run (retryable when `retryable`)."""
 
     retryable = True

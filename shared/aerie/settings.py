@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
     engine_concurrency: int = Field(default=4, ge=1)
     engine_timeout_s: float = Field(default=600.0, gt=0)
+    engine_api_key: SecretStr | None = Field(
+        default=None, description="sglang: the server's --api-key, sent as a bearer token (compose: SGLANG_API_KEY)"
+    )
     engine_outage_wait_s: float = Field(
         default=1800.0, ge=0,
         description="sglang: how long a request waits for an unreachable server's /health before failing (a restarted large model loads for 10-30 min); 0: fail at once",

@@ -34,6 +34,8 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
     for worker in ("extractor", "trainer"):
         assert s[worker]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
         assert s[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # SGLang's --api-key is one secret: the server requires it, the extractors send it
+    assert s["extractor"]["environment"]["AERIE_ENGINE_API_KEY"] == s["inference-capture"]["environment"]["SGLANG_API_KEY"]
     raw = (REPO / "docker-compose.yml").read_text()
     for secret in ("REDIS_PASSWORD", "MINIO_ROOT_PASSWORD", "AERIE_S3_SECRET_KEY", "FLOWER_PASSWORD"):
         assert f"${{{secret}:?Variable not set}}" in raw

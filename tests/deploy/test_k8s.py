@@ -32,6 +32,13 @@ def test_k8s_overlays_render_the_whole_system():
             ("PersistentVolumeClaim", "aerie-models"),
         ]:
             assert expected in kinds, f"{overlay.name}: {expected} missing from the render"
+        # SGLang's --api-key: the server reads it from the Secret, and so do its clients
+        pods = {r["metadata"]["name"]: r["spec"]["template"]["spec"] for r in kustomize_build(overlay)
+                if r["kind"] == "Deployment"}
+        keys = {(name, e["name"]) for name, pod in pods.items() for e in pod["containers"][0].get("env") or []
+                if (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") == "SGLANG_API_KEY"}
+        assert keys == {("inference", "SGLANG_API_KEY"), ("extractor", "AERIE_ENGINE_API_KEY"),
+                        ("trainer", "AERIE_ENGINE_API_KEY")}, keys
 
 
 def _component_overlay(tmp_path: Path, components: list[str], literals: list[str]) -> Path:

@@ -34,11 +34,23 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
     for worker in ("extractor", "trainer"):
         assert s[worker]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
         assert s[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in ("inference-capture", "inference-serve"):  # JIT kernels survive restarts and mode switches
+        assert {"type": "volume", "source": "sglang-cache", "target": "/home/aerie/.cache", "volume": {}} in s[name]["volumes"]
+    for worker in ("extractor", "trainer"):
+        assert s[worker]["environment"]["AERIE_BROKER_VISIBILITY_TIMEOUT_S"] == "3600"  # from .env
     # SGLang's --api-key is one secret: the server requires it, the extractors send it
     assert s["extractor"]["environment"]["AERIE_ENGINE_API_KEY"] == s["inference-capture"]["environment"]["SGLANG_API_KEY"]
     raw = (REPO / "docker-compose.yml").read_text()
     for secret in ("REDIS_PASSWORD", "MINIO_ROOT_PASSWORD", "AERIE_S3_SECRET_KEY", "FLOWER_PASSWORD"):
         assert f"${{{secret}:?Variable not set}}" in raw
+
+
+def test_minio_data_goes_to_a_data_disk_when_minio_data_dir_names_one():
+    project = Project()
+    default = project.render()["services"]["minio"]["volumes"]
+    disk = project.render(env={**project.stand_ins, "MINIO_DATA_DIR": "/srv/aerie/minio"})["services"]["minio"]["volumes"]
+    assert [(v["type"], v["source"]) for v in default] == [("volume", "minio-data")]
+    assert [(v["type"], v["source"], v["target"]) for v in disk] == [("bind", "/srv/aerie/minio", "/data")]
 
 
 def test_compose_refuses_to_start_without_secrets():

@@ -39,6 +39,18 @@ def test_k8s_overlays_render_the_whole_system():
                 if (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") == "SGLANG_API_KEY"}
         assert keys == {("inference", "SGLANG_API_KEY"), ("extractor", "AERIE_ENGINE_API_KEY"),
                         ("trainer", "AERIE_ENGINE_API_KEY")}, keys
+        # extractors run in other pods than SGLang: captures travel through the bucket (the s3 sink),
+        # so the server's plugin gets the store and its key
+        rendered = kustomize_build(overlay)
+        config = next(r["data"] for r in rendered if r["metadata"]["name"].startswith("aerie-config"))
+        assert config["AERIE_ENGINE_SINK"] == "s3" and config["AERIE_ENGINE_TRANSPORT"] == "auto"
+        sglang = pods["inference"]["containers"][0]
+        assert {"AERIE_SGLANG_BINARY", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY",
+                "AERIE_S3_SECRET_KEY"} <= {e["name"] for e in sglang["env"]}
+        assert "--enable-metrics" in sglang["command"][2]
+        inference = next(r for r in rendered if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")
+        assert inference["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert any(m["mountPath"] == "/home/aerie/.cache" for m in sglang["volumeMounts"]), "SGLang's JIT cache"
 
 
 def _component_overlay(tmp_path: Path, components: list[str], literals: list[str]) -> Path:

@@ -125,6 +125,7 @@ def test_a_sweep_needs_a_launch_command_without_the_flags_it_sets(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.sglang
+@pytest.mark.timeout(2400)  # builds the shared trained drafter when no test has (tests/trained.py)
 def test_a_sweep_over_a_chain_and_a_tree_on_real_servers_is_recorded_beside_the_drafter(trained_smol, smollm2_path, fs_store, tmp_path):
     """Two settings of the shared trained drafter (each a real SGLang CPU server, ~25 s to start):
     acceptance and tokens/s per setting, the best one, stored beside the lineage (which is unchanged)."""

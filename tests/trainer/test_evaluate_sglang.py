@@ -34,6 +34,7 @@ def prompts(smollm2_path) -> list[list[int]]:
             for t in texts]
 
 
+@pytest.mark.timeout(2400)  # builds the shared trained drafter when no test has (tests/trained.py)
 def test_the_server_gives_the_in_process_acceptance(sglang_capture, trained_smol, smollm2_path, prompts):
     drafter = load_exported(trained_smol.folder, smollm2_path).eval()
     eos = evaluate.eos_token_ids(smollm2_path)

@@ -1,13 +1,16 @@
-"""A quantized serving target for the tests: SmolLM2-135M's weights round-tripped through 4-bit
-per-group quantization, saved as a plain model folder.
+"""Quantized serving targets for the tests: SmolLM2-135M's weights round-tripped through 4-bit
+quantization, saved as plain model folders.
 
-    folder = smollm2_int4(cache_dir, smollm2_path)   # the alignment tests' quantized target
+    folder = smollm2_int4(cache_dir, smollm2_path)               # groups of 32 (test_align.py)
+    folder = smollm2_int4(cache_dir, smollm2_path, PER_CHANNEL)  # one group per output row
 
 The seed's failure in miniature: a drafter is trained on states of the unquantized model and
 served on an INT4 one (the seed's Kimi-K2 deployment is INT4 with 32-weight groups). Every linear
 weight of the decoder layers (q, k, v, o, gate, up, down) is quantized round-to-nearest,
-asymmetric, 4 bits per weight with one scale and zero point per GROUP consecutive input weights,
-then dequantized back and stored in the source's dtype (bf16). Embeddings (tied with the lm_head)
+asymmetric, 4 bits per weight with one scale and zero point per `group` consecutive input weights
+(GROUP = 32; PER_CHANNEL: a whole row, the coarser INT4 layout), then dequantized back and stored
+in the source's dtype (bf16). Measured (BENCHMARKS.md "Alignment"): groups of 32 keep the residual
+stream at cosine 0.9965 / 0.980 / 0.969 (points 2 / 15 / 27), per-channel at 0.991 / 0.963 / 0.935. Embeddings (tied with the lm_head)
 and norms stay as they are, as INT4 checkpoints keep them. The folder has no
 `quantization_config`: SGLang serves the dequantized weights as a plain model, so it computes
 what an INT4 kernel computes up to the kernel's own rounding.
@@ -27,6 +30,7 @@ from pathlib import Path
 
 BITS = 4
 GROUP = 32
+PER_CHANNEL = 0  # `group` value: one scale and zero point per output row
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "chat_template.jinja")
@@ -34,10 +38,11 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 
 def quantize_dequantize(weight, bits: int = BITS, group: int = GROUP):
     """[out, in] -> the same shape after round-to-nearest asymmetric quantization of every
-    `group` consecutive input weights to `bits` bits (computed in float32)."""
+    `group` consecutive input weights (PER_CHANNEL: the whole row) to `bits` bits (in float32)."""
     import torch
 
     out_features, in_features = weight.shape
+    group = group or in_features
     if in_features % group:
         raise ValueError(f"input size {in_features} is not a multiple of the group size {group}")
     w = weight.to(torch.float32).reshape(out_features, in_features // group, group)  # (out, groups, group)
@@ -60,7 +65,8 @@ def smollm2_int4(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, 
     from aerie.target import describe
 
     h.update(describe(source).weights_sha256.encode())
-    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{BITS}-g{group}-{h.hexdigest()[:16]}"
+    layout = f"g{group}" if group else "channel"
+    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{BITS}-{layout}-{h.hexdigest()[:16]}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building it: wait for it
@@ -87,3 +93,40 @@ def _build(out: Path, source: Path, group: int) -> None:
             shutil.copy2(source / name, tmp / name)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+
+
+def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = PER_CHANNEL):
+    """The shared trained drafter's twin (tests/trained.py: same conversations, same training), its
+    states and target signal taken from the quantized SmolLM2: the drafter that matches a quantized
+    serving target. No speculative-decoding evaluation in training (the test serves it instead).
+    Cached like the shared one, keyed by the run, the config and the trainer's and library's source."""
+    from aerie import stages
+    from aerie.contracts import TrainRequest
+    from aerie.pipeline import SIZES
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from tests.runs import hidden_run_folder, upload_run
+    from tests.trained import SIZE, Trained, source_digest, train_config
+
+    target = smollm2_int4(cache_dir, smollm2_path, group)
+    size = SIZES[SIZE]
+    run_folder = hidden_run_folder(cache_dir, target, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
+    config = train_config().model_copy(update={"eval_prompts": 0})
+    key = hashlib.sha256(json.dumps([run_folder.name, config.model_dump(), source_digest()]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) / "test-drafters" / f"{target.name.rsplit('-', 1)[0]}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "train.json").is_file():
+            import time
+
+            shutil.rmtree(folder, ignore_errors=True)
+            store = FsStore(folder / "store")
+            upload_run(store, run_folder, "sharegpt-int4")
+            started = time.monotonic()
+            request = TrainRequest(runs=["sharegpt-int4"], drafter="smol-int4-eagle3", model=str(target), config=config)
+            result = stages.train(store, Settings(store=f"file://{store.root}"), request).model_dump(mode="json")
+            result["train_wall_s"] = time.monotonic() - started
+            stages.pull(store, request.drafter, folder / "pulled")
+            (folder / "train.json").write_text(json.dumps(result))  # last: marks the folder complete
+    return Trained(folder / "store", folder / "pulled", json.loads((folder / "train.json").read_text()))

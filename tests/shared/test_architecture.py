@@ -55,7 +55,7 @@ def test_command_surface():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     commands = sorted(re.findall(r"^  ([a-z-]+)\s", out.stdout.split("Commands:")[1], re.M))
-    assert commands == ["bench", "capture-ids", "prepare-store", "pull", "retry-failed", "run", "smoke", "train"], commands
+    assert commands == ["align", "bench", "capture-ids", "prepare-store", "pull", "retry-failed", "run", "smoke", "train"], commands
     for service in ("extractor", "trainer"):  # no argparse CLI of their own
         for path in (REPO / "services" / service).rglob("*.py"):
             assert "argparse" not in path.read_text(), path

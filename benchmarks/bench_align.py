@@ -1,0 +1,104 @@
+"""The alignment check's thresholds, measured: stored states against SGLang servers of several configurations.
+
+    .venv/bin/python benchmarks/bench_align.py [--samples 8] [--max-tokens 192] [--json out.json]
+
+What `aerie align`'s default thresholds (aerie.settings: AERIE_ALIGN_MIN_COSINE, ..._P1,
+AERIE_ALIGN_MIN_TOP1) rest on. The run is the default-size ShareGPT run of SmolLM2-135M (the `hf`
+engine, bf16 states; tests/runs.py, cached), the one the tests' shared drafter is trained on. Each
+configuration is one real SGLang 0.5.23 capture server on the CPU (radix cache off, the run's
+points and their neighbours, aerie's binary plugin so the final states are compared too), checked
+with the `align` stage itself:
+
+- `float32`, `bfloat16`: the same weights, served in each dtype (same target, same engine);
+- `off-by-one`: the float32 server against states taken one layer deeper than their labels
+  (points [3, 16, 28] stored as [2, 15, 27]);
+- `int4-g32`: the weights round-tripped through 4-bit quantization in groups of 32
+  (tests/quantized.py), served in float32, against the unquantized run.
+
+Printed per configuration and point: mean / p1 / min cosine at the point, the best-matching server
+point, the neighbours' mean cosine; the final-state cosine and the top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+POINTS = [2, 15, 27]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+
+    import os
+
+    from aerie import layout, stages
+    from aerie.contracts import AlignRequest
+    from aerie.pipeline import SIZES
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from aerie.target import smollm2
+    from aerie_extractor.align import neighbour_layer_ids
+    from tests.quantized import smollm2_int4
+    from tests.runs import hidden_run_folder, upload_run
+    from tests.sglang_server import capture_server
+
+    cache = Path(os.environ.get("AERIE_TEST_CACHE", os.path.expanduser("~/.cache/aerie")))
+    model = smollm2(cache)
+    size = SIZES["default"]
+    run = hidden_run_folder(cache, model, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
+    deeper = hidden_run_folder(cache, model, records=8, max_tokens=96, points=[p + 1 for p in POINTS])
+    work = Path(tempfile.mkdtemp(prefix="aerie-bench-align-"))
+    store = FsStore(work / "store")
+    upload_run(store, run, "sharegpt")
+    spec = upload_run(store, deeper, "deeper")
+    store.put_json(layout.run_spec("deeper"), spec.model_copy(update={
+        "capture_points": POINTS, "engine": spec.engine.model_copy(update={"layer_ids": POINTS})}))
+    settings = Settings(store=f"file://{store.root}")
+    ids = neighbour_layer_ids(POINTS, "sglang-llama", 30)
+    env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(work / "shm")}
+    configurations = [("float32", model, "float32", ["sharegpt", "deeper"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
+                      ("int4-g32", smollm2_int4(cache, model), "float32", ["sharegpt"])]
+    figures: dict[str, dict] = {}
+    for name, folder, dtype, runs in configurations:
+        with capture_server(folder, layer_ids=ids, dtype=dtype, env=env, log_dir=work / "logs") as server:
+            for run_name in runs:
+                started = time.monotonic()
+                report = stages.align(store, settings, AlignRequest(run=run_name, server=server.url, samples=args.samples,
+                                                                     max_tokens=args.max_tokens))
+                label = "off-by-one" if run_name == "deeper" else name
+                figures[label] = {
+                    "passed": report.passed, "tokens": report.tokens, "seconds": round(time.monotonic() - started, 1),
+                    "points": {p.point: {"mean": p.at_point.mean, "p1": p.at_point.p1, "min": p.at_point.min,
+                                         "best": p.best_point, "best_cos": p.cosines[p.best_point],
+                                         "neighbours": {q: c for q, c in p.cosines.items() if abs(q - p.point) == 1}}
+                               for p in report.points},
+                    "final": report.signal.final.mean if report.signal and report.signal.final else None,
+                    "final_p1": report.signal.final.p1 if report.signal and report.signal.final else None,
+                    "top1": report.signal.top1_agreement if report.signal else None, "causes": report.causes,
+                }
+                print(f"\n== {label} ({'pass' if report.passed else 'FAIL'}; {report.tokens} tokens)")
+                for p, f in figures[label]["points"].items():
+                    near = " ".join(f"{q}:{c:.4f}" for q, c in f["neighbours"].items())
+                    print(f"  point {p}: mean {f['mean']:.6f} p1 {f['p1']:.6f} min {f['min']:.6f} best {f['best']} "
+                          f"({f['best_cos']:.6f}) neighbours {near}")
+                final = figures[label]
+                print(f"  final: mean {final['final']}, p1 {final['final_p1']}; top-1 {final['top1']:.4f}")
+                for cause in report.causes:
+                    print(f"  - {cause}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

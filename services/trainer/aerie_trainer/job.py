@@ -92,11 +92,11 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         tracking.progress(stage="train", steps=trainer.steps, step=st.step, message=f"{sharding} on {dist.world_size} rank(s): {why}",
                           force=True)
     try:
-        if evaluator is not None and "heldout_loss_untrained" not in st.metrics:
+        if evaluator is not None and "evaluated_with_untrained" not in st.metrics:  # once, not again on resume
             progress(ProgressEvent(stage="evaluate", message=f"untrained drafter ({evaluator.note})"))
             tracking.progress(stage="evaluate", message="untrained drafter")
             untrained = evaluator.run()
-            st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k not in ("evaluated_with", "evaluation_note")})
+            st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k != "evaluation_note"})
             _log_eval(tracking, untrained, 0)
             tracking.progress(stage="train", message="")
         trainer.train()
@@ -128,7 +128,7 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         dist.barrier()
     finally:
         if tracking is not None:
-            tracking.close()
+            tracking.close()  # the event files so far go to the store, whatever happened
     return TrainResult.of(request.drafter, version, st.metrics, **result.model_dump(exclude={"drafter", "version"}, exclude_none=True))
 
 

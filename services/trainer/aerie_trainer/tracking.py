@@ -139,6 +139,12 @@ class Tracking:
                     pass
 
     def close(self) -> None:
+        """Never raises: called while an error may be on its way up (the store's own failure included)."""
+        import logging
+
         for tracker in self.trackers:
-            tracker.close()
+            try:
+                tracker.close()
+            except Exception:
+                logging.getLogger(__name__).exception("closing the %s tracker of %s failed", type(tracker).__name__, self.train_id)
         self.trackers = []

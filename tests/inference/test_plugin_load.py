@@ -5,7 +5,9 @@ SGLang process (`.venv-sglang`, where `aerie-sglang` is pip-installed: its entry
 - on sglang 0.5.23 every hook applies; on another version the plugin refuses, with a message
   that says what to do, and hooks nothing (the server then runs stock and advertises nothing);
 - a broken sink configuration refuses to load, naming the variable;
-- the back-pressure bound and the reservations of admitted requests.
+- the back-pressure bound and the reservations of admitted requests;
+- the shm sink is private to the server's user and sweeps only its own names; the s3 sink counts
+  its uploads in the bound and expires them (these import the sink alone: torch, no SGLang).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
             print("REFUSED", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=1000" in str(e))
         del a; gc.collect()                      # an aborted request releases its reservation
         sinks.admit(b, 600); print("ADMITTED-AFTER-RELEASE")
-        Path({str(tmp_path)!r}, "x.safetensors").write_bytes(b"0" * 500)   # an unclaimed file
+        Path({str(tmp_path)!r}, "a" * 32 + ".safetensors").write_bytes(b"0" * 500)   # an unclaimed capture
         try:
             sinks.admit(Req(), 100); print("ADMITTED-OVER")
         except SinkFull:
@@ -113,3 +115,123 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
     """)
     assert "ADMITTED-OVER" not in out
     assert "REFUSED True" in out and "ADMITTED-AFTER-RELEASE" in out and "REFUSED-FILE" in out and "TOO-BIG True" in out
+
+
+def _sink_run(code: str, tmp_path, env: dict[str, str] | None = None) -> str:
+    """`code` in `.venv-sglang` with only the sink imported (torch, no SGLang: a few seconds)."""
+    child_env = {k: v for k, v in clean_env().items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    proc = subprocess.run([str(sglang_python()), "-c", _PRELUDE + _SINK_PRELUDE + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env={**child_env, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+_SINK_PRELUDE = """
+import time
+from pathlib import Path
+import torch
+from aerie_sglang.plugin.sink import Capture, CaptureConfigError, CaptureSinkSettings, S3Target, Sinks, planned_size
+
+def capture(sinks, sink, cid, rows=4):
+    tensors = {"aux": torch.ones(rows, 2, 8), "final": torch.ones(rows, 8)}
+    meta = {"aerie_capture_id": cid, "sha256": "0" * 64}
+    sinks.submit(Capture(cid, sink, tensors, meta, planned_size(tensors, meta)), None)
+
+def wait(condition, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out: {what}")
+        time.sleep(0.05)
+"""
+
+
+def test_the_shm_sink_is_private_to_the_servers_user(tmp_path):
+    """Directory 0700, files 0600; a symlink or a directory of another user is refused naming
+    AERIE_CAPTURE_DIR; the sweeper deletes only the plugin's own names. On 2026-12-02's code:
+    0755 / 0644, both accepted, and every old `*.safetensors` of the directory deleted."""
+    out = _sink_run("""
+        import os
+        root = Path.cwd()
+        sinks = Sinks(CaptureSinkSettings(shm_dir=root / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1))
+        sinks.start()
+        capture(sinks, "shm", "a" * 32)
+        wait(lambda: (root / "cap" / ("a" * 32 + ".safetensors")).exists(), "the capture")
+        print("MODES", oct((root / "cap").stat().st_mode & 0o777), oct((root / "cap" / ("a" * 32 + ".safetensors")).stat().st_mode & 0o777))
+        (root / "elsewhere").mkdir()
+        (root / "link").symlink_to(root / "elsewhere")
+        other = root / "other"
+        other.mkdir()
+        if os.geteuid() == 0:
+            os.chown(other, 4242, 4242)
+        else:
+            other = Path("/var/tmp")  # a directory this user does not own
+        for name, path in (("SYMLINK", root / "link"), ("OTHER-OWNER", other)):
+            try:
+                Sinks(CaptureSinkSettings(shm_dir=path, max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1)).start()
+                print(name, "ACCEPTED")
+            except CaptureConfigError as e:
+                print(name, "REFUSED", "AERIE_CAPTURE_DIR" in str(e))
+        loose = root / "loose"
+        loose.mkdir(mode=0o755)
+        loose.chmod(0o755)
+        CaptureSinkSettings(shm_dir=loose, max_unclaimed_bytes=1, ttl_s=60).prepare()
+        print("NARROWED", oct(loose.stat().st_mode & 0o777))
+        cap = root / "cap"
+        names = ["b" * 32 + ".safetensors", "." + "c" * 32 + ".partial", "d" * 32 + ".error",
+                 "notes.safetensors", "model.safetensors", "e" * 31 + ".safetensors", "keep.txt"]
+        for name in names:
+            (cap / name).write_bytes(b"x")
+            os.utime(cap / name, (time.time() - 3600, time.time() - 3600))
+        (cap / ("f" * 32 + ".safetensors")).symlink_to(root / "elsewhere")
+        sinks._sweep()
+        print("LEFT", sorted(p.name for p in cap.iterdir()))
+    """, tmp_path)
+    assert "MODES 0o700 0o600" in out, out
+    assert "SYMLINK REFUSED True" in out and "OTHER-OWNER REFUSED True" in out, out
+    assert "NARROWED 0o700" in out, out
+    left = out.split("LEFT ", 1)[1]
+    for kept in ("notes.safetensors", "model.safetensors", "e" * 31 + ".safetensors", "keep.txt", "f" * 32 + ".safetensors"):
+        assert kept in left, (kept, left)
+    for swept in ("b" * 32 + ".safetensors", "c" * 32 + ".partial", "d" * 32 + ".error"):
+        assert swept not in left, (swept, left)
+
+
+def test_the_s3_sink_is_bounded_and_expires_unclaimed_captures(s3_store, tmp_path):
+    """Uploads count in the unclaimed bytes until a client deletes them (the next listing sees
+    it) and refuse admission past the bound; captures older than the TTL are deleted from the
+    prefix, nothing else. On 2026-12-02's code an upload counted for nothing and nothing under
+    the prefix ever expired."""
+    creds = s3_store.client._provider.retrieve()
+    s3_store.put_bytes("capture/notes.txt", b"not a capture")
+    s3_store.put_bytes("capture/deeper/" + "9" * 32 + ".safetensors", b"not the plugin's key")
+    s3_store.put_bytes("runs/r1/" + "9" * 32 + ".safetensors", b"not under the prefix")
+    out = _sink_run(f"""
+        from aerie_sglang.plugin.s3 import S3Client
+        from aerie_sglang.plugin.sink import SinkFull
+        target = S3Target({s3_store.endpoint!r}, {s3_store.bucket!r}, {creds.access_key!r}, {creds.secret_key!r}, "us-east-1", "capture/")
+        sinks = Sinks(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=4000, ttl_s=6, s3=target, writers=2))
+        sinks.start()
+        capture(sinks, "s3", "1" * 32, rows=16)  # ~1.4 KB each
+        capture(sinks, "s3", "2" * 32, rows=16)
+        wait(lambda: not sinks._queued_bytes, "the uploads")
+        waiting = sinks.unclaimed_bytes()
+        print("UNCLAIMED", waiting)
+        try:
+            sinks.admit(object(), 2000)
+            print("ADMITTED-OVER")
+        except SinkFull as e:
+            print("REFUSED", "s3 prefix capture/" in str(e))
+        S3Client(target.endpoint, target.access_key, target.secret_key).delete(target.bucket, "capture/" + "1" * 32 + ".safetensors")
+        wait(lambda: sinks.unclaimed_bytes() < waiting, "the claimed capture forgotten", timeout=15)
+        print("AFTER-CLAIM", sinks.unclaimed_bytes())
+        wait(lambda: sinks.unclaimed_bytes() == 0, "the unclaimed capture expired", timeout=40)
+        print("EXPIRED")
+    """, tmp_path)
+    assert "ADMITTED-OVER" not in out and "REFUSED True" in out, out
+    waiting = int(out.split("UNCLAIMED ")[1].split()[0])
+    after = int(out.split("AFTER-CLAIM ")[1].split()[0])
+    assert 2500 < waiting <= 4000 and 0 < after < waiting, out
+    assert "EXPIRED" in out, out
+    assert sorted(s3_store.list("")) == sorted(["capture/notes.txt", "capture/deeper/" + "9" * 32 + ".safetensors",
+                                                  "runs/r1/" + "9" * 32 + ".safetensors"])

@@ -117,6 +117,7 @@ def register() -> None:
     for target, (_, _, params) in HOOKS.items():
         _check_target(target, params)
     config = CaptureSinkSettings.from_env()
+    config.prepare()  # the shm directory: private to this user, or the plugin refuses to load
     hooks.configure(config, version, importlib.metadata.version("aerie-sglang"))
     for target, (kind, fn_name, _) in HOOKS.items():
         HookRegistry.register(target, getattr(hooks, fn_name), HookType[kind])

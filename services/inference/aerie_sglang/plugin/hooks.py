@@ -23,7 +23,9 @@ from http import HTTPStatus
 
 import torch
 
-from aerie_sglang.plugin.sink import FORMAT_VERSION, SUFFIX, Capture, Sinks, CaptureSinkSettings, SinkFull, planned_size
+from aerie_sglang.plugin.sink import (
+    FORMAT_VERSION, SUFFIX, Capture, CaptureConfigError, CaptureSinkSettings, Sinks, SinkFull, planned_size,
+)
 
 logger = logging.getLogger("aerie_sglang.capture")
 
@@ -147,7 +149,11 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
     reservation = None
     if writer:
         assert _sinks is not None
-        _sinks.start()
+        try:
+            _sinks.start()
+        except CaptureConfigError as e:  # the directory changed since the plugin loaded: no capture into it
+            req.set_finish_with_abort(f"aerie capture refused: {e}", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+            return None
         try:
             reservation = _sinks.admit(req, _planned_bytes(scheduler, len(req.origin_input_ids)))
         except SinkFull as e:

@@ -8,11 +8,19 @@
 - A capture appears atomically: `shm` writes `.<id>.partial` and renames it to `<id>.safetensors`;
   an S3 PUT is atomic. A client that holds a descriptor waits for the object, reads it, checks it
   (capture id and sha256 in the safetensors header) and deletes it: that is "claiming" it.
-- Back-pressure: unclaimed bytes = files in the shm directory + captures queued in memory +
-  bytes reserved by admitted requests. A request that would push them past
-  `max_unclaimed_bytes` is refused at admission (`Sinks.admit`), never half-written.
-- Orphans (a client that died before claiming) stay within that bound, and files older than
-  `ttl_s` are deleted by the first writer thread.
+- Back-pressure: unclaimed bytes = captures in the shm directory + captures uploaded to the s3
+  sink and not yet seen claimed + captures queued in memory + bytes reserved by admitted
+  requests. A request that would push them past `max_unclaimed_bytes` is refused at admission
+  (`Sinks.admit`), never half-written. The first writer thread lists the s3 prefix every second
+  while uploads wait (one request), forgetting what clients deleted: the scheduler never waits
+  for the network.
+- Orphans (a client that died before claiming) stay within that bound, and captures older than
+  `ttl_s` are deleted by the first writer thread, in the shm directory and under the s3 prefix.
+- Only the plugin's own names are ever counted or deleted: `<32 hex>.safetensors`, its
+  `.<32 hex>.partial` and `<32 hex>.error`. The shm directory is private: created 0700 (an
+  existing one must be a real directory of the server's user, and is narrowed to 0700), files
+  0600, written without following symlinks; anything else refuses to load the plugin, naming
+  AERIE_CAPTURE_DIR.
 
 Configuration, read from the environment of the SGLang server when the plugin loads:
 
@@ -36,6 +44,8 @@ import json
 import logging
 import os
 import queue
+import re
+import stat
 import threading
 import time
 import weakref
@@ -52,6 +62,9 @@ FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
 ERROR_SUFFIX = ".error"  # next to a capture that could not be written: the reason, for the client
 PARTIAL_PREFIX = "."
+# the only names the sink counts, sweeps or writes: a capture, its partial file, its error note
+OWN_NAME = re.compile(r"(?:[0-9a-f]{32}(?:\.safetensors|\.error)|\.[0-9a-f]{32}\.partial)")
+S3_REFRESH_S = 1.0  # how often uploads waiting to be claimed are re-listed
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -129,12 +142,42 @@ class CaptureSinkSettings:
     def sinks(self) -> list[str]:
         return ["shm", "s3"] if self.s3 else ["shm"]
 
+    def prepare(self) -> None:
+        """Create the shm directory (0700) or accept an existing one only when it is a real
+        directory of this user; CaptureConfigError (naming AERIE_CAPTURE_DIR) otherwise."""
+        prepare_dir(self.shm_dir)
+
     def advertised(self) -> dict:
         """What clients read from /server_info: which sinks exist and where they write."""
         sinks: dict = {"shm": {"dir": str(self.shm_dir)}}
         if self.s3:
             sinks["s3"] = {"endpoint": self.s3.endpoint, "bucket": self.s3.bucket, "prefix": self.s3.prefix}
         return {"sinks": sinks, "max_unclaimed_bytes": self.max_unclaimed_bytes, "ttl_s": self.ttl_s}
+
+
+def prepare_dir(path: Path) -> None:
+    """The shm directory, private to the server's user: made 0700 when missing; an existing one
+    must not be a symlink, must be a directory owned by this user, and is narrowed to 0700 (files
+    in a directory others can enter are readable hidden states; one they own can be swapped)."""
+    where = f"AERIE_CAPTURE_DIR={path}"
+    if not path.is_absolute():
+        raise CaptureConfigError(f"{where} is not an absolute path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise CaptureConfigError(f"{where} is a symlink: refused (point AERIE_CAPTURE_DIR at a real directory of the server's user)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CaptureConfigError(f"{where} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise CaptureConfigError(f"{where} belongs to uid {st.st_uid}, not the server's user ({os.geteuid()}): refused "
+                                 "(another user made it; remove it or choose another AERIE_CAPTURE_DIR)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+        logger.warning("aerie capture: %s was mode %o, narrowed to 700", path, stat.S_IMODE(st.st_mode))
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -183,11 +226,12 @@ class Sinks:
     _reserved: dict[int, int] = field(default_factory=dict)
     _threads: list[threading.Thread] = field(default_factory=list)
     _next_reservation: int = 0
+    _s3_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (bytes, uploaded at, monotonic)
 
     def start(self) -> None:
         if self._threads:
             return
-        self.config.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.config.prepare()
         for i in range(self.config.writers):
             thread = threading.Thread(target=self._run, args=(i == 0,), name=f"aerie-capture-writer-{i}", daemon=True)
             thread.start()
@@ -199,9 +243,9 @@ class Sinks:
         try:
             with os.scandir(self.config.shm_dir) as it:
                 for entry in it:
-                    if entry.name.endswith(SUFFIX) or entry.name.endswith(".partial"):
+                    if OWN_NAME.fullmatch(entry.name) and not entry.name.endswith(ERROR_SUFFIX):
                         try:
-                            total += entry.stat().st_size
+                            total += entry.stat(follow_symlinks=False).st_size
                         except FileNotFoundError:  # claimed meanwhile
                             pass
         except FileNotFoundError:
@@ -210,7 +254,7 @@ class Sinks:
 
     def unclaimed_bytes(self) -> int:
         with self._lock:
-            pending = self._queued_bytes + sum(self._reserved.values())
+            pending = self._queued_bytes + sum(self._reserved.values()) + sum(n for n, _ in self._s3_waiting.values())
         return pending + self.shm_bytes()
 
     def admit(self, owner: object, nbytes: int) -> int:
@@ -226,7 +270,8 @@ class Sinks:
         if unclaimed + nbytes > self.config.max_unclaimed_bytes:
             raise SinkFull(
                 f"aerie capture refused: {unclaimed} unclaimed bytes are waiting in the capture sinks "
-                f"(shm dir {self.config.shm_dir}) and this request needs {nbytes} more, over the bound "
+                f"(shm dir {self.config.shm_dir}{', s3 prefix ' + self.config.s3.prefix if self.config.s3 else ''}) "
+                f"and this request needs {nbytes} more, over the bound "
                 f"AERIE_CAPTURE_MAX_UNCLAIMED_BYTES={self.config.max_unclaimed_bytes}: clients must read "
                 "and delete their captures (or raise the bound); retry later"
             )
@@ -254,7 +299,7 @@ class Sinks:
         if self.config.s3:
             t = self.config.s3
             s3 = S3Client(t.endpoint, t.access_key, t.secret_key, t.region)
-        last_sweep = 0.0
+        last_sweep = last_listing = 0.0
         while True:
             try:
                 capture = self._queue.get(timeout=1.0)
@@ -269,7 +314,13 @@ class Sinks:
                     with self._lock:
                         self._queued_bytes -= capture.nbytes
             now = time.monotonic()
-            if sweeper and now - last_sweep > min(5.0, self.config.ttl_s / 4):
+            if not sweeper:
+                continue
+            sweep = now - last_sweep > min(5.0, self.config.ttl_s / 4)
+            if s3 is not None and (sweep or (self._s3_waiting and now - last_listing > S3_REFRESH_S)):
+                last_listing = now
+                self._sweep_s3(s3, expire=sweep)
+            if sweep:
                 last_sweep = now
                 self._sweep()
 
@@ -286,7 +337,7 @@ class Sinks:
             final = self.config.shm_dir / f"{capture.capture_id}{SUFFIX}"
             partial = self.config.shm_dir / f"{PARTIAL_PREFIX}{capture.capture_id}.partial"
             try:
-                with open(partial, "wb") as f:
+                with _create_private(partial) as f:
                     f.write(header)
                     for p in parts:
                         f.write(p)
@@ -295,7 +346,8 @@ class Sinks:
                 partial.unlink(missing_ok=True)
                 error = self.config.shm_dir / f"{capture.capture_id}{ERROR_SUFFIX}"
                 try:
-                    error.write_text(f"the SGLang server could not write {final}: {e}")
+                    with _create_private(error) as f:
+                        f.write(f"the SGLang server could not write {final}: {e}".encode())
                 except OSError:
                     pass
                 raise
@@ -306,22 +358,63 @@ class Sinks:
                 body_sha.update(p)
             key = self.config.s3.prefix + capture.capture_id + SUFFIX
             s3.put(self.config.s3.bucket, key, [header, *parts], body_sha.hexdigest())
+            with self._lock:  # unclaimed until a listing no longer shows it
+                self._s3_waiting[key] = (capture.nbytes, time.monotonic())
         else:
             raise ValueError(f"unknown sink {capture.sink!r}")
 
+    def _sweep_s3(self, s3: S3Client, expire: bool) -> None:
+        """List the capture prefix: forget uploads clients have claimed (deleted) and, with
+        `expire`, delete captures older than ttl_s. Only `<prefix><32 hex>.safetensors` is touched."""
+        assert self.config.s3 is not None
+        bucket, prefix = self.config.s3.bucket, self.config.s3.prefix
+        listed_at = time.monotonic()
+        try:
+            objects = s3.list(bucket, prefix)
+        except Exception as e:  # the store is down: keep counting what waits, try again later
+            logger.warning("aerie capture: listing s3://%s/%s failed (%s); unclaimed uploads still count", bucket, prefix, e)
+            return
+        present = {o.key for o in objects}
+        with self._lock:
+            for key, (_, uploaded) in list(self._s3_waiting.items()):
+                if key not in present and uploaded < listed_at:
+                    del self._s3_waiting[key]
+        if not expire:
+            return
+        cutoff = time.time() - self.config.ttl_s
+        for o in objects:
+            name = o.key[len(prefix):]
+            if "/" in name or not OWN_NAME.fullmatch(name) or not name.endswith(SUFFIX) or o.modified >= cutoff:
+                continue
+            try:
+                s3.delete(bucket, o.key)
+                logger.warning("aerie capture: deleted unclaimed s3://%s/%s (older than %ss)", bucket, o.key, self.config.ttl_s)
+            except Exception as e:
+                logger.warning("aerie capture: could not delete expired s3://%s/%s (%s)", bucket, o.key, e)
+            with self._lock:
+                self._s3_waiting.pop(o.key, None)
+
     def _sweep(self) -> None:
-        """Delete captures nobody claimed within ttl_s (their client died)."""
+        """Delete captures nobody claimed within ttl_s (their client died): the plugin's own
+        names only, never through a symlink."""
         cutoff = time.time() - self.config.ttl_s
         try:
             with os.scandir(self.config.shm_dir) as it:
                 for entry in it:
-                    if not entry.name.endswith((SUFFIX, ".partial", ERROR_SUFFIX)):
+                    if not OWN_NAME.fullmatch(entry.name):
                         continue
                     try:
-                        if entry.stat().st_mtime < cutoff:
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
                             os.unlink(entry.path)
                             logger.warning("aerie capture: deleted unclaimed %s (older than %ss)", entry.path, self.config.ttl_s)
                     except FileNotFoundError:
                         pass
         except FileNotFoundError:
             pass
+
+
+def _create_private(path: Path):
+    """A new file for writing, mode 0600, never through a symlink and never over an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    return os.fdopen(fd, "wb")

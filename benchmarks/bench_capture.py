@@ -71,11 +71,11 @@ def as_json(client, ids: list[int]) -> int:
 def binary(client, ids: list[int]) -> int:
     import orjson
 
-    from aerie_extractor.engines.sglang_binary import CaptureReader, capture_body, descriptor_of, fetch_binary
+    from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, fetch_binary, reader_for
 
     r = client.post("/generate", json=capture_body(ids, "shm"))
     r.raise_for_status()
-    tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), CaptureReader("shm"))
+    tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), reader_for(client.get("/server_info").json(), "shm"))
     assert tensors["aux"].shape[0] == len(ids)
     return len(ids)
 

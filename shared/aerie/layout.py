@@ -17,6 +17,7 @@ checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
 checkpoints/<train-id>/tensorboard/<events file>   the training's TensorBoard event files
 checkpoints/<train-id>/failed.json        a training job that gave up
 probes/<token>                            `aerie prepare-store`'s round trip (deleted at once)
+<capture prefix><32 hex>.safetensors      an SGLang capture in the s3 sink (claimed: read and deleted at once)
 ```
 
 Names inside keys (runs, shards, drafters, versions, train ids) are checked by the contracts'
@@ -158,6 +159,28 @@ def train_progress_ids(run: str, keys: list[str]) -> list[str]:
         if "/" not in rest and rest.endswith(".json") and _SERVER_ID.match(rest[: -len(".json")]):
             ids.add(rest[: -len(".json")])
     return sorted(ids)
+
+
+# --- captures (the SGLang plugin's s3 sink) ----------------------------------------------
+CAPTURE_ID = re.compile(r"[0-9a-f]{32}")  # the plugin's capture ids (uuid4 hex)
+CAPTURE_SUFFIX = ".safetensors"
+_PREFIX = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]*/)+")
+_AERIE_ROOTS = ("datasets/", "runs/", "drafters/", "checkpoints/", "probes/")
+
+
+def check_capture_prefix(prefix: object) -> str:
+    """A capture prefix a server may use: relative, '/'-terminated, plain segments, and outside
+    aerie's own folders (so no capture key can ever name a run's, a drafter's or a dataset's object)."""
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix) or ".." in prefix.split("/") or prefix.startswith(_AERIE_ROOTS):
+        raise ValueError(f"capture prefix {prefix!r} is not a relative 'name/' prefix outside {', '.join(_AERIE_ROOTS)}")
+    return prefix
+
+
+def capture_key(prefix: str, capture_id: str) -> str:
+    """The one key a capture of this id may have under `prefix`."""
+    if not CAPTURE_ID.fullmatch(capture_id):
+        raise ValueError(f"capture id {capture_id!r} is not 32 hex digits")
+    return f"{check_capture_prefix(prefix)}{capture_id}{CAPTURE_SUFFIX}"
 
 
 # --- drafters -----------------------------------------------------------------------------

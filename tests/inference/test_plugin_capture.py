@@ -45,8 +45,10 @@ from aerie_extractor.engines.sglang_binary import (
     CaptureReader,
     advertised,
     capture_body,
+    choose_sink,
     descriptor_of,
     fetch_binary,
+    reader_for,
 )
 from aerie_extractor.extract import run_extract
 from aerie.contracts import CaptureDescriptor
@@ -117,32 +119,63 @@ def make_run(name: str, model, settings: Settings, signal: str = "final") -> Run
     )  # fmt: skip
 
 
+API_KEY = "aerie-test-" + secrets.token_hex(8)  # the stock server runs with SGLang's --api-key
+
+
 @pytest.fixture(scope="module")
 def stock(smollm2_path, tmp_path_factory) -> dict:
-    """Stock SGLang (aerie's plugin excluded, SGLang's own kept): its answers to
-    `_plain_requests()`, and what the extractor's engine makes of such a server."""
-    args = _args(smollm2_path)
+    """Stock SGLang (aerie's plugin excluded, SGLang's own kept) started with `--api-key`: its
+    answers to `_plain_requests()`, what the extractor's engine makes of such a server, and what
+    the engine and `aerie bench` do with the key (AERIE_ENGINE_API_KEY) and without it."""
+    args = [*_args(smollm2_path), "--api-key", API_KEY]
     env = {"SGLANG_PLUGINS": "smg-servicer,smg-zmq"}
     with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("stock")) as server:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
             out: dict = {"info": client.get(server.url + "/server_info").json()}
             out["responses"] = {r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()}
-        auto = make_run("stock-auto", smollm2_path, engine_settings(server), signal="topk")
+        keyed = engine_settings(server, engine_api_key=API_KEY)
+        auto = make_run("stock-auto", smollm2_path, keyed, signal="topk")
         out["auto_transport"] = auto.engine.transport
         refusals = []
         try:
-            make_run("stock-binary", smollm2_path, engine_settings(server, engine_transport="binary"))
+            make_run("stock-binary", smollm2_path, engine_settings(server, engine_transport="binary", engine_api_key=API_KEY))
         except EngineMismatch as e:
             refusals.append(str(e))
         binary_run = auto.model_copy(update={"engine": auto.engine.model_copy(update={"transport": "binary"})})
         final_over_json = auto.model_copy(update={"target_signal": "final", "topk": None})
         for run in (binary_run, final_over_json):
             try:
-                SGLangEngine(engine_settings(server), run).check(run)
+                SGLangEngine(keyed, run).check(run)
             except EngineMismatch as e:
                 refusals.append(str(e))
         out["refusals"] = refusals
+        out["api_key"] = _with_and_without_the_key(server, auto, keyed, tmp_path_factory.mktemp("bench"))
         return out
+
+
+def _with_and_without_the_key(server, run: RunSpec, keyed: Settings, tmp: Path) -> dict:
+    """The engine and `aerie bench` against a server with --api-key: a capture and a chat with the
+    key, the refusal (naming AERIE_ENGINE_API_KEY) without it."""
+    from aerie import bench
+
+    got: dict = {"unauthenticated_status": httpx.get(server.url + "/server_info", timeout=30).status_code}
+    (captured,) = SGLangEngine(keyed, run).capture([np.asarray(PROMPTS[0], dtype=np.int32)])
+    got["engine_aux_shape"] = list(captured.aux.shape)
+    try:
+        SGLangEngine(engine_settings(server), run).check(run)
+    except EngineMismatch as e:
+        got["engine_without"] = str(e)
+    prompts = [bench.Prompt("p1", "", ["Say hello."])]
+    _, completions = bench.run(server.url, prompts, max_tokens=1, api_key=API_KEY)
+    got["bench_tokens"] = completions[0].completion_tokens
+    prompt_file = tmp / "prompts.jsonl"
+    prompt_file.write_text(json.dumps({"prompt": "Say hello."}) + "\n")
+    command = [str(Path(sys.executable).with_name("aerie")), "bench", "--url", server.url, "--prompts", str(prompt_file),
+               "--max-tokens", "1"]
+    for name, env in (("cli_with", clean_env(AERIE_ENGINE_API_KEY=API_KEY)), ("cli_without", clean_env())):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        got[name] = (done.returncode, done.stdout + done.stderr)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +224,12 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def shm(client) -> CaptureReader:
+    """A reader bound to the server's advertised shm directory, as the engine binds one."""
+    return reader_for(client.get("/server_info").json(), "shm")
+
+
+@pytest.fixture(scope="module")
 def hf_reference(smollm2_path):
     """transformers' output_hidden_states (float32) for every prompt: [N+1, T, H]."""
     import torch
@@ -224,12 +263,12 @@ def test_server_advertises_the_plugin(client, server, bucket):
     assert info["max_unclaimed_bytes"] == BOUND
 
 
-def test_binary_equals_json_and_transformers(client, server, smollm2_path, hf_reference):
+def test_binary_equals_json_and_transformers(client, server, smollm2_path, hf_reference, shm):
     layer_ids = _layer_ids(smollm2_path)
     for ids in PROMPTS:
         descriptor = _capture(client, ids, "shm")
         assert descriptor.layer_ids == layer_ids and descriptor.rows == len(ids)
-        binary = fetch_binary(descriptor, CaptureReader("shm"))
+        binary = fetch_binary(descriptor, shm)
         assert not Path(descriptor.path).exists(), "fetch_binary claims (deletes) the capture"
         aux, final = binary["aux"], binary["final"]
         assert aux.shape == (len(ids), len(POINTS), 576) and final.shape == (len(ids), 576)
@@ -250,12 +289,12 @@ def test_binary_equals_json_and_transformers(client, server, smollm2_path, hf_re
         np.testing.assert_allclose(final, hf[30], rtol=1e-4, atol=1e-4, err_msg="final (post-norm) state")
 
 
-def test_s3_sink_gives_the_same_tensors(client, bucket):
+def test_s3_sink_gives_the_same_tensors(client, bucket, shm):
     ids = PROMPTS[2]
-    via_shm = fetch_binary(_capture(client, ids, "shm"), CaptureReader("shm"))
+    via_shm = fetch_binary(_capture(client, ids, "shm"), shm)
     descriptor = _capture(client, ids, "s3")
     assert descriptor.bucket == bucket.bucket and descriptor.key.startswith("capture/")
-    via_s3 = fetch_binary(descriptor, CaptureReader("s3", store=bucket))
+    via_s3 = fetch_binary(descriptor, reader_for(client.get("/server_info").json(), "s3", store=bucket))
     for name in ("aux", "final"):
         np.testing.assert_array_equal(via_s3[name], via_shm[name])
     assert not bucket.exists(descriptor.key), "fetch_binary claims (deletes) the object"
@@ -324,7 +363,8 @@ def test_the_engine_extracts_through_the_binary_path(server, smollm2_path, bucke
 
 def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setattr(SGLangEngine, "probe_timeout_s", 0.5)
-    elsewhere = {"engine_shm_dir": tmp_path}  # as if on another host: not the server's directory
+    tmp_path.chmod(0o700)  # a valid capture directory, but not the server's: as if on another host
+    elsewhere = {"engine_shm_dir": tmp_path}
     assert make_run("elsewhere", smollm2_path, engine_settings(server, **elsewhere), signal="topk").engine.transport == "json"
     with pytest.raises(EngineMismatch, match="cannot read them.*did not appear"):
         make_run("elsewhere", smollm2_path, engine_settings(server, engine_transport="binary", **elsewhere))
@@ -333,7 +373,7 @@ def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_pat
         f.unlink()
 
 
-def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses):
+def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses, shm):
     for request in _plain_requests():
         got = _comparable(client.post("/generate", json=request).content)
         assert got == stock_responses[request["rid"]], request["rid"]
@@ -344,14 +384,14 @@ def test_requests_without_the_flag_are_answered_as_stock(client, stock_responses
         captures = [pool.submit(_capture, client, ids, "shm") for ids in PROMPTS]
         plain = {r["rid"]: pool.submit(client.post, "/generate", json=r) for r in _plain_requests()}
         for future in captures:  # claimed first: a failure below must not leave the sink full
-            fetch_binary(future.result(), CaptureReader("shm"))
+            fetch_binary(future.result(), shm)
         for rid, future in plain.items():
             got, stock = json.loads(_comparable(future.result().content)), json.loads(stock_responses[rid])
             assert list(got) == list(stock) and list(got["meta_info"]) == list(stock["meta_info"]), rid
             assert got["output_ids"] == stock["output_ids"], rid
 
 
-def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, server, smollm2_path):
+def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, server, smollm2_path, shm):
     run = make_run("full", smollm2_path, engine_settings(server))
     engine = SGLangEngine(engine_settings(server), run)
     engine.check(run)  # its probe needs room in the sink
@@ -380,9 +420,29 @@ def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, serve
         time.sleep(1.0)  # a negative check: for this second the capture must still be waiting
         assert not waiting.done()
         for descriptor in (first, second):  # claiming frees the sink
-            fetch_binary(descriptor, CaptureReader("shm"))
+            fetch_binary(descriptor, shm)
         assert waiting.result(timeout=60)[0].final.shape == (64, 576)
-    assert fetch_binary(_capture(client, BIG, "shm"), CaptureReader("shm"))["aux"].shape == (64, 3, 576)
+    assert fetch_binary(_capture(client, BIG, "shm"), shm)["aux"].shape == (64, 3, 576)
+
+
+def test_the_s3_sink_counts_in_the_bound(client, bucket):
+    """Captures uploaded to the bucket and not claimed hold the server's bound like files in the
+    shm directory: a third BIG one is refused until a client claims them (on 2026-12-02's code
+    the s3 sink had no bound: uploads were never counted)."""
+    s3 = reader_for(client.get("/server_info").json(), "s3", store=bucket)
+    first, second = _capture(client, BIG, "s3"), _capture(client, BIG, "s3")
+    wait_until(lambda: bucket.exists(first.key) and bucket.exists(second.key), 30, "the two uploads", poll=0.05)
+    refused = client.post("/generate", json=capture_body(BIG, "s3"))
+    assert refused.status_code == 503 and "s3 prefix capture/" in refused.text, refused.text
+    for descriptor in (first, second):  # claiming frees the bound once the server's next listing sees it
+        fetch_binary(descriptor, s3)
+
+    def admitted():
+        r = client.post("/generate", json=capture_body(BIG, "s3"))
+        return r if r.status_code == 200 else None
+
+    third = descriptor_of(wait_until(admitted, 30, "a capture admitted after the claims", poll=0.5).json())
+    assert fetch_binary(third, s3)["aux"].shape == (64, 3, 576) and not bucket.list("capture/")
 
 
 def test_bad_capture_requests_name_the_fix(client):
@@ -425,7 +485,7 @@ while True:  # 4 requests in flight (room for 2 in the sink), each claimed as it
 """
 
 
-def test_a_killed_extractor_or_client_leaves_no_more_than_the_bound(client, server, smollm2_path):
+def test_a_killed_extractor_or_client_leaves_no_more_than_the_bound(client, server, smollm2_path, shm):
     assert _shm_bytes(server) == 0
     run = make_run("killed", smollm2_path, engine_settings(server))
     env = clean_env()
@@ -463,14 +523,14 @@ def test_a_killed_extractor_or_client_leaves_no_more_than_the_bound(client, serv
     for f in orphans:
         os.utime(f, (old, old))
     wait_until(lambda: not any(f.exists() for f in orphans), 30, "the server's deletion of expired captures", poll=0.2)
-    assert fetch_binary(_capture(client, BIG, "shm"), CaptureReader("shm"))["final"].shape == (64, 576)
+    assert fetch_binary(_capture(client, BIG, "shm"), shm)["final"].shape == (64, 576)
 
 
 def test_a_lost_capture_fails_with_the_place_it_was_expected(tmp_path):
     descriptor = CaptureDescriptor(v=1, id="0" * 32, sink="shm", format="safetensors", nbytes=0, rows=0, layer_ids=[],
-                                   tensors={}, path=str(tmp_path / "gone.safetensors"))
+                                   tensors={}, path=str(tmp_path / ("0" * 32 + ".safetensors")))
     with pytest.raises(BinaryCaptureError, match="did not appear"):
-        fetch_binary(descriptor, CaptureReader("shm", timeout_s=0.2))
+        fetch_binary(descriptor, CaptureReader("shm", shm_dir=tmp_path, timeout_s=0.2))
 
 
 def test_a_capture_the_server_could_not_write_fails_with_its_reason(tmp_path):
@@ -478,5 +538,88 @@ def test_a_capture_the_server_could_not_write_fails_with_its_reason(tmp_path):
     descriptor = CaptureDescriptor(v=1, id="1" * 32, sink="shm", format="safetensors", nbytes=0, rows=0, layer_ids=[],
                                    tensors={}, path=str(tmp_path / ("1" * 32 + ".safetensors")))
     with pytest.raises(BinaryCaptureError, match="No space left on device"):
-        fetch_binary(descriptor, CaptureReader("shm", timeout_s=5))
+        fetch_binary(descriptor, CaptureReader("shm", shm_dir=tmp_path, timeout_s=5))
     assert not list(tmp_path.iterdir()), "the reason is claimed too"
+
+
+def _descriptor(sink: str, **where) -> CaptureDescriptor:
+    return CaptureDescriptor(v=1, id="ab" * 16, sink=sink, format="safetensors", nbytes=0, rows=0, layer_ids=[], tensors={}, **where)
+
+
+@pytest.mark.parametrize("case", ["shm-unbound", "shm-outside", "shm-other-name", "shm-dotdot", "s3-run-record", "s3-other-name"])
+def test_capture_descriptors_cannot_name_a_path_or_key_outside_the_capture_sink(fs_store, s3_store, tmp_path, case):
+    """A server (or whoever answers in its place) names a file or key of its choosing in a capture
+    descriptor: refused (not retryable, naming the settings) before anything is read or deleted.
+    On 2026-12-02's code the named file or object was read, then deleted even though it failed
+    the capture checks."""
+    captures, victim = tmp_path / "captures", tmp_path / "victim.txt"
+    captures.mkdir(mode=0o700)
+    victim.write_text("precious")
+    (captures / "notes.txt").write_text("not a capture")
+    s3_store.put_bytes("runs/r1/run.json", b"{}")
+    s3_store.put_bytes("capture/notes.safetensors", b"not a capture")
+    reader, descriptor = {
+        "shm-unbound": (CaptureReader("shm", timeout_s=0.5), _descriptor("shm", path=str(victim))),
+        "shm-outside": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=str(victim))),
+        "shm-other-name": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=str(captures / "notes.txt"))),
+        "shm-dotdot": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=f"{captures}/../victim.txt")),
+        "s3-run-record": (CaptureReader("s3", store=s3_store, timeout_s=0.5),
+                          _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="runs/r1/run.json")),
+        "s3-other-name": (CaptureReader("s3", store=s3_store, timeout_s=0.5),
+                          _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="capture/notes.safetensors")),
+    }[case]
+    if hasattr(reader, "server_dir"):  # bound as the engine binds it to the server's advertisement
+        choose_sink({"sinks": {"shm": {"dir": str(captures)}, "s3": {"bucket": s3_store.bucket, "prefix": "capture/"}}}, reader)
+    with pytest.raises(EngineMismatch, match="refused") as refused:
+        fetch_binary(descriptor, reader)
+    assert not refused.value.retryable
+    assert "AERIE_CAPTURE" in str(refused.value) or "AERIE_ENGINE_SHM_DIR" in str(refused.value), refused.value
+    assert victim.read_text() == "precious" and (captures / "notes.txt").exists()
+    assert s3_store.exists("runs/r1/run.json") and s3_store.exists("capture/notes.safetensors")
+
+
+def test_the_capture_directory_the_server_advertises_is_checked_before_use(tmp_path):
+    """The directory read (advertised, or AERIE_ENGINE_SHM_DIR) must be absolute, a real directory
+    and private to its owner: the engine refuses a symlink or a directory others may write."""
+    ok = tmp_path / "ok"
+    ok.mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(ok)
+    choose_sink({"sinks": {"shm": {"dir": str(ok)}}}, reader := CaptureReader("shm"))
+    assert reader.shm_dir == ok
+    for bad in ("relative/dir", f"{ok}/../ok", str(shared), str(link), str(tmp_path / "missing")):
+        with pytest.raises(EngineMismatch, match="AERIE_ENGINE_SHM_DIR"):
+            choose_sink({"sinks": {"shm": {"dir": bad}}}, CaptureReader("shm"))
+    with pytest.raises(EngineMismatch, match="AERIE_ENGINE_SHM_DIR"):  # the setting is checked the same way
+        choose_sink({"sinks": {"shm": {"dir": str(ok)}}}, CaptureReader("shm", shm_dir=shared))
+    for prefix in ("runs/", "/capture/", "capture", "a/../b/", "", 7):
+        with pytest.raises(EngineMismatch, match="AERIE_CAPTURE_S3_PREFIX"):
+            choose_sink({"sinks": {"s3": {"bucket": "b", "prefix": prefix}}}, CaptureReader("s3", store=_Bucket("b")))
+
+
+class _Bucket:
+    """Only what choose_sink reads of a store: its bucket."""
+
+    def __init__(self, bucket: str):
+        self.bucket = bucket
+
+
+def test_sglang_api_key_is_sent_by_the_engine_and_bench(stock):
+    """SGLang started with --api-key refuses requests without it (401); the extractor's engine
+    (check, a JSON capture) and `aerie bench` (library and command) send AERIE_ENGINE_API_KEY as a
+    bearer token, and without it fail in one line naming that setting. On 2026-12-02's code
+    neither sent a key: the engine's very first /server_info was refused."""
+    got = stock["api_key"]
+    assert got["unauthenticated_status"] == 401
+    assert got["engine_aux_shape"] == [len(PROMPTS[0]), len(POINTS), 576]
+    assert "AERIE_ENGINE_API_KEY" in got["engine_without"] and "401" in got["engine_without"]
+    assert got["bench_tokens"] == 1
+    code, text = got["cli_with"]
+    assert code == 0 and "aerie bench" in text, text
+    code, text = got["cli_without"]
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "AERIE_ENGINE_API_KEY" in lines[0], text
+    assert API_KEY not in got["engine_without"] + text, "the key is never printed"

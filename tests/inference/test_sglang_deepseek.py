@@ -136,10 +136,11 @@ def test_deepseek_rule_ids_capture_every_point_through_the_json_path(server, lay
 
 
 def test_the_binary_plugin_captures_every_point_and_the_final_state(server, prompts, reference):
-    from aerie_extractor.engines.sglang_binary import CaptureReader, capture_body, descriptor_of, fetch_binary
+    from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, fetch_binary, reader_for
 
+    shm = reader_for(httpx.get(server.url + "/server_info", timeout=60).json(), "shm")  # the advertised directory, checked
     for ids in prompts:
-        captured = fetch_binary(descriptor_of(generate(server, capture_body(ids, "shm"))), CaptureReader("shm"))
+        captured = fetch_binary(descriptor_of(generate(server, capture_body(ids, "shm"))), shm)
         hf = reference[tuple(ids)]
         assert captured["aux"].shape == (len(ids), len(POINTS), hf.shape[-1])  # every row, across prefill chunks
         diffs = [max_diff(captured["aux"][:, j], hf[point]) for j, point in enumerate(POINTS)]

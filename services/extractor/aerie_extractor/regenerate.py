@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from aerie.contracts import IngestOptions
 from aerie.settings import Settings
-from aerie_extractor.engines.base import EngineError
+from aerie_extractor.engines.base import EngineError, EngineMismatch
 
 Messages = list[dict[str, str]]
 
@@ -43,14 +43,14 @@ def regenerate(messages: Messages, answer: Callable[[Messages], str]) -> Message
 
 
 class OpenAIChat:
-    def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float):
+    def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float, headers: dict[str, str] | None = None):
         import httpx
 
         if not urls:
             raise EngineError("regeneration needs an engine URL: set AERIE_ENGINE_URLS")
         self.urls = itertools.cycle([u.rstrip("/") for u in urls])
         self.options = options
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)  # headers: SGLang's --api-key
 
     def __call__(self, messages: Messages) -> str:
         import httpx
@@ -66,6 +66,9 @@ class OpenAIChat:
             r = self.client.post(f"{url}/v1/chat/completions", json=body)
         except httpx.HTTPError as e:
             raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {e}): is the engine up? (AERIE_ENGINE_URLS)") from e
+        if r.status_code in (401, 403):  # the whole run's configuration, not this record
+            raise EngineMismatch(f"regeneration: {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
+                                 "set AERIE_ENGINE_API_KEY to that key")
         if 400 <= r.status_code < 500:
             raise RegenerateRefused(f"regeneration refused by {url}: HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code != 200:
@@ -108,7 +111,9 @@ class HFChat:
 
 def make_answerer(settings: Settings, engine: str, model_path: str, options: IngestOptions):
     if engine == "sglang":
-        return OpenAIChat(list(settings.engine_urls), options, settings.engine_timeout_s)
+        from aerie_extractor.engines.sglang import auth_headers
+
+        return OpenAIChat(list(settings.engine_urls), options, settings.engine_timeout_s, auth_headers(settings))
     if engine == "hf":
         return HFChat(model_path, options, settings.device)
     raise EngineError(f"regeneration through engine {engine!r} is not supported (hf, sglang)")

@@ -31,7 +31,11 @@ capture points translated by `aerie.capture` (never here). Design choices:
   run on servers without the plugin, and a JSON run stays JSON (its data are the same floats).
   Sink: `AERIE_ENGINE_SINK` = `shm` (the server's tmpfs directory, this host;
   `AERIE_ENGINE_SHM_DIR` if mounted at another path) or `s3` (the server uploads to
-  `AERIE_STORE`'s bucket, this engine reads and deletes there).
+  `AERIE_STORE`'s bucket, this engine reads and deletes there). Each server's reader is bound
+  to what that server advertises, checked (`sglang_binary.choose_sink`): a descriptor naming
+  any other file or key is refused, untouched.
+- A server started with `--api-key` gets it as a bearer token on every request
+  (`AERIE_ENGINE_API_KEY`); a 401 says which setting to fix.
 - Back-pressure: a server whose sink holds its bound of unclaimed captures answers 503; the
   engine retries such a request for `sink_full_wait_s` (its other requests to that server wait
   behind it), then fails (retryable) with the server's message.
@@ -51,6 +55,7 @@ capture points translated by `aerie.capture` (never here). Design choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -86,6 +91,21 @@ class _Fatal(EngineError):
     retryable = False
 
 
+def auth_headers(settings: Settings) -> dict[str, str]:
+    """The bearer token of SGLang's `--api-key` (AERIE_ENGINE_API_KEY), for every request."""
+    key = settings.engine_api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+
+
+def http_client(settings: Settings, timeout: float) -> httpx.Client:
+    return httpx.Client(timeout=timeout, headers=auth_headers(settings))
+
+
+def _unauthorized(url: str, r: httpx.Response) -> EngineMismatch:
+    return EngineMismatch(f"SGLang server {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
+                          "set AERIE_ENGINE_API_KEY to that key")
+
+
 def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
     """GET the first of `paths` the server knows (0.5.23 names; older servers only the get_ ones)."""
     last = None
@@ -94,6 +114,8 @@ def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
             r = client.get(url + path)
         except httpx.HTTPError as e:
             raise EngineError(f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (AERIE_ENGINE_URLS)") from e
+        if r.status_code in (401, 403):
+            raise _unauthorized(url, r)
         if r.status_code == 404:
             last = r
             continue
@@ -159,7 +181,7 @@ def _no_plugin(why: str, stock: list[str], alternative: str = "") -> EngineMisma
     )
 
 
-def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> bool:
+def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> bool:  # /health needs no key
     """Poll `url`/health until it answers 200; True if it was down at first. Raises a retryable
     EngineError naming AERIE_ENGINE_OUTAGE_WAIT_S once `wait_s` seconds pass."""
     deadline, waited, why = time.monotonic() + wait_s, False, ""
@@ -199,7 +221,7 @@ class SGLangEngine(Engine):
         self.spec = run_spec.engine
         self.max_input: dict[str, int] = {}
         self.transport: str | None = None  # "binary" | "json", decided by check()
-        self.sinks: CaptureReader | None = None
+        self.readers: dict[str, CaptureReader] = {}  # per server: where its binary captures are read
         self._checked = False
         self._outages: dict[str, asyncio.Lock] = {}
 
@@ -212,7 +234,7 @@ class SGLangEngine(Engine):
         convention = convention_for("sglang", target.architecture)
         url = settings.engine_urls[0].rstrip("/")
         wait_for_server(url, settings.engine_outage_wait_s)  # an ingest may start before SGLang too
-        with httpx.Client(timeout=30.0) as client:
+        with http_client(settings, 30.0) as client:
             info = server_info(client, url)
             transport = "json"
             if settings.engine_transport != "json":
@@ -244,6 +266,8 @@ class SGLangEngine(Engine):
             r = client.post(url + "/generate", json=capture_body(_PROBE_IDS, sinks.sink))
             if r.status_code == 503:
                 raise EngineError(f"SGLang server {url}: capture sink full, retry later: {r.text[:300]}")
+            if r.status_code in (401, 403):
+                raise _unauthorized(url, r)
             if r.status_code != 200:
                 return f"SGLang server {url} refused a binary capture (HTTP {r.status_code}): {r.text[:300]}"
             sinks.timeout_s = cls.probe_timeout_s
@@ -294,16 +318,18 @@ class SGLangEngine(Engine):
                 log.warning("%s: checking again once the server is up", e)
 
     def _check_servers(self, run: RunSpec, transport: str) -> None:
-        with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+        with http_client(self.settings, min(self.settings.engine_timeout_s, 60.0)) as client:
             infos = {url: self._check_server(client, url, run) for url in self.urls}
             if transport == "binary":
                 ads = {url: advertised(info) for url, info in infos.items()}
                 stock = [url for url, ad in ads.items() if ad is None]
                 if stock:
                     raise _no_plugin(f"run {run.run!r} was ingested for the binary path", stock)
-                self.sinks = sink_config(self.settings)
-                for ad in ads.values():
-                    choose_sink(ad, self.sinks)  # type: ignore[arg-type]
+                self.readers = {}
+                for url, ad in ads.items():  # each server's own directory / prefix, checked
+                    reader = sink_config(self.settings)
+                    choose_sink(ad, reader)  # type: ignore[arg-type]
+                    self.readers[url] = reader
             self.transport = transport
             for url in self.urls:
                 self._probe(client, url, run)
@@ -380,6 +406,8 @@ class SGLangEngine(Engine):
             r = client.post(url + "/generate", json=body)
         except httpx.HTTPError as e:
             raise EngineError(f"SGLang server {url}: probe request failed ({type(e).__name__}: {e})") from e
+        if r.status_code in (401, 403):
+            raise _unauthorized(url, r)
         if r.status_code != 200:
             raise EngineMismatch(f"SGLang server {url} refused a capture request (HTTP {r.status_code}): {r.text[:300]}")
         try:
@@ -391,8 +419,7 @@ class SGLangEngine(Engine):
     def _body(self, ids: list[int]) -> dict:
         topk = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": int(self.run.topk or 20)}
         if self.transport == "binary":
-            assert self.sinks is not None
-            body = capture_body(ids, self.sinks.sink)
+            body = capture_body(ids, self.settings.engine_sink)
             return {**body, **topk} if self.run.target_signal == "topk" else body
         return {
             "input_ids": ids,
@@ -410,8 +437,8 @@ class SGLangEngine(Engine):
         run, target = self.run, self.run.target
         K, H = len(run.capture_points), target.hidden_size
         descriptor = descriptor_of(out)
-        assert self.sinks is not None
-        sinks = self.sinks if timeout_s is None else CaptureReader(self.sinks.sink, self.sinks.store, self.sinks.shm_dir, timeout_s)
+        reader = self.readers[url]
+        sinks = reader if timeout_s is None else dataclasses.replace(reader, timeout_s=timeout_s)
         tensors = fetch_binary(descriptor, sinks)  # claims it: deleted even if the checks below fail
         aux, final = tensors["aux"], tensors["final"]
         if descriptor.layer_ids != self.layer_ids:
@@ -514,6 +541,8 @@ class SGLangEngine(Engine):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     r = await post()
+        if r.status_code in (401, 403):
+            raise _unauthorized(url, r)
         if 400 <= r.status_code < 500:
             raise _Fatal(f"SGLang server {url} refused {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
         if r.status_code != 200:
@@ -531,7 +560,7 @@ class SGLangEngine(Engine):
                 return False
 
             def recheck() -> None:
-                with httpx.Client(timeout=min(self.settings.engine_timeout_s, 60.0)) as client:
+                with http_client(self.settings, min(self.settings.engine_timeout_s, 60.0)) as client:
                     self._check_server(client, url, self.run)
 
             await asyncio.to_thread(recheck)
@@ -555,7 +584,7 @@ class SGLangEngine(Engine):
 
         per_url = self.settings.engine_concurrency
         limits = httpx.Limits(max_connections=per_url * len(self.urls))
-        async with httpx.AsyncClient(timeout=self.settings.engine_timeout_s, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=self.settings.engine_timeout_s, limits=limits, headers=auth_headers(self.settings)) as client:
             tasks = [asyncio.create_task(worker(client, url)) for url in self.urls for _ in range(per_url)]
             try:
                 await asyncio.gather(*tasks)

@@ -7,26 +7,38 @@ module is everything the extractor needs to use it, without torch:
 - `advertised(server_info)`: the plugin's entry in `/server_info` (None: stock SGLang, use JSON).
 - `request_fields(sink)`: what to merge into a `/generate` body to ask for a binary capture.
 - `descriptor_of(response)`: the descriptor in a `/generate` response, checked.
-- `fetch_binary(descriptor, sink_config)`: wait for the object, read it, check it (capture id,
+- `choose_sink(advertisement, reader)`: check the server offers the reader's sink and bind the
+  reader to where that sink writes (directory, bucket, prefix), each checked.
+- `fetch_binary(descriptor, reader)`: wait for the object, read it, check it (capture id,
   sha256 of the tensor bytes, shapes, dtypes), delete it ("claim" it), return
   `{"aux": [T, K, H], "final": [T, H]}` numpy arrays (bf16 as `ml_dtypes.bfloat16`).
 
 Sinks: `shm` (a tmpfs directory shared with the server; the extractor must run on the same
-host, or mount the same directory, `CaptureReader.shm_dir` mapping it) and `s3` (the server uploads
-to the store; `CaptureReader.store` reads and deletes). The server refuses new captures while
-`max_unclaimed_bytes` wait unclaimed (HTTP 503), so a client must claim what it asked for.
+host, or mount the same directory, `AERIE_ENGINE_SHM_DIR` / `CaptureReader.shm_dir` naming where)
+and `s3` (the server uploads to the store; `CaptureReader.store` reads and deletes). The server
+refuses new captures while `max_unclaimed_bytes` wait unclaimed (HTTP 503), so a client must
+claim what it asked for.
+
+Nothing a server says becomes a path or key by itself. The reader only ever reads and deletes
+`<its directory>/<32 hex>.safetensors` (and that id's `.error` note), or `<prefix><32 hex>.safetensors`
+in its own bucket: the id is the descriptor's (checked), the directory is the advertised one (or
+AERIE_ENGINE_SHM_DIR), which must be a real directory private to its owner, and the prefix must lie
+outside aerie's folders. A descriptor naming anything else is refused (CaptureRefused) untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from aerie import layout
 from aerie.contracts import CaptureDescriptor
 from aerie.shard import ShardError, read_safetensors
 from aerie.store import NotFound, ObjectStore
@@ -37,18 +49,28 @@ FORMAT = "safetensors/aerie-capture-v1"
 SINKS = ("shm", "s3")
 
 
+ERROR_NOTE_BYTES = 4096  # what is read of a capture's .error note
+
+
 class BinaryCaptureError(EngineError):
     """A binary capture that did not arrive or does not hold what its descriptor says."""
 
 
+class CaptureRefused(EngineMismatch):
+    """A capture sink or descriptor naming a place outside what this extractor reads: refused
+    before anything is read or deleted (configuration or a hostile server: no retry helps)."""
+
+
 @dataclass
 class CaptureReader:
-    """Where this client finds what the server wrote."""
+    """Where this client finds what the server wrote; `choose_sink` binds it to a server."""
 
     sink: str = "shm"  # "shm" | "s3"
     store: ObjectStore | None = None  # s3: a store on the plugin's bucket
-    shm_dir: Path | None = None  # shm: the server's directory as mounted here (default: same path)
+    shm_dir: Path | None = None  # shm: the directory read here (AERIE_ENGINE_SHM_DIR, else the advertised one)
     timeout_s: float = 60.0  # how long an object may take to appear after the response
+    server_dir: str | None = None  # shm: the directory as the server names it (advertised)
+    prefix: str | None = None  # s3: the key prefix of captures (advertised, checked)
 
     def __post_init__(self) -> None:
         if self.sink not in SINKS:
@@ -72,13 +94,22 @@ def advertised(server_info: dict) -> dict | None:
 
 
 def choose_sink(advertisement: dict, config: CaptureReader) -> str:
-    """Check that the server offers `config.sink` (and, for s3, writes where `config.store` reads)."""
+    """Check that the server offers `config.sink` and bind `config` to where it writes: for shm
+    the directory (the advertised one, or AERIE_ENGINE_SHM_DIR where it is mounted here), checked
+    by `check_capture_dir`; for s3 the bucket (`config.store`'s) and the capture prefix."""
     sinks = advertisement.get("sinks") or {}
     if config.sink not in sinks:
         raise EngineMismatch(
             f"the SGLang server's aerie_capture plugin offers sinks {sorted(sinks)}, not {config.sink!r}: "
             "configure the server (AERIE_CAPTURE_DIR / AERIE_STORE on the inference container) or pick another sink"
         )
+    if config.sink == "shm":
+        server_dir = (sinks["shm"] or {}).get("dir")
+        if not isinstance(server_dir, str) or not server_dir.startswith("/") or os.path.normpath(server_dir) != server_dir:
+            raise CaptureRefused(f"the SGLang server advertises capture directory {server_dir!r}, not an absolute normalized "
+                                 "path: refused (the server's AERIE_CAPTURE_DIR; AERIE_ENGINE_SHM_DIR here)")
+        config.server_dir = server_dir
+        config.shm_dir = check_capture_dir(Path(config.shm_dir or server_dir))
     if config.sink == "s3":
         bucket = getattr(config.store, "bucket", None)
         if bucket != sinks["s3"].get("bucket"):
@@ -86,7 +117,42 @@ def choose_sink(advertisement: dict, config: CaptureReader) -> str:
                 f"the SGLang server uploads captures to bucket {sinks['s3'].get('bucket')!r}, this extractor's "
                 f"store reads bucket {bucket!r}: use the same AERIE_BUCKET on both"
             )
+        try:
+            config.prefix = layout.check_capture_prefix(sinks["s3"].get("prefix"))
+        except ValueError as e:
+            raise CaptureRefused(f"the SGLang server's s3 capture sink: {e}: refused (its AERIE_CAPTURE_S3_PREFIX)") from None
     return config.sink
+
+
+def reader_for(server_info: dict, sink: str = "shm", **fields) -> CaptureReader:
+    """A reader bound to what a server's `/server_info` advertises (checked as `choose_sink` does)."""
+    advertisement = advertised(server_info)
+    if advertisement is None:
+        raise EngineMismatch("the SGLang server does not advertise aerie's aerie_capture plugin: no binary captures to read")
+    reader = CaptureReader(sink, **fields)
+    choose_sink(advertisement, reader)
+    return reader
+
+
+def check_capture_dir(path: Path) -> Path:
+    """The shm directory this extractor reads and deletes in: absolute, a real directory (not a
+    symlink), private to its owner (the plugin creates it 0700) and owned by this user (or read
+    by root). Anything else could hold files others planted, or be a folder the server picked."""
+    where = f"capture directory {path} (AERIE_ENGINE_SHM_DIR here, or the server's AERIE_CAPTURE_DIR)"
+    if not path.is_absolute() or os.path.normpath(path) != str(path):
+        raise CaptureRefused(f"{where} is not an absolute normalized path: refused")
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CaptureRefused(f"{where} cannot be read here ({e.strerror}): mount the server's directory, or use the s3 sink") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CaptureRefused(f"{where} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}: refused")
+    if st.st_mode & 0o077:
+        raise CaptureRefused(f"{where} is open to other users (mode {stat.S_IMODE(st.st_mode):o}, the plugin makes 700): refused")
+    if st.st_uid != os.geteuid() and os.geteuid() != 0:
+        raise CaptureRefused(f"{where} belongs to uid {st.st_uid}, not this user ({os.geteuid()}): refused "
+                             "(run the extractor as the server's user, as the images do)")
+    return path
 
 
 def request_fields(sink: str) -> dict:
@@ -124,23 +190,39 @@ def descriptor_of(response: dict) -> CaptureDescriptor:
         raise EngineMismatch(f"the SGLang server's capture descriptor is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
 
 
+def _read_regular(path: Path, limit: int = -1) -> bytes:
+    """A regular file's bytes, never through a symlink (O_NOFOLLOW): FileNotFoundError if absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CaptureRefused(f"capture {path} is a symlink: refused, not followed (AERIE_ENGINE_SHM_DIR)") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CaptureRefused(f"capture {path} is not a regular file: refused (AERIE_ENGINE_SHM_DIR)")
+        return f.read(limit)
+
+
 def _wait_shm(path: Path, timeout_s: float) -> bytes:
     deadline, delay = time.monotonic() + timeout_s, 0.0005
     while True:
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            return _read_regular(path)
         except FileNotFoundError:
-            error = path.with_suffix(".error")
-            if error.exists():
-                reason = error.read_text(errors="replace")
+            error = path.with_suffix(".error")  # the same id's note: <id>.error
+            try:
+                reason = _read_regular(error, ERROR_NOTE_BYTES).decode(errors="replace")
+            except FileNotFoundError:
+                reason = None
+            if reason is not None:
                 error.unlink(missing_ok=True)
                 raise BinaryCaptureError(f"capture {path.name}: {reason}") from None
             if time.monotonic() > deadline:
                 raise BinaryCaptureError(
                     f"capture {path.name} did not appear in {path.parent} within {timeout_s:.0f} s: the shm sink "
                     "needs this extractor on the SGLang server's host with the same directory mounted "
-                    "(CaptureReader.shm_dir), or the server's writer failed (see its log)"
+                    "(AERIE_ENGINE_SHM_DIR), or the server's writer failed (see its log)"
                 ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -183,14 +265,43 @@ def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
     return {name: tensors[name] for name in descriptor.tensors}
 
 
+def capture_path(descriptor: CaptureDescriptor, reader: CaptureReader) -> Path:
+    """The one file a shm descriptor may name: `<reader's directory>/<id>.safetensors`, and only
+    when the descriptor's path is exactly that file in the server's advertised directory."""
+    name = layout.capture_key("x/", descriptor.id).removeprefix("x/")  # <32 hex>.safetensors, the id checked
+    if reader.shm_dir is None:
+        raise CaptureRefused(f"capture {descriptor.path!r}: this reader knows no capture directory (bind it to the server's "
+                             "advertisement with choose_sink, or set AERIE_ENGINE_SHM_DIR): refused, nothing read or deleted")
+    named = PurePosixPath(descriptor.path or "")
+    if named.name != name or (reader.server_dir is not None and str(named.parent) != reader.server_dir):
+        raise CaptureRefused(
+            f"capture {descriptor.path!r} is not {reader.server_dir or '<capture dir>'}/{name}: refused, nothing read or deleted "
+            "(the server's AERIE_CAPTURE_DIR; AERIE_ENGINE_SHM_DIR here)"
+        )
+    return Path(reader.shm_dir) / name
+
+
+def capture_object(descriptor: CaptureDescriptor, reader: CaptureReader) -> str:
+    """The one key an s3 descriptor may name: `<advertised prefix><id>.safetensors` in our bucket."""
+    if reader.prefix is None:
+        raise CaptureRefused(f"capture {descriptor.key!r}: this reader knows no capture prefix (bind it to the server's "
+                             "advertisement with choose_sink): refused, nothing read or deleted")
+    key = layout.capture_key(reader.prefix, descriptor.id)
+    if descriptor.key != key:
+        raise CaptureRefused(f"capture key {descriptor.key!r} is not {key!r}: refused, nothing read or deleted "
+                             "(the server's AERIE_CAPTURE_S3_PREFIX)")
+    return key
+
+
 def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> dict[str, np.ndarray]:
     """Wait for, read, check and delete one capture; return its tensors (`aux` [T, K, H] in SGLang
-    layer-id order, `final` [T, H]). The object is deleted even when it fails the checks."""
+    layer-id order, `final` [T, H]). A capture the reader may touch (`capture_path`,
+    `capture_object`) is deleted even when it fails the checks; any other is refused untouched."""
     sink = descriptor.sink
+    if sink != sink_config.sink:
+        raise CaptureRefused(f"capture {descriptor.id} is in sink {sink!r}, this reader reads {sink_config.sink!r}: refused")
     if sink == "shm":
-        path = Path(descriptor.path or "")
-        if sink_config.shm_dir is not None:
-            path = Path(sink_config.shm_dir) / path.name
+        path = capture_path(descriptor, sink_config)
         buf = _wait_shm(path, sink_config.timeout_s)
         try:
             return _check(descriptor, buf)
@@ -208,9 +319,10 @@ def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> d
                 f"capture {descriptor.key} is in bucket {descriptor.bucket!r}, CaptureReader.store reads "
                 f"{store.bucket!r}: use the plugin's bucket"
             )
-        buf = _wait_s3(store, descriptor.key, sink_config.timeout_s)
+        key = capture_object(descriptor, sink_config)
+        buf = _wait_s3(store, key, sink_config.timeout_s)
         try:
             return _check(descriptor, buf)
         finally:
-            store.delete(descriptor.key)
+            store.delete(key)
     raise BinaryCaptureError(f"unknown capture sink {sink!r} in descriptor {descriptor.id}")

@@ -22,6 +22,7 @@ probes/<token>                            `aerie prepare-store`'s round trip (de
 
 Names inside keys (runs, shards, drafters, versions, train ids) are checked by the contracts'
 name pattern before they get here; `_check_key` in the store refuses `..` and absolute keys.
+Names parsed or checked here match whole (`fullmatch`: a `$` would let a trailing newline in).
 """
 
 from __future__ import annotations
@@ -99,14 +100,14 @@ def record_names(keys: list[str]) -> list[str]:
     names = set()
     for key in keys:
         base = key.rsplit("/", 1)[-1]
-        if base.endswith(".json") and _SHARD_NAME.match(base[: -len(".json")]):
+        if base.endswith(".json") and _SHARD_NAME.fullmatch(base[: -len(".json")]):
             names.add(base[: -len(".json")])
     return sorted(names)
 
 
 def shard_objects(keys: list[str]) -> list[str]:
     """The shard objects (`<name>.safetensors`) among `keys`."""
-    return [k for k in keys if k.endswith(".safetensors") and _SHARD_NAME.match(k.rsplit("/", 1)[-1][: -len(".safetensors")])]
+    return [k for k in keys if k.endswith(".safetensors") and _SHARD_NAME.fullmatch(k.rsplit("/", 1)[-1][: -len(".safetensors")])]
 
 
 def rejects(run: str, part: str) -> str:
@@ -120,7 +121,7 @@ def rejects_prefix(run: str) -> str:
 # --- alignment reports --------------------------------------------------------------------
 def alignment_report(run: str, server_id: str) -> str:
     """The alignment check of a run against one serving configuration (its server id)."""
-    if not _SERVER_ID.match(server_id):
+    if not _SERVER_ID.fullmatch(server_id):
         raise ValueError(f"server id {server_id!r} is not a valid name")
     return f"runs/{run}/align/{server_id}.json"
 
@@ -134,7 +135,7 @@ def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
     root, ids = alignments_prefix(run), set()
     for key in keys:
         rest = key[len(root):] if key.startswith(root) else ""
-        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.match(rest[: -len(".json")]):
+        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
             ids.add(rest[: -len(".json")])
     return sorted(ids)
 
@@ -142,7 +143,7 @@ def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
 # --- training progress --------------------------------------------------------------------
 def train_progress(run: str, train_id: str) -> str:
     """Where a training job that reads `run` records how far it is (one per run it reads)."""
-    if not _SERVER_ID.match(train_id):
+    if not _SERVER_ID.fullmatch(train_id):
         raise ValueError(f"train id {train_id!r} is not a valid name")
     return f"runs/{run}/training/{train_id}.json"
 
@@ -156,7 +157,7 @@ def train_progress_ids(run: str, keys: list[str]) -> list[str]:
     root, ids = train_progress_prefix(run), set()
     for key in keys:
         rest = key[len(root):] if key.startswith(root) else ""
-        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.match(rest[: -len(".json")]):
+        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
             ids.add(rest[: -len(".json")])
     return sorted(ids)
 
@@ -201,7 +202,7 @@ def drafter_lineage(name: str, version: str) -> str:
 
 def drafter_bench(name: str, version: str, bench_id: str) -> str:
     """A benchmark record of a published drafter, beside (never inside) its lineage."""
-    if not _SERVER_ID.match(bench_id):
+    if not _SERVER_ID.fullmatch(bench_id):
         raise ValueError(f"bench id {bench_id!r} is not a valid name")
     return f"drafters/{name}/{version}/bench/{bench_id}.json"
 
@@ -233,7 +234,7 @@ def checkpoint_steps(train_id: str, keys: list[str]) -> list[int]:
     steps = set()
     for key in keys:
         if key.startswith(root):
-            m = _STEP_DIR.match(key[len(root) :].split("/", 1)[0])
+            m = _STEP_DIR.fullmatch(key[len(root) :].split("/", 1)[0])
             if m:
                 steps.add(int(m.group(1)))
     return sorted(steps)

@@ -29,3 +29,13 @@ def test_names_in_queue_messages_are_validated_train(field, value):
     with pytest.raises(ValidationError, match=field):
         TrainRequest(**fields)
     assert TrainRequest(runs=["r1", "r-2.b"], drafter="d", model="m", train_id="t-1").train_id == "t-1"
+
+
+def test_names_in_keys_match_whole_in_the_layout():
+    """A trailing newline passes a `^...$` pattern under Python's `re.match`; the layout matches whole."""
+    for build, name in ((lambda n: layout.alignment_report("r1", n), "server"), (lambda n: layout.train_progress("r1", n), "t1"),
+                        (lambda n: layout.drafter_bench("d", "v1", n), "sweep")):
+        assert name in build(name)
+        with pytest.raises(ValueError):
+            build(name + "\n")
+    assert layout.record_names(["runs/r/tokens/000001.json", "runs/r/tokens/000001\n.json"]) == ["000001"]

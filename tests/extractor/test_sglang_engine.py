@@ -222,7 +222,9 @@ def test_every_configured_server_is_checked(server, target):
     points = server.extra["points"]
     dead = f"http://127.0.0.1:{free_port()}"
     run = make_run(target, points)
-    engine = SGLangEngine(Settings(engine="sglang", engine_urls=[server.url, dead], engine_timeout_s=30), run)
+    settings = Settings(engine="sglang", engine_urls=[server.url, dead], engine_timeout_s=30,
+                        engine_outage_wait_s=0)  # fail at once (waiting out an outage: tests/deploy/test_sglang_runtime.py)
+    engine = SGLangEngine(settings, run)
     with pytest.raises(EngineError, match=re.escape(dead) + ".*unreachable") as err:
         engine.check(run)
     assert not isinstance(err.value, EngineMismatch) and err.value.retryable  # a server down is worth a retry

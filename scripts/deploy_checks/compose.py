@@ -19,16 +19,8 @@ from functools import cached_property
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from .common import (
-    REPO,
-    SECRET_NAME,
-    apply,
-    celery_apps,
-    embedded_scripts,
-    image_problems,
-    soft_shutdown_missing,
-    unknown_aerie_names,
-)
+from .common import (REPO, SECRET_NAME, apply, celery_apps, embedded_scripts, image_problems, soft_shutdown_missing,
+                     unknown_aerie_names)
 from .dockerfiles import dockerfile_args
 
 COMPOSE_ONLY_AERIE_VARS = {"AERIE_CAPTURE_LAYER_IDS"}  # in .env.example, read by compose only

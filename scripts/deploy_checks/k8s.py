@@ -16,14 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from .common import (
-    REPO,
-    apply,
-    celery_apps,
-    image_problems,
-    soft_shutdown_missing,
-    unknown_aerie_names,
-)
+from .common import REPO, apply, celery_apps, image_problems, soft_shutdown_missing, unknown_aerie_names
 
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}

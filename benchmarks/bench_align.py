@@ -10,10 +10,11 @@ points and their neighbours, aerie's binary plugin so the final states are compa
 with the `align` stage itself:
 
 - `float32`, `bfloat16`: the same weights, served in each dtype (same target, same engine);
+- `float32-states`: the float32 server against a small run of float32 states (`hf` in float32);
 - `off-by-one`: the float32 server against states taken one layer deeper than their labels
   (points [3, 16, 28] stored as [2, 15, 27]);
-- `int4-g32`: the weights round-tripped through 4-bit quantization in groups of 32
-  (tests/quantized.py), served in float32, against the unquantized run.
+- `int4-g32`, `int4-channel`: the weights round-tripped through 4-bit quantization in groups of
+  32 / one group per output row (tests/quantized.py), served in float32, against the unquantized run.
 
 Printed per configuration and point: mean / p1 / min cosine at the point, the best-matching server
 point, the neighbours' mean cosine; the final-state cosine and the top-1 agreement.
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--only", action="append", default=None, help="configurations to run (default: all)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
 
@@ -49,7 +51,7 @@ def main() -> None:
     from aerie.store import FsStore
     from aerie.target import smollm2
     from aerie_extractor.align import neighbour_layer_ids
-    from tests.quantized import smollm2_int4
+    from tests.quantized import PER_CHANNEL, smollm2_int4
     from tests.runs import hidden_run_folder, upload_run
     from tests.sglang_server import capture_server
 
@@ -61,14 +63,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aerie-bench-align-"))
     store = FsStore(work / "store")
     upload_run(store, run, "sharegpt")
+    upload_run(store, hidden_run_folder(cache, model, records=8, max_tokens=96, dtype="float32"), "f32")
     spec = upload_run(store, deeper, "deeper")
     store.put_json(layout.run_spec("deeper"), spec.model_copy(update={
         "capture_points": POINTS, "engine": spec.engine.model_copy(update={"layer_ids": POINTS})}))
     settings = Settings(store=f"file://{store.root}")
     ids = neighbour_layer_ids(POINTS, "sglang-llama", 30)
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(work / "shm")}
-    configurations = [("float32", model, "float32", ["sharegpt", "deeper"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
-                      ("int4-g32", smollm2_int4(cache, model), "float32", ["sharegpt"])]
+    configurations = [("float32", model, "float32", ["sharegpt", "deeper", "f32"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
+                      ("int4-g32", smollm2_int4(cache, model), "float32", ["sharegpt"]),
+                      ("int4-channel", smollm2_int4(cache, model, PER_CHANNEL), "float32", ["sharegpt"])]
+    configurations = [c for c in configurations if not args.only or c[0] in args.only]
     figures: dict[str, dict] = {}
     for name, folder, dtype, runs in configurations:
         with capture_server(folder, layer_ids=ids, dtype=dtype, env=env, log_dir=work / "logs") as server:
@@ -76,7 +81,7 @@ def main() -> None:
                 started = time.monotonic()
                 report = stages.align(store, settings, AlignRequest(run=run_name, server=server.url, samples=args.samples,
                                                                      max_tokens=args.max_tokens))
-                label = "off-by-one" if run_name == "deeper" else name
+                label = {"deeper": "off-by-one", "f32": "float32-states"}.get(run_name, name)
                 figures[label] = {
                     "passed": report.passed, "tokens": report.tokens, "seconds": round(time.monotonic() - started, 1),
                     "points": {p.point: {"mean": p.at_point.mean, "p1": p.at_point.p1, "min": p.at_point.min,

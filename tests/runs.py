@@ -63,11 +63,12 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
 
 
 def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
-                      shard_sequences: int = 16, signal: str = "final", topk: int = 20, points: list[int] | None = None) -> Path:
+                      shard_sequences: int = 16, signal: str = "final", topk: int = 20, points: list[int] | None = None,
+                      dtype: str = "bfloat16") -> Path:
     """A filesystem store holding run `RUN`: ShareGPT conversations (user turns cut to 200
     characters, so short sequences are mostly assistant text) ingested and extracted by the
     pipeline's own stages (aerie.stages: ingest, extract) with the `hf` engine. Built once per inputs.
-    `points`: capture points other than the default [2, N//2, N-3]."""
+    `points`: capture points other than the default [2, N//2, N-3]; `dtype`: of the states (and the forward)."""
     from aerie.contracts import ExtractRequest, IngestRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
@@ -76,7 +77,8 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
 
     target = describe(model_dir, name="SmolLM2-135M-Instruct")
     inputs = [CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]
-    key = hashlib.sha256(json.dumps(inputs + ([points] if points else [])).encode()).hexdigest()[:16]
+    inputs += ([points] if points else []) + ([dtype] if dtype != "bfloat16" else [])  # the older keys stay
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-hidden-runs" / key
     if _complete(folder):
         return folder
@@ -92,7 +94,7 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
     settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048, ingest_local_dirs=[tmp])
     points = points or default_capture_points(target.num_layers)
     ingested = stages.ingest(store, settings, IngestRequest(
-        run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype="bfloat16",
+        run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype=dtype,
         target_signal=signal, topk=topk, fan_out=False,
         options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
     ))

@@ -440,6 +440,10 @@ def run_align(store: ObjectStore, settings: Settings, request: AlignRequest) -> 
     k = int(run.topk or 20) if run.target_signal == "topk" else FINAL_TOPK
     client = Client(settings, url, run.target.hidden_size, k)
     try:
+        try:
+            client.http.get(url + "/health")
+        except httpx.HTTPError as e:
+            raise EngineError(f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (--server)") from e
         transport = client.choose(server_info(client.http, url))
         server, _ = identify(client.http, url, run, transport)
         picks = draw_sample(store, request.run, request.samples, request.seed)
@@ -547,7 +551,9 @@ def align_command(run_name: str, server: str, samples: int, seed: int, max_token
         request = AlignRequest(run=run_name, server=server, samples=samples, seed=seed, max_tokens=max_tokens)
     except ValidationError as e:
         first = e.errors()[0]
-        raise click.UsageError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+        flag = f"--{str(first['loc'][0]).replace('_', '-')}"
+        why = "give the serving SGLang's http(s)://host:port" if flag == "--server" else first["msg"]
+        raise click.UsageError(f"{flag} {first.get('input')!r}: {why}") from None
     settings = Settings.load()
     try:
         report = stages.align(open_store(settings), settings, request)

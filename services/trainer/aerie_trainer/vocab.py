@@ -61,6 +61,39 @@ def ranked_counts(target_counts: np.ndarray | None, data_counts: np.ndarray) -> 
     return target_counts.astype(np.float64) + data_counts / (data_counts.sum() + 1.0)
 
 
+def target_argmax(lm_head: torch.Tensor | None, device: torch.device, chunk: int = 4096):
+    """rows -> the target's greedy token ids: `final` rows through the target's lm_head (V, H), on
+    `device`, in chunks; `topk` rows by their largest log-prob."""
+
+    def argmax(rows: dict) -> np.ndarray:
+        if "final" in rows:
+            if lm_head is None:
+                raise VocabError("a final-state run needs the target's lm_head to find its greedy tokens")
+            h = torch.from_numpy(np.asarray(rows["final"], dtype=np.float32))
+            return torch.cat([(c.to(device, lm_head.dtype) @ lm_head.T).argmax(-1).cpu() for c in h.split(chunk)]).numpy()
+        ids, lp = np.asarray(rows["topk_ids"]), np.asarray(rows["topk_logprobs"], dtype=np.float32)
+        return np.take_along_axis(ids, lp.argmax(-1)[:, None], axis=1)[:, 0]
+
+    return argmax
+
+
+def choose_draft_vocab(data, size: int, vocab_size: int, source: str, lm_head: torch.Tensor | None,
+                       device: torch.device, sample_tokens: int) -> tuple[torch.Tensor, float, str]:
+    """(draft ids, coverage, what the coverage counts). `data`: the trainer's HiddenData.
+
+    "target": ranked by the target's greedy tokens at up to `sample_tokens` trained positions
+    (then the data's tokens); coverage = the share of those greedy tokens the vocab holds.
+    "data": the trained tokens of the data; coverage = their share."""
+    data_counts = data.loss_token_counts(vocab_size)
+    if source == "target":
+        target_counts = data.target_token_counts(vocab_size, target_argmax(lm_head, device), sample_tokens)
+        draft_ids = build_draft_vocab(ranked_counts(target_counts, data_counts), size)
+        if target_counts.sum():
+            return draft_ids, coverage(target_counts, draft_ids), "target greedy tokens"
+    draft_ids = build_draft_vocab(data_counts.astype(np.float64), size)
+    return draft_ids, coverage(data_counts, draft_ids), "trained data tokens"
+
+
 def coverage(counts: np.ndarray, draft_ids: torch.Tensor) -> float:
     """Fraction of loss tokens whose id is in the draft vocab."""
     return float(counts[draft_ids.numpy()].sum() / max(counts.sum(), 1))

@@ -467,13 +467,21 @@ def run_sweep(
         with LaunchedServer(baseline_launch, [], start_timeout_s, log_dir, env) as server:
             baseline = measure(server.url, None, server.start_s)
     points = []
-    for setting in settings:
-        with LaunchedServer(launch, setting.flags(), start_timeout_s, log_dir, env) as server:
-            point = measure(server.url, setting, server.start_s)
-        if baseline is not None and baseline.tokens_per_s:
+    for setting in settings:  # a setting the server cannot run is recorded as failed; the sweep goes on
+        try:
+            with LaunchedServer(launch, setting.flags(), start_timeout_s, log_dir, env) as server:
+                try:
+                    point = measure(server.url, setting, server.start_s)
+                except BenchError as e:
+                    died = server.proc.poll() is not None
+                    raise BenchError(f"{e}; the server exited, its log ends:\n{server.log_tail(12)}" if died else str(e)) from None
+        except BenchError as e:
+            point = SweepPoint(setting=setting, error=str(e)[-3000:])
+        if point.error is None and baseline is not None and baseline.tokens_per_s:
             point = point.model_copy(update={"speedup": point.tokens_per_s / baseline.tokens_per_s})
         points.append(point)
-    best = max(points, key=lambda p: p.tokens_per_s).setting if points else None
+    measured = [p for p in points if p.error is None]
+    best = max(measured, key=lambda p: p.tokens_per_s).setting if measured else None
     return {"launch": launch, "prompts": len(prompts), "max_tokens": max_tokens, "baseline": baseline and baseline.model_dump(),
             "points": [p.model_dump() for p in points], "best": best and best.model_dump()}
 
@@ -507,10 +515,13 @@ def render_sweep(report: dict):
     for p in rows:
         s = p["setting"]
         label = "plain (no drafter)" if s is None else ("best → " if s == best else "") + f"{s['num_steps']},{s['eagle_topk']},{s['num_draft_tokens']}"
-        table.add_row(label, "-" if s is None else ("chain" if s["eagle_topk"] == 1 else "tree"),
-                      *(("-", "-", "-") if s is None else (str(s["num_steps"]), str(s["eagle_topk"]), str(s["num_draft_tokens"]))),
-                      _fmt(p["acceptance_length"], ".3f"), _fmt(p["accept_rate"], ".3f"), _fmt(p["tokens_per_s"], ".2f"),
-                      _fmt(p.get("speedup"), ".2f"), _fmt(p["start_s"], ".0f"))
+        shape = ("-", "-", "-", "-") if s is None else (
+            "chain" if s["eagle_topk"] == 1 else "tree", str(s["num_steps"]), str(s["eagle_topk"]), str(s["num_draft_tokens"]))
+        if p.get("error"):
+            table.add_row(label, *shape, "failed: " + p["error"].splitlines()[0][:60], "", "", "", "")
+            continue
+        table.add_row(label, *shape, _fmt(p["acceptance_length"], ".3f"), _fmt(p["accept_rate"], ".3f"),
+                      _fmt(p["tokens_per_s"], ".2f"), _fmt(p.get("speedup"), ".2f"), _fmt(p["start_s"], ".0f"))
     return table
 
 

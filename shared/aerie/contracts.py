@@ -401,13 +401,14 @@ class SpeculativeSetting(Contract):
 
 class SweepPoint(Contract):
     setting: SpeculativeSetting | None = Field(description="None: the plain server (no drafter)")
-    acceptance_length: float | None
-    accept_rate: float | None
-    tokens_per_s: float
+    acceptance_length: float | None = None
+    accept_rate: float | None = None
+    tokens_per_s: float | None = None
     speedup: float | None = None
-    completion_tokens: int
-    requests: int
-    start_s: float = Field(description="seconds the server took to become healthy")
+    completion_tokens: int = 0
+    requests: int = 0
+    start_s: float = Field(0.0, description="seconds the server took to become healthy")
+    error: str | None = Field(None, description="the setting could not be measured: why (the server's log tail when it died)")
 
 
 class BenchSweep(Contract):

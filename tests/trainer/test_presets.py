@@ -85,8 +85,10 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
     model = tmp_path / "llama"
     model.mkdir()
     (model / "config.json").write_text((DATA / CONFIGS["llama-3.1-8b"][0]).read_text())
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}) + "\n")
     env = worker_env(s3_store, private_redis)
-    base = [CELERY, "-A", EXTRACTOR_APP, "enqueue", "--dataset", "datasets/chat.jsonl", "--run", "llama-run",
+    base = [CELERY, "-A", EXTRACTOR_APP, "enqueue", "--dataset", str(dataset), "--run", "llama-run",
             "--model", str(model), "--train-drafter", "llama-eagle3"]
     out = subprocess.run([*base, "--preset", "llama-3.1-8b", "--epochs", "3"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -136,7 +136,7 @@ def test_a_setting_whose_server_dies_is_recorded_as_failed_and_the_sweep_goes_on
 @pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.timeout(2400)  # builds the shared trained drafter when no test has (tests/trained.py)
-def test_a_sweep_over_a_chain_and_a_tree_on_real_servers_is_recorded_beside_the_drafter(trained_smol, smollm2_path, fs_store, tmp_path):
+def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(trained_smol, smollm2_path, fs_store, tmp_path):
     """Two settings of the shared trained drafter (each a real SGLang CPU server, ~25 s to start):
     acceptance and tokens/s per setting, the best one, stored beside the lineage (which is unchanged).
     Two chains: a tree (topk > 1) crashes the CPU extend-attention op of aerie_sglang.cpu (its tree

@@ -133,12 +133,12 @@ def sink_only(args) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "inference"))
     from aerie_sglang.plugin import hooks
-    from aerie_sglang.plugin.sink import Capture, Sinks, CaptureReader, planned_size
+    from aerie_sglang.plugin.sink import Capture, CaptureSinkSettings, Sinks, planned_size
 
     dtype = getattr(torch, args.dtype)
     T, K, H, B = args.tokens, args.layers, args.hidden, args.concurrency
     shm = Path(tempfile.mkdtemp(prefix="aerie-sink-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    sinks = Sinks(CaptureReader(shm_dir=shm, max_unclaimed_bytes=1 << 40, ttl_s=900, writers=args.writers))
+    sinks = Sinks(CaptureSinkSettings(shm_dir=shm, max_unclaimed_bytes=1 << 40, ttl_s=900, writers=args.writers))
     sinks.start()
     aux_batch = torch.randn(B * T, K * H, device=args.device).to(dtype)
     final_batch = torch.randn(B * T, H, device=args.device).to(dtype)

@@ -34,7 +34,7 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
     """'NAME[:VERSION]' -> (name, version or None), both checked against the name pattern."""
     name, _, version = ref.partition(":")
     for what, value in (("name", name), ("version", version)):
-        if (value or what == "name") and not _NAME_RE.match(value):
+        if (value or what == "name") and not _NAME_RE.fullmatch(value):
             raise DrafterError(f"drafter {what} {value!r} in {ref!r} is not a valid name (letters, digits, '.', '_', '-')")
     return name, version or None
 

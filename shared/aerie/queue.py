@@ -132,8 +132,9 @@ def backoff(retries: int) -> float:
 
 
 def retryable(error: BaseException) -> bool:
-    """Store errors and errors that say they are transient (`retryable = True`, e.g. an engine's)."""
-    return isinstance(error, StoreError) or bool(getattr(error, "retryable", False))
+    """An error's own `retryable` when it says (an engine's, a refused key's), else: store errors."""
+    said = getattr(error, "retryable", None)
+    return bool(said) if said is not None else isinstance(error, StoreError)
 
 
 def run_task(task: Task, work: Callable[[], T], give_up: Callable[[BaseException, int], None] | None = None) -> T:
@@ -192,12 +193,17 @@ def enqueue(app: Celery, name: str, kwargs: dict):
 _local_claims: dict[str, str] = {}
 _local_lock = threading.Lock()
 CLAIM_TTL_S = 30 * 24 * 3600
+SENDING_TTL_S = 120  # a claimant that died between claiming and sending is replaced after this
 
 
 def claim_once(settings: Settings, name: str, owner: str) -> bool:
     """True for exactly one owner of `name` (and again for that same owner, e.g. a redelivered
     task whose first attempt died between claiming and sending, until `mark_done`). Redis SET NX
-    on the broker; in-process for the embedded broker."""
+    on the broker; in-process for the embedded broker.
+
+    Two deliveries of one task can run at once (a visibility timeout shorter than the task): the
+    owner's claim is then taken again only after the other's `sending` mark expires
+    (SENDING_TTL_S), so the two never both send."""
     key = f"aerie:once:{name}"
     if settings.embedded:
         with _local_lock:
@@ -208,9 +214,10 @@ def claim_once(settings: Settings, name: str, owner: str) -> bool:
 
     client = redis.Redis.from_url(settings.broker)
     try:
-        if client.set(key, owner, nx=True, ex=CLAIM_TTL_S):
-            return True
-        return (client.get(key) or b"").decode() == owner and not client.exists(key + ":done")
+        if not client.set(key, owner, nx=True, ex=CLAIM_TTL_S):
+            if (client.get(key) or b"").decode() != owner or client.exists(key + ":done"):
+                return False
+        return bool(client.set(key + ":sending", owner, nx=True, ex=SENDING_TTL_S))
     finally:
         client.close()
 

@@ -135,9 +135,15 @@ class ObjectStore(ABC):
         return sha.hexdigest()
 
 
+class InvalidKey(StoreError):
+    """A key that would leave the bucket's layout (absolute, '..'): refused, never retried."""
+
+    retryable = False
+
+
 def _check_key(key: str) -> str:
     if not key or key.startswith("/") or ".." in key.split("/") or "\\" in key:
-        raise StoreError(f"invalid object key {key!r}: keys are relative, '/'-separated, without '..'")
+        raise InvalidKey(f"invalid object key {key!r}: keys are relative, '/'-separated, without '..'")
     return key
 
 

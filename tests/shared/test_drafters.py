@@ -86,3 +86,8 @@ def test_aerie_pull_needs_only_the_shared_package(s3_store, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "smol:v7" in out.stdout and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_name_with_a_trailing_newline_is_refused():
+    with pytest.raises(drafters.DrafterError, match="not a valid name"):
+        drafters.parse_ref("smol:v1\n")

@@ -14,12 +14,12 @@ from celery import Task, shared_task
 
 from aerie import stages
 from aerie.contracts import TrainRequest
-from aerie.queue import MAX_RETRIES, TRAIN_TASK, run_task, task_progress, task_settings, task_store
+from aerie.queue import MAX_RETRIES, TRAIN_TASK, parse_message, run_task, task_progress, task_settings, task_store
 
 
 @shared_task(bind=True, name=TRAIN_TASK, max_retries=MAX_RETRIES)
 def train(self: Task, **kwargs) -> dict:
-    request = TrainRequest.model_validate(kwargs)
+    request = parse_message(TrainRequest, kwargs)
     settings = task_settings(self.app)
 
     def give_up(error: BaseException, attempts: int) -> None:

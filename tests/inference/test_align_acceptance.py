@@ -1,0 +1,71 @@
+"""The seed's failure in miniature, measured in real SGLang: a drafter trained on the unquantized
+target's states, served on the quantized target, against one trained on the quantized target's.
+
+The story (issue 19): a drafter is trained on states of one configuration and served on another.
+Here both drafters serve the same 4-bit quantized SmolLM2 (tests/quantized.py, one scale per
+output row: `PER_CHANNEL`; dequantized, float32 in SGLang), on the same prompts, greedy, 3 draft
+steps, and SGLang reports the acceptance (completion tokens / verify steps):
+- mismatched: the shared trained drafter (tests/trained.py), trained on the *unquantized* states;
+  `aerie align` of such a run against a quantized server fails (test_align.py);
+- matched: its twin, the same conversations and training, states and target signal taken from
+  the *quantized* weights (`trained_on_quantized`, cached like the shared one).
+
+Measured (2026-12-03, BENCHMARKS.md "Alignment"): matched 1.3173, mismatched 1.2424 (gap 0.075;
+per prompt the matched one accepts as much or more on all 6). With groups of 32 weights the two
+were within noise (1.290 vs 1.279), which is why this test serves the coarser layout: the cosine
+drop `aerie align` reports at groups of 32 (0.97-0.997) did not cost these small drafters
+measurable acceptance, the per-channel drop (0.93-0.99) did.
+
+Cost: training the twin (once per trainer source: 710 s on the loaded machine, ~4 min idle) and
+two servers (~2.5 min); 26 min with both drafters and the quantized run built from a cold cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.inference.test_serve_drafter import EAGLE_ENV, NUM_DRAFT_TOKENS, PROMPTS, VERIFY_STEPS, acceptance, generate
+from tests.sglang_server import serve_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+MORE_PROMPTS = ["Explain how a bicycle works.", "What are the benefits of regular exercise?",
+                "Summarize the plot of Romeo and Juliet."]
+GAP = 0.03  # least acceptance gap, matched minus mismatched, over 6 prompts x 64 tokens (measured 0.075)
+
+
+def chat_ids(model, texts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    out = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
+    return [list(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in out]
+
+
+@pytest.mark.timeout(3600)  # builds the shared drafter and its twin when their cache is cold
+def test_on_a_quantized_target_the_drafter_trained_on_its_states_accepts_more(cache_dir, smollm2_path, trained_smol, tmp_path):
+    from tests.quantized import PER_CHANNEL, smollm2_int4, trained_on_quantized
+
+    started = time.monotonic()
+    target = smollm2_int4(cache_dir, smollm2_path, PER_CHANNEL)
+    matched = trained_on_quantized(cache_dir, smollm2_path, PER_CHANNEL)
+    built_s = time.monotonic() - started
+    prompts = chat_ids(smollm2_path, PROMPTS + MORE_PROMPTS)
+    measured = {}
+    for name, drafter in (("matched", matched), ("mismatched", trained_smol)):
+        with serve_server(target, drafter.folder, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
+                          log_dir=tmp_path / name, env=EAGLE_ENV) as server:
+            outputs = generate(server.url, prompts)
+        measured[name] = {"acceptance": acceptance(outputs), "outputs": [o["output_ids"] for o in outputs],
+                          "per_prompt": [round(o["meta_info"]["spec_accept_length"], 4) for o in outputs]}
+    gap = measured["matched"]["acceptance"] - measured["mismatched"]["acceptance"]
+    print("\n[quantized target, per-channel INT4] " + json.dumps({
+        **{name: {k: v for k, v in m.items() if k != "outputs"} for name, m in measured.items()}, "gap": round(gap, 4),
+        "twin_train_wall_s": matched.result.get("train_wall_s"), "build_s": round(built_s, 1),
+        "test_s": round(time.monotonic() - started, 1)}))
+    # both verify against the same target: the text is its greedy text either way
+    assert measured["matched"]["outputs"] == measured["mismatched"]["outputs"]
+    assert gap > GAP, measured

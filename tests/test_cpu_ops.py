@@ -180,6 +180,9 @@ def test_extend_attention_follows_a_tree_mask(ops):
         rows = c["req_to_token"][c["req_pool_indices"][i], :s].long()
         ref = sdpa(c["q"][st : st + e], c["k_buffer"][rows], c["v_buffer"][rows], 0.25, masks[i])
         torch.testing.assert_close(out[st : st + e], ref, rtol=1e-5, atol=1e-5)
+    # the tree verify of topk > 1 may send only the new tokens' part (QLEN_ONLY): same attention
+    qlen_only = torch.cat([m[:, int(c["seq_lens"][i]) - int(c["extend_seq_lens"][i]):].reshape(-1) for i, m in enumerate(masks)])
+    torch.testing.assert_close(run_extend(c, tree_mask=qlen_only), out, rtol=0, atol=0)
     # and a non-causal (encoder) extend sees everything
     out = run_extend(c, is_causal=False)
     rows = c["req_to_token"][c["req_pool_indices"][0], :9].long()

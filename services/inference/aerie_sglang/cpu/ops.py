@@ -186,6 +186,12 @@ def extend_attention_cpu(
     tokens see the whole prefix and attend causally among themselves (`is_causal`)."""
     _refuse_unsupported("extend_attention_cpu", is_cross_attention, sliding_window_size, sinks)
     mask_offset = 0
+    # The verify of a token tree (topk > 1) sends either SGLang's FULL_MASK layout, (extend_len,
+    # seq_len) per sequence, or only the new tokens' part, (extend_len, extend_len) per sequence
+    # (QLEN_ONLY: every new token sees the whole prefix). The mask's size tells which.
+    qlen_only = tree_mask is not None and tree_mask.numel() == int((extend_seq_lens.long() ** 2).sum()) != int(
+        (extend_seq_lens.long() * seq_lens.long()).sum()
+    )
     for i in range(seq_lens.shape[0]):
         seq_len, ext_len = int(seq_lens[i]), int(extend_seq_lens[i])
         start, prefix_len = int(extend_start_loc[i]), seq_len - ext_len
@@ -206,7 +212,11 @@ def extend_attention_cpu(
                     )
                 k_new, v_new = torch.cat([k_old, k_new.to(k_old.dtype)]), torch.cat([v_old, v_new.to(v_old.dtype)])
             k, v = k_new, v_new
-        if tree_mask is not None:
+        if tree_mask is not None and qlen_only:
+            among = tree_mask[mask_offset : mask_offset + ext_len * ext_len].view(ext_len, ext_len).bool()
+            mask_offset += ext_len * ext_len
+            allowed = torch.cat([torch.ones(ext_len, prefix_len, dtype=torch.bool), among], dim=1)
+        elif tree_mask is not None:
             allowed = tree_mask[mask_offset : mask_offset + ext_len * seq_len].view(ext_len, seq_len)
             mask_offset += ext_len * seq_len
         elif is_causal:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -41,9 +42,13 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=None, help="configurations to run (default: all)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory(prefix="aerie-bench-align-") as work:  # the runs' copies, the capture sink
+        figures = measure(Path(work), args)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
 
-    import os
 
+def measure(work: Path, args) -> dict[str, dict]:
     from aerie import layout, stages
     from aerie.contracts import AlignRequest
     from aerie.pipeline import SIZES
@@ -58,14 +63,12 @@ def main() -> None:
     cache = Path(os.environ.get("AERIE_TEST_CACHE", os.path.expanduser("~/.cache/aerie")))
     model = smollm2(cache)
     size = SIZES["default"]
-    run = hidden_run_folder(cache, model, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
-    deeper = hidden_run_folder(cache, model, records=8, max_tokens=96, points=[p + 1 for p in POINTS])
-    work = Path(tempfile.mkdtemp(prefix="aerie-bench-align-"))
     store = FsStore(work / "store")
-    upload_run(store, run, "sharegpt")
+    upload_run(store, hidden_run_folder(cache, model, records=size.records, max_tokens=size.max_tokens, shard_sequences=16),
+               "sharegpt")
     upload_run(store, hidden_run_folder(cache, model, records=8, max_tokens=96, dtype="float32"), "f32")
-    spec = upload_run(store, deeper, "deeper")
-    store.put_json(layout.run_spec("deeper"), spec.model_copy(update={
+    spec = upload_run(store, hidden_run_folder(cache, model, records=8, max_tokens=96, points=[p + 1 for p in POINTS]), "deeper")
+    store.put_json(layout.run_spec("deeper"), spec.model_copy(update={  # labelled one layer too shallow
         "capture_points": POINTS, "engine": spec.engine.model_copy(update={"layer_ids": POINTS})}))
     settings = Settings(store=f"file://{store.root}")
     ids = neighbour_layer_ids(POINTS, "sglang-llama", 30)
@@ -73,9 +76,8 @@ def main() -> None:
     configurations = [("float32", model, "float32", ["sharegpt", "deeper", "f32"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
                       ("int4-g32", smollm2_int4(cache, model), "float32", ["sharegpt"]),
                       ("int4-channel", smollm2_int4(cache, model, PER_CHANNEL), "float32", ["sharegpt"])]
-    configurations = [c for c in configurations if not args.only or c[0] in args.only]
     figures: dict[str, dict] = {}
-    for name, folder, dtype, runs in configurations:
+    for name, folder, dtype, runs in [c for c in configurations if not args.only or c[0] in args.only]:
         with capture_server(folder, layer_ids=ids, dtype=dtype, env=env, log_dir=work / "logs") as server:
             for run_name in runs:
                 started = time.monotonic()
@@ -92,17 +94,19 @@ def main() -> None:
                     "final_p1": report.signal.final.p1 if report.signal and report.signal.final else None,
                     "top1": report.signal.top1_agreement if report.signal else None, "causes": report.causes,
                 }
-                print(f"\n== {label} ({'pass' if report.passed else 'FAIL'}; {report.tokens} tokens)")
-                for p, f in figures[label]["points"].items():
-                    near = " ".join(f"{q}:{c:.4f}" for q, c in f["neighbours"].items())
-                    print(f"  point {p}: mean {f['mean']:.6f} p1 {f['p1']:.6f} min {f['min']:.6f} best {f['best']} "
-                          f"({f['best_cos']:.6f}) neighbours {near}")
-                final = figures[label]
-                print(f"  final: mean {final['final']}, p1 {final['final_p1']}; top-1 {final['top1']:.4f}")
-                for cause in report.causes:
-                    print(f"  - {cause}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+                show(label, report.passed, figures[label])
+    return figures
+
+
+def show(label: str, passed: bool, f: dict) -> None:
+    print(f"\n== {label} ({'pass' if passed else 'FAIL'}; {f['tokens']} tokens)")
+    for point, p in f["points"].items():
+        near = " ".join(f"{q}:{c:.4f}" for q, c in p["neighbours"].items())
+        print(f"  point {point}: mean {p['mean']:.6f} p1 {p['p1']:.6f} min {p['min']:.6f} best {p['best']} "
+              f"({p['best_cos']:.6f}) neighbours {near}")
+    print(f"  final: mean {f['final']}, p1 {f['final_p1']}; top-1 {f['top1']:.4f}")
+    for cause in f["causes"]:
+        print(f"  - {cause}")
 
 
 if __name__ == "__main__":

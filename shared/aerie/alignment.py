@@ -45,8 +45,8 @@ def print_report(report: AlignmentReport, console=None) -> None:
             console = Console(width=max(console.width, 132))
     console.print(report_table(report))
     t = report.tokenization
-    console.print(f"tokenization: {'differs at position ' + str(t.differs_at) if t.differs_at is not None else f'{t.checked} samples agree'}"
-                  + (f" ({t.note})" if t.note else ""))
+    tokens = f"differs at position {t.differs_at}" if t.differs_at is not None else f"{t.checked} samples agree"
+    console.print(f"tokenization: {tokens}" + (f" ({t.note})" if t.note else ""))
     verdict = "[green]aligned[/]" if report.passed else "[red]NOT aligned[/]"
     console.print(f"{verdict}: report {layout.alignment_report(report.run, report.server.server_id)}")
     for cause in report.causes:
@@ -56,5 +56,5 @@ def print_report(report: AlignmentReport, console=None) -> None:
 def failure_message(report: AlignmentReport) -> str:
     """One line: why training was stopped, and where the report is."""
     key = layout.alignment_report(report.run, report.server.server_id)
-    return (f"run {report.run!r} is not aligned with {report.server.url} ({key}): {report.causes[0] if report.causes else 'see the report'}"
-            "; fix it, or train anyway with --allow-misaligned")
+    cause = report.causes[0] if report.causes else "see the report"
+    return f"run {report.run!r} is not aligned with {report.server.url} ({key}): {cause}; fix it, or train anyway with --allow-misaligned"

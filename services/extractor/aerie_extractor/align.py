@@ -139,7 +139,8 @@ def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tu
         url=url, server_id=f"{_slug(Path(model_path).name or 'sglang')}-{digest}", model_path=model_path,
         architecture=architecture, weights_sha256=weights, tokenizer_sha256=tokenizer, sglang_version=str(info.get("version")),
         quantization=info.get("quantization"), tp_size=int(info.get("tp_size") or 1), dtype=dtype,
-        kv_cache_dtype=info.get("kv_cache_dtype"), aux_layer_ids=ids, aux_points=points, transport=transport,  # type: ignore[arg-type]
+        kv_cache_dtype=info.get("kv_cache_dtype"), aux_layer_ids=ids, aux_points=points,
+        transport=transport,  # type: ignore[arg-type]
     )
     return identity, info
 
@@ -203,7 +204,8 @@ class Client:
             return Served(tensors["aux"].astype(np.float32), tensors["final"].astype(np.float32), topk_ids, topk_logprobs)
         rows = (meta.get("hidden_states") or [None])[0]
         if not rows:
-            raise EngineMismatch(f"SGLang server {self.url} returned no hidden states: start it with --enable-return-aux-hidden-states")
+            raise EngineMismatch(f"SGLang server {self.url} returned no hidden states: start it with "
+                                 "--enable-return-aux-hidden-states")
         if not isinstance(rows[0], list):  # a one-token prompt may come back flat
             rows = [rows]
         aux = np.asarray(rows, dtype=np.float32)
@@ -229,7 +231,8 @@ class Client:
 # --------------------------------------------------------------------------------------
 def draw_sample(store: ObjectStore, run: str, samples: int, seed: int) -> list[tuple[ShardRecord, int]]:
     """`samples` (shard record, sequence index) pairs drawn by `seed` over the run's hidden shards, in order."""
-    records = [store.get_json(layout.shard_record(run, "hidden", name), ShardRecord) for name in shard_names(store, run, "hidden")]
+    records = [store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
+               for name in shard_names(store, run, "hidden")]
     total = sum(r.sequences for r in records)
     if total == 0:
         raise RunError(f"run {run!r} has no extracted sequences (runs/{run}/hidden/): extract it before aligning")
@@ -366,10 +369,13 @@ def check_tokenization(client: Client, run: RunSpec, sequences: list[np.ndarray]
             return TokenizationCheck(note="not checked: the server has no /v1/tokenize")
         at = first_difference(ours, theirs)
         if at is not None:
-            word = lambda t, i: repr(tokenizer.id_to_token(t[i])) if i < len(t) else "(end)"  # noqa: E731
-            return TokenizationCheck(checked=s + 1, differs_at=at, sample=s, run_token=f"{ours[at] if at < len(ours) else '-'} {word(ours, at)}",
-                                     server_token=f"{theirs[at] if at < len(theirs) else '-'} {word(theirs, at)}")
+            return TokenizationCheck(checked=s + 1, differs_at=at, sample=s, run_token=_token(tokenizer, ours, at),
+                                     server_token=_token(tokenizer, theirs, at))
     return TokenizationCheck(checked=len(sequences))
+
+
+def _token(tokenizer, tokens: list[int], at: int) -> str:
+    return f"{tokens[at]} {tokenizer.id_to_token(tokens[at])!r}" if at < len(tokens) else "(end)"
 
 
 def diagnose(run: RunSpec, server: ServerIdentity, points: list[PointAlignment], signal: SignalAlignment | None,
@@ -403,7 +409,8 @@ def diagnose(run: RunSpec, server: ServerIdentity, points: list[PointAlignment],
         close = "; ".join(f"point {p.point} is closest to the server's point {p.best_point} (cos {p.cosines[p.best_point]:.4f})"
                           for p in missing if p.best_point is not None)
         wanted = to_engine_ids(run.capture_points, convention, run.target.num_layers)
-        shift = {b - a for a, b in zip(run.capture_points, server.aux_points)} if len(server.aux_points) == len(run.capture_points) else set()
+        same_count = len(server.aux_points) == len(run.capture_points)
+        shift = {b - a for a, b in zip(run.capture_points, server.aux_points)} if same_count else set()
         why = (f": the server's layer ids {server.aux_layer_ids} are the run's ids {wanted} off by {shift.pop():+d}"
                if len(shift) == 1 and 0 not in shift else "")
         causes.append(f"the server does not capture point(s) {[p.point for p in missing]} (its ids {server.aux_layer_ids} "
@@ -471,7 +478,8 @@ def run_align(store: ObjectStore, settings: Settings, request: AlignRequest) -> 
     precision, min_cos, min_p1 = thresholds(settings, run.dtype, server.dtype)
     points = []
     for i, p in enumerate(run.capture_points):
-        means = {q: float(np.concatenate([cosines(r["aux"][:, i].astype(np.float32), o.aux[:, j]) for r, o in zip(stored, served)]).mean())
+        means = {q: float(np.concatenate([cosines(r["aux"][:, i].astype(np.float32), o.aux[:, j])
+                                          for r, o in zip(stored, served)]).mean())
                  for j, q in enumerate(server.aux_points)}
         at = None
         if p in server.aux_points:
@@ -501,7 +509,8 @@ def compare_signal(run: RunSpec, stored: list[dict], served: list[Served], setti
     if run.target_signal == "topk":
         agree = np.concatenate([r["topk_ids"][:, 0] == o.topk_ids[:, 0] for r, o in zip(stored, served)])
         k = stored[0]["topk_ids"].shape[1]
-        overlap = np.concatenate([[len(set(a) & set(b)) / k for a, b in zip(r["topk_ids"], o.topk_ids)] for r, o in zip(stored, served)])
+        overlap = np.concatenate([[len(set(a) & set(b)) / k for a, b in zip(r["topk_ids"], o.topk_ids)]
+                                  for r, o in zip(stored, served)])
         errors = []
         for r, o in zip(stored, served):
             for ids, lp, sids, slp in zip(r["topk_ids"], r["topk_logprobs"], o.topk_ids, o.topk_logprobs):

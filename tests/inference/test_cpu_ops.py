@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-OPS_FILE = Path(__file__).parents[1] / "services/inference/aerie_sglang/cpu/ops.py"
+OPS_FILE = Path(__file__).parents[2] / "services/inference/aerie_sglang/cpu/ops.py"
 
 ALL_OPS = [
     "copy_all_layer_kv_cache_cpu",

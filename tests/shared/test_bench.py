@@ -1,7 +1,7 @@
 """`aerie bench` without a server: prompt sets, the acceptance definitions, refusals that say the fix.
 
 The measurement against real SGLang servers (a drafter and a plain baseline) is in
-tests/test_serve_drafter.py, where those servers run anyway.
+tests/inference/test_serve_drafter.py, where those servers run anyway.
 """
 
 from __future__ import annotations

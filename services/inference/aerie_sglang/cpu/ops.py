@@ -30,7 +30,7 @@ Design choices:
   attention and speculative-decoding bookkeeping ops below are needed. Measured with the tiny
   DeepSeek-V3 (8 routed experts, grouped biased top-k, shared expert) in capture and EAGLE-3
   serve mode: the ops called were exactly the ones in SCHEMAS minus fill_accept_out_cache_loc_cpu.
-- Every op is checked in `tests/test_cpu_ops.py` against a plain reference (attention against
+- Every op is checked in `tests/inference/test_cpu_ops.py` against a plain reference (attention against
   `torch.nn.functional.scaled_dot_product_attention`, tree/verify ops against loops over Python lists).
 """
 

@@ -3,14 +3,20 @@
     .venv/bin/python scripts/check_deploy.py              # every check; one line per problem, exit 1
     .venv/bin/python scripts/check_deploy.py compose k8s  # some of them
 
-The checks are scripts/deploy_checks/; tests/deploy/ runs them on the real files and on broken copies.
+Each check (scripts/deploy_checks/) returns its problems, each naming the file, the place in it and
+the fix. Real tools parse and validate (Docker Compose, BuildKit's parser, hadolint, ShellCheck,
+kustomize, the Kubernetes OpenAPI schema); aerie's own rules are tables run on what they return.
+tests/deploy/ runs every check on the real files and on broken copies.
 """
 
 from __future__ import annotations
 
 import sys
 
-from deploy_checks import CHECKS
+from deploy_checks import compose, dockerfiles, docs, k8s, shell
+
+CHECKS = {"compose": compose.check_compose, "dockerfiles": dockerfiles.check_dockerfiles, "k8s": k8s.check_k8s,
+          "docs": docs.check_docs, "shell": shell.check_shell}
 
 
 def main(argv: list[str]) -> int:

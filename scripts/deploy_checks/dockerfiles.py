@@ -62,7 +62,7 @@ RULES = [  # (message, test(instruction, ARG defaults so far, build context, .do
      + [("ENV", n) for n in c.value[0::2] if c.cmd == "ENV" and SECRET_NAME.search(n)]),
     (": FROM {0}{1}", lambda c, args, *_: _from(c, args) if c.cmd == "FROM" else []),
     (": HEALTHCHECK NONE: the image needs a health check (hadolint's DL3057 counts this one)",
-     lambda c, *_: c.cmd == "HEALTHCHECK" and c.value[:1] == ["NONE"]),
+     lambda c, *_: c.cmd == "HEALTHCHECK" and c.value[0].upper() == "NONE"),
     (": {0} {1}: no such path in the build context", lambda c, _, context, __: [
         (c.cmd, s) for s in _copied(c) if not (context / s).exists()]),
     (": {0} {1}: excluded by .dockerignore", lambda c, _, context, ignore: [

@@ -31,6 +31,7 @@ REFERENCES = {
     "secret": ("Secret", "secretName", None), "secretRef": ("Secret", "name", None),
     "secretKeyRef": ("Secret", "name", "key"), "secretTargetRef": ("Secret", "name", "key"),
     "authenticationRef": ("TriggerAuthentication", "name", None), "scaleTargetRef": ("Deployment", "name", None),
+    "serviceName": ("Service", "name", None),  # a plain string
 }
 
 
@@ -63,18 +64,18 @@ def references(node, path: str = "spec"):
         if k in REFERENCES:
             kind, name, key = REFERENCES[k]
             for i, ref in enumerate(v if isinstance(v, list) else [v]):
+                ref = ref if isinstance(ref, dict) else {"name": ref}
                 yield f"{at}[{i}]" if isinstance(v, list) else at, ref.get("kind", kind), ref.get(name), ref.get(key)
         yield from references(v, at)
 
 
-def _missing(kind: str, name: str, key: str | None, objects: dict, secrets: dict) -> str | None:
-    """Why a reference resolves to nothing: Secrets are the guide's, everything else is in the render."""
-    if kind == "Secret":
-        return (f"Secret {name!r} is not created by a `kubectl create secret generic` in docs/deploy.md"
-                if name not in secrets else f"Secret {name} key {key!r} is not in the docs' `kubectl create secret "
-                f"generic {name}`" if key and key not in secrets[name] else None)
-    return (f"{kind} {name!r} is not in this render" if (kind, name) not in objects else f"{kind} {name} has no key "
-            f"{key!r}" if key and key not in (objects[kind, name].get("data") or {}) else None)
+def _unresolved(kind: str, name: str, key: str | None, objects: dict, secrets: dict) -> str | None:
+    """Why a reference names nothing: a Secret is the guide's to create, anything else is in the render."""
+    where = "the guide's `kubectl create secret generic`" if kind == "Secret" else "this render"
+    if (name not in secrets) if kind == "Secret" else ((kind, name) not in objects):
+        return f"{kind} {name!r} is not in {where}"
+    keys = secrets[name] if kind == "Secret" else dig(objects[kind, name], "data") or {}
+    return f"{kind} {name} has no key {key!r} in {where}" if key and key not in keys else None
 
 
 def _pod(r: dict) -> dict:
@@ -91,15 +92,6 @@ def _matches(selector: dict | None, labels: dict) -> bool:
 
 def _autoscalers(r: dict, every: list[dict]) -> list[dict]:
     return [o for o in every if r["kind"] == "Deployment" and dig(o, "spec", "scaleTargetRef", "name") == r["metadata"]["name"]]
-
-
-def _keda_addresses(r: dict, objects: dict) -> list[tuple[str, str]]:
-    """KEDA's operator resolves a trigger's address in its own namespace: it must name ours in full."""
-    ns, found = dig(r, "metadata", "namespace"), []
-    for a in [dig(t, "metadata", "address") for t in dig(r, "spec", "triggers") or []] if r["kind"] == "ScaledObject" else []:
-        host = (a or "").rsplit(":", 1)[0].split(".")
-        found += [(a, ns)] if a and (("Service", host[0]) not in objects or host[1:3] != [ns, "svc"]) else []
-    return found
 
 
 def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
@@ -120,12 +112,10 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
     (": {0}", lambda r, *_: [] if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r)),
     (": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)", lambda r, *_: r["kind"] == "Secret"),
     (": {0}: {1}", lambda r, objects, secrets, _: [(path, why) for path, *ref in references(r.get("spec") or {})
-                                                   if (why := _missing(*ref, objects, secrets))]),
+                                                   if (why := _unresolved(*ref, objects, secrets))]),
     (": selector {0} matches no pod template in this render",
      lambda r, _, __, every: [r["spec"].get("selector")] if r["kind"] == "Service" and not any(
          _matches(r["spec"].get("selector"), _labels(w)) for w in every if w["kind"] in WORKLOADS) else []),
-    (": serviceName {0!r} is not a Service in this render",
-     lambda r, objects, *_: [n] if (n := dig(r, "spec", "serviceName")) and ("Service", n) not in objects else []),
     (": spec.selector {0} does not match its pod template labels {1}",
      lambda r, *_: [(s, _labels(r))] if r["kind"] in ("Deployment", "StatefulSet") and not _matches(
          s := dig(r, "spec", "selector", "matchLabels"), _labels(r)) else []),
@@ -133,8 +123,10 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
      lambda r, *_: not _pod(r).get("nodeSelector") and any("nvidia.com/gpu" in (dig(c, "resources", k) or {})
                                                            for c in _pod(r).get("containers") or []
                                                            for k in ("limits", "requests"))),
-    (": triggers[].metadata.address {0!r} is not <service>.{1}.svc... of a Service here (KEDA resolves it in its namespace)",
-     lambda r, objects, *_: _keda_addresses(r, objects)),
+    (": triggers[].metadata.address {0!r} is not <service>.{1}.svc... of a Service here (KEDA resolves it in its own "
+     "namespace)", lambda r, objects, *_: [(a, ns) for ns in [dig(r, "metadata", "namespace")] for t in dig(
+         r, "spec", "triggers") or [] if (a := dig(t, "metadata", "address")) and not any(
+             a.startswith(f"{n}.{ns}.svc.") for kind, n in objects if kind == "Service")]),
     (": has more than one autoscaler (KEDA and HPA would fight): use one",
      lambda r, _, __, every: len(_autoscalers(r, every)) > 1),
     (": sets spec.replicas while an autoscaler owns them: `kubectl apply` would reset them mid-run; remove it",

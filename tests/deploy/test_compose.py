@@ -10,6 +10,7 @@ import pytest
 
 from scripts.deploy_checks.common import aerie_env_names
 from scripts.deploy_checks.compose import ComposeError, Project, check_compose, unescape
+from tests.deploy.breaks import Break, with_batches
 from tests.services import REPO
 
 
@@ -77,101 +78,105 @@ def test_every_aerie_name_the_plugin_reads_is_in_its_env_vars():
     assert names <= aerie_env_names()
 
 
-# (what, file, old, new, expected in a problem). "Compose:" marks what Docker Compose itself refuses
-# (its own message): the checker's hand-written version of those checks is gone.
+# "Compose:" marks what Docker Compose itself refuses (its own message; each stops the check, so each
+# gets a copy of its own). The batch "services" breaks one service (or anchor) per edit, "variables"
+# one variable of .env.example or one port line; each expected message names its service or variable.
 SERVE_TP = "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      DRAFTER_NAME"
 COMPOSE_BREAKS = [
-    ("Compose: a depends_on target that is no service", "docker-compose.yml",
-     "      redis:\n        condition: service_healthy\n      minio-init:",
-     "      redis-cache:\n        condition: service_healthy\n      minio-init:",
-     'depends on undefined service "redis-cache"'),
-    ("Compose: an undeclared named volume", "docker-compose.yml", "- redis-data:/data", "- redis-dat:/data",
-     "refers to undefined volume redis-dat"),
-    ("Compose: an undeclared network", "docker-compose.yml",
-     '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
-     '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"',
-     "refers to undefined network backend"),
-    ("Compose: an undeclared secret", "docker-compose.yml", "      - redis-data:/data\n",
-     "      - redis-data:/data\n    secrets: [redis-password]\n", "refers to undefined secret redis-password"),
-    ("Compose: a key the Compose Specification does not know", "docker-compose.yml",
-     "    restart: unless-stopped\n    stop_grace_period: 30s   # AOF", "    restat: unless-stopped\n    stop_grace_period: 30s   # AOF",
-     "additional properties 'restat' not allowed"),
-    ("Compose: neither image nor build", "docker-compose.yml", "    image: docker.io/library/redis:7.4.2-alpine\n", "",
-     "has neither an image nor a build context"),
-    ("Compose: a malformed ${...} it cannot interpolate", "docker-compose.yml", "celery@$$(hostname)",
-     "celery@${HOSTNAME", "invalid interpolation format"),
-    ("Compose: a service waiting on a profiled service it cannot require", "docker-compose.yml",
-     "        required: false   # absent", "        # absent",
-     '(no profile, profile monitoring, profile serve, profile tools, profile train): docker compose config: '
-     'service "extractor" depends on undefined service "inference-capture"'),
-    ("an env reference missing from .env.example", "docker-compose.yml", "${AERIE_BUCKET:-aerie}",
-     "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example"),
-    ("a .env.example variable nothing uses", ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1",
-     "OLD_KNOB is not used"),
-    ("a default that disagrees with .env.example", ".env.example", "TP_SIZE=8", "TP_SIZE=4",
-     "services.inference-capture.environment.TP_SIZE is '8' by default but '4' with .env.example"),
-    ("two different defaults for one variable", "docker-compose.yml", SERVE_TP, SERVE_TP.replace(":-8", ":-4"),
-     "services.inference-serve.environment.TP_SIZE is '4' by default but '8' with .env.example"),
-    ("a variable with neither a default nor :?", "docker-compose.yml", "${TP_SIZE:-8}", "${TP_SIZE}",
-     "services.inference-capture.environment.TP_SIZE is '' by default but '8' with .env.example"),
-    ("a secret that is not required", "docker-compose.yml", "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
-     "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}", "secret ${REDIS_PASSWORD} must be required at every use"),
-    ("a secret with a value in .env.example", ".env.example", "REDIS_PASSWORD=\n", "REDIS_PASSWORD=hunter2\n",
-     "REDIS_PASSWORD has a value"),
-    ("an AERIE_* variable in .env.example aerie does not know", ".env.example", "AERIE_BUCKET=aerie",
-     "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", "AERIE_BUCKETS is not an aerie setting"),
-    ("an AERIE_* variable in a container aerie does not know", "docker-compose.yml", "AERIE_ENGINE: sglang",
-     "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting"),
-    ("a container shell variable its environment does not set", "docker-compose.yml",
-     "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
-     "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS", "reads $TP_SIZE"),
-    ("service_healthy on a service without a healthcheck", "docker-compose.yml",
-     "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
-     "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:",
-     "minio-init has no healthcheck"),
-    ("a restarting service without a healthcheck", "docker-compose.yml",
-     '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]', '    x-healthcheck:\n      test: ["CMD", "mc"]',
-     "services.minio: restarts automatically but has no healthcheck"),
-    ("a bind-mounted file that does not exist", "docker-compose.yml", "./scripts/minio_init.sh:",
-     "./scripts/minio-init.sh:", "scripts/minio-init.sh does not exist"),
-    ("an unpinned image", "docker-compose.yml", "image: docker.io/library/redis:7.4.2-alpine",
-     "image: docker.io/library/redis:latest", "uses `latest`"),
-    ("an image of no named registry (Docker Hub, anyone's namespace)", "docker-compose.yml",
-     "image: docker.io/library/redis:7.4.2-alpine", "image: redis:7.4.2-alpine", "'redis:7.4.2-alpine' names no registry"),
-    ("an image built here that `up` may pull", "docker-compose.yml", "    pull_policy: build\n    restart: unless-stopped\n    logging",
-     "    restart: unless-stopped\n    logging", "aerie/extractor:0.1.0 is built here: set `pull_policy: build`"),
-    ("a service without log limits", "docker-compose.yml", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n"
-     "    logging: *logging\n", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n", "services.redis: no log limit"),
-    ("a worker that keeps its task on SIGTERM (no REMAP_SIGTERM)", "docker-compose.yml",
-     "      REMAP_SIGTERM: SIGQUIT\n      AERIE_WORKER_CONCURRENCY", "      AERIE_WORKER_CONCURRENCY",
-     "services.extractor: a Celery worker that keeps its task on SIGTERM"),
-    ("a worker whose grace period is shorter than its soft shutdown", ".env.example", "EXTRACTOR_STOP_GRACE=120s",
-     "EXTRACTOR_STOP_GRACE=60s", "services.extractor: a Celery worker that keeps its task on SIGTERM"),
-    ("a port on every interface", "docker-compose.yml", "      - ${FLOWER_BIND:-127.0.0.1}:${FLOWER_PORT:-5555}:5555",
-     "      - ${FLOWER_PORT:-5555}:5555", "services.flower.ports: 5555 listens on every interface"),
-    ("one bind address for two services", "docker-compose.yml", "${FLOWER_BIND:-127.0.0.1}:",
-     "${MINIO_BIND:-127.0.0.1}:", "${MINIO_BIND} binds several published ports"),
-    ("GPUs as one comma string", "docker-compose.yml", "              count: all\n",
-     "              device_ids: [\"0,1,2,3\"]\n", "device_ids 0,1,2,3 is one string naming several GPUs"),
-    ("an API key with a value in .env.example", ".env.example", "SGLANG_API_KEY=\n", "SGLANG_API_KEY=abc\n",
-     "SGLANG_API_KEY has a value"),
-    ("a Dockerfile that does not exist", "docker-compose.yml", "dockerfile: services/extractor/Dockerfile",
-     "dockerfile: services/extractor/Dockerfil", "services/extractor/Dockerfil does not exist"),
-    ("a build arg the Dockerfile does not declare", "docker-compose.yml",
-     "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
-     "SGLANG_TAG is not an ARG"),
-    ("a healthcheck pinging another Celery app", "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping",
-     "celery -A aerie_extractor.worker inspect ping", "pings Celery app ['aerie_extractor.worker']"),
-    ("a top-level volume no service uses", "docker-compose.yml", "volumes:\n  redis-data: {}",
-     "volumes:\n  spare-data: {}\n  redis-data: {}", "top-level volumes.spare-data is used by no service"),
+    Break("Compose: a depends_on target that is no service", "docker-compose.yml",
+          "      redis:\n        condition: service_healthy\n      minio-init:",
+          "      redis-cache:\n        condition: service_healthy\n      minio-init:",
+          'depends on undefined service "redis-cache"'),
+    Break("Compose: an undeclared named volume", "docker-compose.yml", "- redis-data:/data", "- redis-dat:/data",
+          "refers to undefined volume redis-dat"),
+    Break("Compose: an undeclared network", "docker-compose.yml",
+          '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
+          '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"',
+          "refers to undefined network backend"),
+    Break("Compose: an undeclared secret", "docker-compose.yml", "      - redis-data:/data\n",
+          "      - redis-data:/data\n    secrets: [redis-password]\n", "refers to undefined secret redis-password"),
+    Break("Compose: a key the Compose Specification does not know", "docker-compose.yml",
+          "    restart: unless-stopped\n    stop_grace_period: 30s   # AOF", "    restat: unless-stopped\n    stop_grace_period: 30s   # AOF",
+          "additional properties 'restat' not allowed"),
+    Break("Compose: neither image nor build", "docker-compose.yml", "    image: docker.io/library/redis:7.4.2-alpine\n", "",
+          "has neither an image nor a build context"),
+    Break("Compose: a malformed ${...} it cannot interpolate", "docker-compose.yml", "celery@$$(hostname)",
+          "celery@${HOSTNAME", "invalid interpolation format"),
+    Break("Compose: a service waiting on a profiled service it cannot require", "docker-compose.yml",
+          "        required: false   # absent", "        # absent",
+          '(no profile, profile monitoring, profile serve, profile tools, profile train): docker compose config: '
+          'service "extractor" depends on undefined service "inference-capture"'),
+    Break("an env reference missing from .env.example", "docker-compose.yml", "${AERIE_BUCKET:-aerie}",
+          "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example", batch="variables"),
+    Break("a .env.example variable nothing uses", ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1",
+          "OLD_KNOB is not used", batch="variables"),
+    Break("a default that disagrees with .env.example", ".env.example", "TP_SIZE=8", "TP_SIZE=4",
+          "services.inference-capture.environment.TP_SIZE is '8' by default but '4' with .env.example"),
+    Break("two different defaults for one variable", "docker-compose.yml", SERVE_TP, SERVE_TP.replace(":-8", ":-4"),
+          "services.inference-serve.environment.TP_SIZE is '4' by default but '8' with .env.example", batch="services"),
+    Break("a variable with neither a default nor :?", "docker-compose.yml", "${TP_SIZE:-8}", "${TP_SIZE}",
+          "services.inference-capture.environment.TP_SIZE is '' by default but '8' with .env.example"),
+    Break("a secret that is not required", "docker-compose.yml", "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
+          "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}", "secret ${REDIS_PASSWORD} must be required at every use", batch="services"),
+    Break("a secret with a value in .env.example", ".env.example", "REDIS_PASSWORD=\n", "REDIS_PASSWORD=hunter2\n",
+          "REDIS_PASSWORD has a value", batch="variables"),
+    Break("an AERIE_* variable in .env.example aerie does not know", ".env.example", "AERIE_BUCKET=aerie",
+          "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", "AERIE_BUCKETS is not an aerie setting", batch="variables"),
+    Break("an AERIE_* variable in a container aerie does not know", "docker-compose.yml", "AERIE_ENGINE: sglang",
+          "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting", batch="services"),
+    Break("a container shell variable its environment does not set", "docker-compose.yml",
+          "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+          "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS", "services.inference-capture.command: the container shell reads $TP_SIZE", batch="services"),
+    Break("service_healthy on a service without a healthcheck", "docker-compose.yml",
+          "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
+          "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:",
+          "minio-init has no healthcheck", batch="services"),
+    Break("a restarting service without a healthcheck", "docker-compose.yml",
+          '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]', '    x-healthcheck:\n      test: ["CMD", "mc"]',
+          "services.minio: restarts automatically but has no healthcheck", batch="services"),
+    Break("a bind-mounted file that does not exist", "docker-compose.yml", "./scripts/minio_init.sh:",
+          "./scripts/minio-init.sh:", "scripts/minio-init.sh does not exist", batch="services"),
+    Break("an unpinned image", "docker-compose.yml", "image: docker.io/library/redis:7.4.2-alpine",
+          "image: docker.io/library/redis:latest", "image 'docker.io/library/redis:latest' uses `latest`", batch="services"),
+    Break("an image of no named registry (Docker Hub, anyone's namespace)", "docker-compose.yml",
+          "image: docker.io/library/redis:7.4.2-alpine", "image: redis:7.4.2-alpine", "'redis:7.4.2-alpine' names no registry", batch="variables"),
+    Break("an image built here that `up` may pull", "docker-compose.yml", "    pull_policy: build\n    restart: unless-stopped\n    logging",
+          "    restart: unless-stopped\n    logging", "aerie/extractor:0.1.0 is built here: set `pull_policy: build`", batch="services"),
+    Break("a service without log limits", "docker-compose.yml", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n"
+          "    logging: *logging\n", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n", "services.redis: no log limit", batch="services"),
+    Break("a worker that keeps its task on SIGTERM (no REMAP_SIGTERM)", "docker-compose.yml",
+          "      REMAP_SIGTERM: SIGQUIT\n      AERIE_WORKER_CONCURRENCY", "      AERIE_WORKER_CONCURRENCY",
+          "services.extractor: a Celery worker that keeps its task on SIGTERM", batch="services"),
+    Break("a worker whose grace period is shorter than its soft shutdown", ".env.example", "EXTRACTOR_STOP_GRACE=120s",
+          "EXTRACTOR_STOP_GRACE=60s", "services.extractor: a Celery worker that keeps its task on SIGTERM", batch="variables"),
+    Break("a port on every interface", "docker-compose.yml", "      - ${FLOWER_BIND:-127.0.0.1}:${FLOWER_PORT:-5555}:5555",
+          "      - ${FLOWER_PORT:-5555}:5555", "services.flower.ports: 5555 listens on every interface", batch="services"),
+    Break("one bind address for two services", "docker-compose.yml", "${FLOWER_BIND:-127.0.0.1}:",
+          "${MINIO_BIND:-127.0.0.1}:", "${MINIO_BIND} binds several published ports", batch="variables"),
+    Break("GPUs as one comma string", "docker-compose.yml", "              count: all\n",
+          "              device_ids: [\"0,1,2,3\"]\n", "device_ids 0,1,2,3 is one string naming several GPUs", batch="services"),
+    Break("an API key with a value in .env.example", ".env.example", "SGLANG_API_KEY=\n", "SGLANG_API_KEY=abc\n",
+          "SGLANG_API_KEY has a value", batch="variables"),
+    Break("a Dockerfile that does not exist", "docker-compose.yml", "dockerfile: services/extractor/Dockerfile",
+          "dockerfile: services/extractor/Dockerfil", "services/extractor/Dockerfil does not exist", batch="services"),
+    Break("a build arg the Dockerfile does not declare", "docker-compose.yml",
+          "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+          "SGLANG_TAG is not an ARG", batch="services"),
+    Break("a healthcheck pinging another Celery app", "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping",
+          "celery -A aerie_extractor.worker inspect ping", "services.trainer: healthcheck pings Celery app ['aerie_extractor.worker']", batch="services"),
+    Break("a top-level volume no service uses", "docker-compose.yml", "volumes:\n  redis-data: {}",
+          "volumes:\n  spare-data: {}\n  redis-data: {}", "top-level volumes.spare-data is used by no service", batch="services"),
 ]
 
 
-@pytest.mark.parametrize("what,file,old,new,expected", COMPOSE_BREAKS, ids=[b[0] for b in COMPOSE_BREAKS])
-def test_compose_check_reports_a_broken_file(deploy_copy, what, file, old, new, expected):
-    deploy_copy.edit(file, old, new)
-    problems = check_compose(Project(deploy_copy.root / "docker-compose.yml", deploy_copy.root / ".env.example"))
-    assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+def compose_problems(copy) -> list[str]:
+    return check_compose(Project(copy.root / "docker-compose.yml", copy.root / ".env.example"))
+
+
+@pytest.mark.parametrize("broken,edits", with_batches(COMPOSE_BREAKS))
+def test_compose_check_reports_a_broken_file(findings, broken, edits):
+    problems = findings(compose_problems, edits)
+    assert any(broken.expected in p for p in problems), f"{broken.what}: expected {broken.expected!r} in {problems}"
 
 
 def test_compose_check_reports_a_missing_env_example(deploy_copy):

@@ -8,6 +8,7 @@ import tomllib
 import pytest
 
 from scripts.deploy_checks.dockerfiles import check_dockerfiles, dockerfile_args
+from tests.deploy.breaks import Break, with_batches
 from tests.deploy.images import image_packages
 from tests.services import REPO
 
@@ -31,42 +32,47 @@ def test_trainer_image_carries_the_pinned_torch_and_extractor_image_none():
     assert image_packages("extractor") == {"aerie", "aerie-extractor"}
 
 
-# (what, Dockerfile, old, new, expected in a problem). "hadolint:" marks a rule hadolint owns now
-# (the checker's hand-written version is gone).
+# "hadolint:" marks a rule hadolint owns (the checker has no version of its own). Breaks of one batch
+# ("x", "y", "z") edit different instructions; a parse failure, a removed FROM or USER get a copy each.
 EXTRACTOR, INFERENCE = "services/extractor/Dockerfile", "services/inference/Dockerfile"
 DOCKERFILE_BREAKS = [
-    ("hadolint: FROM latest", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python:latest", "DL3007"),
-    ("hadolint: FROM without a tag", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python", "DL3006"),
-    ("hadolint: root USER", EXTRACTOR, "USER 10001:10001\n", "USER root\n", "DL3002"),
-    ("hadolint: a non-numeric USER", EXTRACTOR, "USER 10001:10001\n", "USER aerie\n", "DL3066"),
-    ("hadolint: a RUN finding", EXTRACTOR, "USER 10001:10001\n", "RUN cd /opt && ls\nUSER 10001:10001\n", "DL3003"),
-    ("a Dockerfile BuildKit cannot parse", EXTRACTOR, "USER 10001:10001\n", "RUN <<EOF\nUSER 10001:10001\n",
-     "does not parse: unterminated heredoc"),
-    ("hadolint: no FROM", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm\n", "", "DL3061"),
-    ("a FROM of no named registry", EXTRACTOR, "FROM docker.io/library/python:", "FROM python:",
-     "image 'python:3.11.13-slim-bookworm' names no registry"),
-    ("no USER", EXTRACTOR, "USER 10001:10001\n", "", "no USER"),
-    ("hadolint: no HEALTHCHECK", EXTRACTOR, "HEALTHCHECK ", "# HEALTHCHECK ", "DL3057"),
-    ("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared",
-     "COPY common: no such path"),
-    ("a secret baked into ENV", EXTRACTOR, "PIP_NO_CACHE_DIR=1", "PIP_NO_CACHE_DIR=1 AERIE_S3_SECRET_KEY=hunter2",
-     "ENV AERIE_S3_SECRET_KEY bakes a secret"),
-    ("an ARG with a secret default", EXTRACTOR, "USER 10001:10001\n", "ARG HF_TOKEN=hf_abc\nUSER 10001:10001\n",
-     "ARG HF_TOKEN's default bakes a secret"),
-    ("a FROM tag from an ARG set to latest", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG=latest",
-     "FROM docker.io/lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'docker.io/lmsysorg/sglang:latest' uses `latest`"),
-    ("a FROM tag from an ARG without a default", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG",
-     "ARG SGLANG_IMAGE_TAG has no default"),
-    (".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "",
-     "COPY services/extractor: excluded by .dockerignore"),
+    Break("hadolint: FROM latest", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python:latest", "DL3007", batch="x"),
+    Break("hadolint: FROM without a tag", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm", "FROM python", "DL3006", batch="y"),
+    Break("hadolint: root USER", EXTRACTOR, "USER 10001:10001\n", "USER root\n", "DL3002", batch="y"),
+    Break("hadolint: a non-numeric USER", EXTRACTOR, "USER 10001:10001\n", "USER aerie\n", "DL3066", batch="z"),
+    Break("hadolint: a RUN finding", EXTRACTOR, "USER 10001:10001\n", "RUN cd /opt && ls\nUSER 10001:10001\n", "DL3003", batch="x"),
+    Break("a Dockerfile BuildKit cannot parse", EXTRACTOR, "USER 10001:10001\n", "RUN <<EOF\nUSER 10001:10001\n",
+          "does not parse: unterminated heredoc"),
+    Break("hadolint: no FROM", EXTRACTOR, "FROM docker.io/library/python:3.11.13-slim-bookworm\n", "", "DL3061"),
+    Break("a FROM of no named registry", EXTRACTOR, "FROM docker.io/library/python:", "FROM python:",
+          "image 'python:3.11.13-slim-bookworm' names no registry", batch="z"),
+    Break("no USER", EXTRACTOR, "USER 10001:10001\n", "", "no USER"),
+    Break("hadolint: no HEALTHCHECK", EXTRACTOR, "HEALTHCHECK ", "# HEALTHCHECK ", "DL3057", batch="x"),
+    Break("COPY of a missing path", EXTRACTOR, "COPY shared /opt/aerie/shared", "COPY common /opt/aerie/shared",
+          "COPY common: no such path", batch="x"),
+    Break("a secret baked into ENV", EXTRACTOR, "PIP_NO_CACHE_DIR=1", "PIP_NO_CACHE_DIR=1 AERIE_S3_SECRET_KEY=hunter2",
+          "ENV AERIE_S3_SECRET_KEY bakes a secret", batch="x"),
+    Break("an ARG with a secret default", EXTRACTOR, "USER 10001:10001\n", "ARG HF_TOKEN=hf_abc\nUSER 10001:10001\n",
+          "ARG HF_TOKEN's default bakes a secret", batch="x"),
+    Break("a FROM tag from an ARG set to latest", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG=latest",
+          "FROM docker.io/lmsysorg/sglang:${SGLANG_IMAGE_TAG} -> image 'docker.io/lmsysorg/sglang:latest' uses `latest`", batch="x"),
+    Break("a FROM tag from an ARG without a default", INFERENCE, "ARG SGLANG_IMAGE_TAG=v0.5.23", "ARG SGLANG_IMAGE_TAG",
+          "ARG SGLANG_IMAGE_TAG has no default", batch="y"),
+    Break("HEALTHCHECK NONE", EXTRACTOR, "HEALTHCHECK ", "HEALTHCHECK NONE\n# HEALTHCHECK ",
+          "HEALTHCHECK NONE: the image needs a health check", batch="y"),
+    Break(".dockerignore excluding a COPY source", ".dockerignore", "!services/\n", "",
+          "COPY services/extractor: excluded by .dockerignore", batch="x"),
 ]
 
 
-@pytest.mark.parametrize("what,file,old,new,expected", DOCKERFILE_BREAKS, ids=[b[0] for b in DOCKERFILE_BREAKS])
-def test_dockerfile_check_reports_a_broken_image(deploy_copy, what, file, old, new, expected):
-    deploy_copy.edit(file, old, new)
-    problems = check_dockerfiles(deploy_copy.root)
-    assert any(expected in p for p in problems), f"{what}: expected {expected!r} in {problems}"
+def dockerfile_problems(copy) -> list[str]:
+    return check_dockerfiles(copy.root)
+
+
+@pytest.mark.parametrize("broken,edits", with_batches(DOCKERFILE_BREAKS))
+def test_dockerfile_check_reports_a_broken_image(findings, broken, edits):
+    problems = findings(dockerfile_problems, edits)
+    assert any(broken.expected in p for p in problems), f"{broken.what}: expected {broken.expected!r} in {problems}"
 
 
 def test_dockerfile_check_reports_a_missing_dockerignore_and_a_service_without_a_dockerfile(deploy_copy):

@@ -16,7 +16,7 @@ from aerie.ops import smoke_dataset
 from aerie.runs import failures, shard_names
 from aerie.store import S3Store
 
-from tests.deploy.test_target_hash import linked_copy
+from tests.deploy.servers import linked_copy
 from tests.services import clean_env, store_env, wait_until
 from tests.workers import ExtractorWorker, celery_cli, wait_complete, worker_env
 

@@ -14,57 +14,21 @@ import re
 import shlex
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 import pytest
 from aerie.runs import run_status
 
 from scripts.deploy_checks.docs import compose_command, shell_commands
 from tests.deploy.image_env import image_env
-from tests.deploy.test_target_hash import linked_copy
-from tests.services import REPO, free_port, wait_until
-from tests.sglang_server import capture_server
+from tests.deploy.servers import POINTS
+from tests.services import REPO, wait_until
 from tests.workers import ExtractorWorker, celery_cli, wait_complete, worker_env
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-POINTS = [2, 15, 27]
 
 
-class RestartableServer:
-    """A capture server of `model` on a port of its own, which a test may stop and start again."""
-
-    def __init__(self, model: Path, log_dir: Path):
-        self.model, self.log_dir, self.port = model, log_dir, free_port()
-        self.url, self._stack, self.server = f"http://127.0.0.1:{self.port}", None, None
-
-    def start(self) -> None:
-        self._stack = ExitStack()
-        with mock.patch("tests.sglang_server.free_port", return_value=self.port):  # the same port again
-            self.server = self._stack.enter_context(capture_server(self.model, points=POINTS, log_dir=self.log_dir))
-
-    def stop(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
-
-
-@pytest.fixture(scope="module")
-def target(smollm2_path, tmp_path_factory) -> Path:
-    """SmolLM2 in a folder of its own (hard links): what is written into it can be seen."""
-    return linked_copy(smollm2_path, tmp_path_factory.mktemp("target") / "model")
-
-
-@pytest.fixture(scope="module")
-def sglang(target, tmp_path_factory):
-    server = RestartableServer(target, tmp_path_factory.mktemp("sglang"))
-    server.start()
-    yield server
-    server.stop()
-
-
-def test_the_guides_bench_command_runs_in_the_extractor_image(sglang, tmp_path):
+def test_the_guides_bench_command_runs_in_the_extractor_image(deploy_sglang, tmp_path):
     """docs/deploy.md §10 runs `aerie bench` in the extractor container: its MT-bench prompts must be
     in that image (they were only in requirements-data.txt)."""
     guide = (REPO / "docs" / "deploy.md").read_text()
@@ -72,7 +36,7 @@ def test_the_guides_bench_command_runs_in_the_extractor_image(sglang, tmp_path):
                       if argv[:2] == ["docker", "compose"] and compose_command(argv)[2][:2] == ["aerie", "bench"])
     assert compose_command(argv)[1][0] == "extractor", line
     command = compose_command(argv)[2]
-    command[command.index("--url") + 1] = sglang.url
+    command[command.index("--url") + 1] = deploy_sglang.url
     command += ["--limit", "1", "--max-tokens", "1", "--json", str(tmp_path / "bench.json")]  # a CPU server: one token
     env = image_env("extractor", tmp_path / "image")
     out = subprocess.run([str(Path(sys.executable).with_name("aerie")), *command[1:]], env=env, capture_output=True,
@@ -81,8 +45,9 @@ def test_the_guides_bench_command_runs_in_the_extractor_image(sglang, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["prompts"] == 1
 
 
-def test_extraction_waits_out_an_sglang_restart_and_hashes_the_target_once(sglang, target, s3_store, private_redis,
-                                                                           tmp_path, workers):
+def test_extraction_waits_out_an_sglang_restart_and_hashes_the_target_once(deploy_sglang, sglang_target, s3_store,
+                                                                           private_redis, tmp_path, workers):
+    sglang, target = deploy_sglang, sglang_target
     env = {**worker_env(s3_store, private_redis, AERIE_ENGINE_URLS=json.dumps([sglang.url]), AERIE_ENGINE_CONCURRENCY="2",
                         AERIE_ENGINE_OUTAGE_WAIT_S="600", AERIE_CACHE_DIR=str(tmp_path / "cache")), "AERIE_ENGINE": "sglang"}
     before = sorted(p.name for p in target.iterdir())
@@ -112,7 +77,7 @@ def test_extraction_waits_out_an_sglang_restart_and_hashes_the_target_once(sglan
     assert sorted(p.name for p in target.iterdir()) == before, "nothing may be written into the model folder"
 
 
-def test_a_run_sglang_cannot_serve_is_refused_at_ingest(sglang, target, tmp_path):
+def test_a_run_sglang_cannot_serve_is_refused_at_ingest(deploy_sglang, sglang_target, tmp_path):
     """Without aerie's plugin (or a sink the extractor reads: Kubernetes before AERIE_ENGINE_SINK=s3)
     SGLang answers in JSON, which has no final state: the default target_signal 'final' is refused
     when the run is ingested, naming the fix, not on every shard afterwards."""
@@ -123,8 +88,8 @@ def test_a_run_sglang_cannot_serve_is_refused_at_ingest(sglang, target, tmp_path
     from aerie_extractor.ingest import IngestError
 
     store = FsStore(tmp_path / "store")
-    settings = Settings(store=f"file://{store.root}", engine="sglang", engine_urls=[sglang.url])
-    request = IngestRequest(run="k8s", dataset="datasets/chat.jsonl", model=str(target), engine="sglang",
+    settings = Settings(store=f"file://{store.root}", engine="sglang", engine_urls=[deploy_sglang.url])
+    request = IngestRequest(run="k8s", dataset="datasets/chat.jsonl", model=str(sglang_target), engine="sglang",
                             capture_points=POINTS)
     with pytest.raises(IngestError, match="wants target_signal 'final'.*AERIE_ENGINE_SINK=s3.*target_signal 'topk'"):
         stages.ingest(store, settings, request)

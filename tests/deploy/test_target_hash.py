@@ -7,19 +7,11 @@ import os
 import subprocess
 import sys
 
+from tests.deploy.servers import linked_copy
 from tests.services import REPO, clean_env
 
 DESCRIBE = "import logging, sys; logging.basicConfig(level=logging.INFO)\n" \
            "from aerie.target import describe; print(describe(sys.argv[1]).weights_sha256)"
-
-
-def linked_copy(model, dest):
-    """The model's files hard-linked into a fresh folder (no copy of the weights)."""
-    dest.mkdir()
-    for f in model.iterdir():
-        if f.is_file() and not f.name.startswith("."):
-            os.link(f, dest / f.name)
-    return dest
 
 
 def test_two_processes_hash_the_target_once_and_write_nothing_into_the_model_folder(smollm2_path, tmp_path):

@@ -20,10 +20,9 @@ from functools import cache, cached_property
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from .common import CONTAINER_RULES, REPO, SECRET_NAME, Container, apply, dig, embedded_scripts, unknown_aerie_names
+from .common import CONTAINER_RULES, REPO, SECRET_NAME, Container, apply, dig, embedded_scripts
 from .dockerfiles import dockerfile_args
 
-COMPOSE_ONLY_AERIE_VARS = {"AERIE_CAPTURE_LAYER_IDS"}  # in .env.example, read by compose only
 SHELL_BUILTIN_VARS = {"HOSTNAME", "HOME", "PATH", "PWD", "USER"}
 
 
@@ -156,6 +155,17 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
      lambda s, *_: [d for dev in dig(s, "deploy", "resources", "reservations", "devices") or []
                     for d in dev.get("device_ids") or [] if "," in d]),
 ]
+VARIABLE_RULES = [  # (message, test(variables the file uses, .env.example as Compose reads it, each ${...} use))
+    ("docker-compose.yml: ${{{0}}} is not in .env.example: add `{0}=<default>` there",
+     lambda used, documented, _: sorted(used - set(documented))),
+    (".env.example: {0} is not used by docker-compose.yml: remove it or use it (an AERIE_* name there reaches no container)",
+     lambda used, documented, _: sorted(set(documented) - used)),
+    ("docker-compose.yml: secret ${{{0}}} must be required at every use: ${{{0}:?Variable not set}}",
+     lambda _, __, uses: sorted({n for n, required in uses if SECRET_NAME.search(n) and not required})),
+    (".env.example: {0} has a value: leave secrets empty, so compose refuses to start until set",
+     lambda _, documented, __: [n for n, v in documented.items() if v and n.endswith(("PASSWORD", "SECRET_KEY", "TOKEN",
+                                                                                      "API_KEY"))]),
+]
 PROJECT_RULES = [  # (message, test(model as rendered, as declared, as rendered from the defaults alone))
     (": {0} is {2!r} by default but {1!r} with .env.example: make them agree",
      lambda full, _, defaults: differences(full, defaults)),
@@ -194,19 +204,6 @@ def check_compose(project: Project | None = None) -> list[str]:
     for name, s in full["services"].items():
         problems += apply(SERVICE_RULES, f"{cname}: services.{name}", s, full["services"], project.compose_path.parent)
         problems += apply(CONTAINER_RULES, f"{cname}: services.{name}", container(s))
-    return problems + check_variables(project)
-
-
-def check_variables(project: Project) -> list[str]:
-    """Every `${VAR}` documented in .env.example and back; secrets required at every use, empty there."""
-    cname, ename, documented = project.compose_path.name, project.env_example.name, project.documented
     used = set(json.loads(project.run("config", "--variables", "--format", "json", env_file=os.devnull)))
-    uses = re.findall(r"(?<!\$)\$\{(\w+)(:?\?)?", project.compose_path.read_text())  # (name, "?" or ":?" or "")
-    return [f"{cname}: ${{{n}}} is not in {ename}: add `{n}=<default>` there" for n in sorted(used - set(documented))] + [
-        f"{ename}: {n} is not used by {cname}: remove it or use it" for n in sorted(set(documented) - used)] + [
-        f"{cname}: secret ${{{n}}} must be required at every use: ${{{n}:?Variable not set}}"
-        for n in sorted({n for n, required in uses if SECRET_NAME.search(n) and not required})] + [
-        f"{ename}: {n} has a value: leave secrets empty, so compose refuses to start until set"
-        for n, v in documented.items() if n.endswith(("PASSWORD", "SECRET_KEY", "TOKEN", "API_KEY")) and v] + [
-        f"{ename}: {n} is not an aerie setting (aerie refuses unknown AERIE_*): rename it"
-        for n in unknown_aerie_names(documented) if n not in COMPOSE_ONLY_AERIE_VARS]
+    uses = re.findall(r"(?<!\$)\$\{(\w+)(:?\?)?", project.compose_path.read_text())  # (name, "?", ":?" or "")
+    return problems + apply(VARIABLE_RULES, "", used, project.documented, uses)

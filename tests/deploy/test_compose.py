@@ -121,7 +121,7 @@ COMPOSE_BREAKS = [
     Break("a secret with a value in .env.example", ".env.example", "REDIS_PASSWORD=\n", "REDIS_PASSWORD=hunter2\n",
           "REDIS_PASSWORD has a value", batch="variables"),
     Break("an AERIE_* variable in .env.example aerie does not know", ".env.example", "AERIE_BUCKET=aerie",
-          "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", "AERIE_BUCKETS is not an aerie setting", batch="variables"),
+          "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", ".env.example: AERIE_BUCKETS is not used by docker-compose.yml", batch="variables"),
     Break("an AERIE_* variable in a container aerie does not know", "docker-compose.yml", "AERIE_ENGINE: sglang",
           "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting", batch="services"),
     Break("a container shell variable its environment does not set", "docker-compose.yml",

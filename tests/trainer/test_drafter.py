@@ -40,7 +40,8 @@ def test_ttt_steps_see_what_chain_drafting_sees():
     aux = torch.randn(B, L, K * H, generator=g, dtype=torch.float64)
     zeros = torch.zeros(B, L + S, dtype=torch.bool)
     logits: list[torch.Tensor] = []
-    TTT(drafter, S, 0.8)(input_ids, aux, torch.zeros(B, L + S, VD, dtype=torch.float64), zeros.long(), zeros, zeros, keep_logits=logits)
+    target_logits, target_lse = torch.zeros(B, L + S, VD, dtype=torch.float64), torch.zeros(B, L + S, dtype=torch.float64)
+    TTT(drafter, S, 0.8)(input_ids, aux, target_logits, target_lse, zeros.long(), zeros, zeros, keep_logits=logits)
     for b in range(B):
         for t in (0, 3, L - 1):
             ids = input_ids[b : b + 1, : t + 1]  # slots 0..t read tokens 1..t+1
@@ -89,16 +90,18 @@ def test_target_distribution_masks_tokens_outside_the_draft_vocab():
     final[0, 2] = lm_head[3] * 50  # argmax target id 3: outside it
     loss_mask = torch.tensor([[True, True, True, True, False, False]])
     batch = Batch(torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 3, K * H), loss_mask, final=final)
-    p, argmax, trainable = head(batch)
+    dist, argmax, trainable = head(batch)
+    p = dist.probs()
     assert argmax[0, 1] == 2 and argmax[0, 2] == 3 and argmax[0, 4] == -1
     assert trainable[0, 1] and not trainable[0, 2] and not trainable[0, 4]
-    torch.testing.assert_close(p[0, :4].sum(-1), torch.ones(4, dtype=torch.float32))
+    torch.testing.assert_close(p[0, :4].sum(-1), torch.ones(4, dtype=p.dtype))
     assert float(p[0, 1, 1]) > 0.99  # draft index 1 == target id 2
     # the top-k signal: probabilities of the draft tokens among the top-k, renormalised
     topk_ids = torch.tensor([[[2, 3, 4]] * 6])
     topk_lp = torch.log(torch.tensor([[[0.5, 0.3, 0.2]] * 6]))
     batch = Batch(batch.input_ids, batch.aux, loss_mask, topk_ids=topk_ids, topk_logprobs=topk_lp)
-    p, argmax, trainable = TargetHead(None, drafter.t2d, drafter.d2t, torch.float32)(batch)
+    dist, argmax, trainable = TargetHead(None, drafter.t2d, drafter.d2t, torch.float32)(batch)
+    p = dist.probs()
     torch.testing.assert_close(p[0, 0, [1, 2]], torch.tensor([0.5 / 0.7, 0.2 / 0.7]))
     assert argmax[0, 0] == 2 and trainable[0, :4].all()
 

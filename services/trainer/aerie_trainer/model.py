@@ -14,6 +14,9 @@ Design choices, in one place:
   (TTT) and chain decoding need: a *prefix* attended under a mask (the base sequence, causal),
   and a *chain* of earlier draft steps at the same slot, attended one key per step (the
   "diagonal"). No padding masks: batches are right-padded, so causal attention never sees pads.
+  aerie_trainer.attention computes it without expanding grouped K/V or building dense masks.
+- Layers compute in their input's dtype (bf16 on a GPU, float32/float64 on the CPU) from float32
+  parameters (aerie_trainer.precision); SiLU·up keeps only its inputs for backward.
 
 Shapes: B batch, T slots, S prefix keys, H hidden, K capture points, Ht target hidden,
 nh/nkv query/kv heads, hd head dim, V target vocab, Vd draft vocab.
@@ -30,6 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from aerie_trainer.attention import attend
+from aerie_trainer.precision import compute_weight
 
 
 class DrafterError(ValueError):
@@ -157,16 +163,26 @@ def own_shape(cfg: dict) -> dict:
 # Building blocks
 # --------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm in the input's dtype, computed in float32 inside (PyTorch's fused kernel on a
+    GPU): x * rsqrt(mean(x^2) + eps) * weight, rounded once, as SGLang's serving kernel does."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, compute_weight(self.weight, x.dtype), self.eps)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) in the activations' dtype: the weight comes by `compute_weight`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, compute_weight(self.weight, x.dtype))
 
 
 def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
@@ -225,13 +241,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
-    """x (B, n, T, hd), positions (T,) or (B, T) -> rotated x (neox style, as HF Llama)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """positions (T,) or (B, T) -> cos, sin (T, hd) or (B, T, hd) in `dtype` (computed in float32)."""
     freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
-    if cos.ndim == 3:  # per-row positions
-        cos, sin = cos[:, None], sin[:, None]
+    return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, n, hd) -> rotated x (neox style, as HF Llama); cos/sin from rope_cos_sin."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     return x * cos + rotate_half(x) * sin
 
 
@@ -240,10 +259,10 @@ class Attention(nn.Module):
         super().__init__()
         H, hd = config.hidden_size, config.head_dim
         self.nh, self.nkv, self.hd = config.num_attention_heads, config.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+        self.q_proj = Linear(2 * H, self.nh * hd)
+        self.k_proj = Linear(2 * H, self.nkv * hd)
+        self.v_proj = Linear(2 * H, self.nkv * hd)
+        self.o_proj = Linear(self.nh * hd, H)
         inv_freq, self.rope_mscale = rope_tables(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -252,38 +271,46 @@ class Attention(nn.Module):
 
         Base step (prefix None): keys are `past` (B, nkv, P, hd) followed by this step's own,
         causal; returns all of them (the cache).
-        Draft step: `prefix` (k, v) (B, nkv, S, hd) seen under `prefix_mask` (T, S) bool, then
-        `chain` (earlier draft steps' kv at the same slots) and its own kv, one key per slot
-        each; returns its own kv (B, nkv, T, hd).
+        Draft step: `prefix` (k, v) (B, nkv, S, hd) seen under `prefix_mask` (T, S) bool — None:
+        causal over the prefix (T == S, training-time test) — then `chain` (earlier draft steps'
+        kv at the same slots) and its own kv, one key per slot each; returns its own kv
+        (B, nkv, T, hd). Grouped K/V are never expanded (aerie_trainer.attention).
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = (apply_rope(t, positions, self.inv_freq, self.rope_mscale) for t in (q, k))
-        rep = self.nh // self.nkv
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd), slot-major in memory
         if prefix is None:
+            mask = None
             if past is not None:
                 k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            P = k.shape[2] - T
-            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P) if P else None  # key j <= P + i
-            out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, is_causal=mask is None
-            )
+                P = k.shape[2] - T
+                mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P) if P else None  # key j <= P + i
+            out = attend(q, k, v, mask=mask)
         else:
-            pk, pv = (t.repeat_interleave(rep, 1) for t in prefix)  # (B, nh, S, hd)
-            scale = 1.0 / math.sqrt(self.hd)
-            scores = (q @ pk.transpose(-1, -2)) * scale  # (B, nh, T, S)
-            scores = scores.masked_fill(~prefix_mask, float("-inf"))
-            steps = [(ck.repeat_interleave(rep, 1), cv.repeat_interleave(rep, 1)) for ck, cv in (*chain, (k, v))]
-            diag = [(q * ck).sum(-1, keepdim=True) * scale for ck, _ in steps]  # each (B, nh, T, 1)
-            probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-            S = scores.shape[-1]
-            out = probs[..., :S] @ pv
-            for j, (_, cv) in enumerate(steps):
-                out = out + probs[..., S + j : S + j + 1] * cv
+            steps = [*chain, (k, v)]
+            ck = torch.stack([c.transpose(1, 2) for c, _ in steps])  # (n, B, T, nkv, hd)
+            cv = torch.stack([c.transpose(1, 2) for _, c in steps])
+            out = attend(q, prefix[0], prefix[1], ck, cv, mask=prefix_mask)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         return self.o_proj(out), (k, v)
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up for backward (silu(gate) is recomputed)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 class MLP(nn.Module):
@@ -292,12 +319,12 @@ class MLP(nn.Module):
         if config.hidden_act != "silu":
             raise DrafterError(f"hidden_act {config.hidden_act!r}: SGLang's Llama drafter layer supports only silu")
         H, I = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = Linear(H, I)
+        self.up_proj = Linear(H, I)
+        self.down_proj = Linear(I, H)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -331,10 +358,10 @@ class Eagle3Drafter(nn.Module):
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)  # the target's, frozen, not exported
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(config.num_aux * config.target_hidden_size, H, bias=False)
+        self.fc = Linear(config.num_aux * config.target_hidden_size, H)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.lm_head = Linear(H, Vd)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # draft id + d2t = target id
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))  # target id is in the draft vocab
         self.apply(self._init)

@@ -12,7 +12,6 @@ Steps: `TrainConfig.steps`, else `epochs` passes over this rank's batches (divid
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import time
@@ -28,6 +27,7 @@ from aerie_trainer.checkpoint import Checkpointer, TrainerState
 from aerie_trainer.data import Batch, HiddenData, load_runs
 from aerie_trainer.model import Eagle3Drafter, build_drafter, load_target_lm_head
 from aerie_trainer.parallel import Dist, full_state, load_full_state, set_gradient_sync, setup_dist, wrap
+from aerie_trainer.precision import compute_dtype
 from aerie_trainer.tracking import Tracking
 from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
 from aerie_trainer.vocab import choose_draft_vocab, draft_vocab_size
@@ -35,7 +35,8 @@ from aerie_trainer.vocab import choose_draft_vocab, draft_vocab_size
 Progress = Callable[[ProgressEvent], None]
 WARMUP_FRACTION = 0.015  # SpecForge's reference warmup ratio
 
-__all__ = ["Dist", "Progress", "Trainer", "default_train_id", "lr_at", "setup_dist"]
+__all__ = ["Dist", "Progress", "Trainer", "default_train_id", "lr_at", "make_optimizer", "pack_stats", "read_stats",
+           "setup_dist"]
 
 
 def lr_at(step: int, lr: float, steps: int, warmup: int) -> float:
@@ -81,19 +82,21 @@ class Trainer:
             drafter.set_vocab(draft_ids)
             self.state.metrics.update(draft_vocab_coverage=covered, draft_vocab_coverage_of=of)
         drafter.to(dist.device)
+        dtype = compute_dtype(dist.device)
+        if dtype is not None:  # the frozen target embedding in the compute dtype (never trained, never exported)
+            drafter.embed_tokens.to(dtype)
         self.drafter = drafter
         # what rank 0 evaluates and exports: the drafter itself, or under FSDP a full copy that
         # shares the frozen embedding and takes the gathered weights (sync_full_drafter)
         self.full_drafter = drafter if sharding != "fsdp" or not dist.main else self._full_copy(drafter)
         head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
-        amp = dist.device.type == "cuda"
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else contextlib.nullcontext
         self.target = TargetHead(None if head is None else head.to(dist.device), drafter.t2d, drafter.d2t,
-                                 torch.bfloat16 if amp else torch.float32)
-        self.ttt = TTT(drafter, cfg.ttt_steps, cfg.step_decay)
+                                 dtype or torch.float32)
+        # float32 parameters are the master weights; the step computes in `dtype`, each weight cast
+        # once per forward (per call under FSDP, whose modules gather their weights at each call)
+        self.ttt = TTT(drafter, cfg.ttt_steps, cfg.step_decay, compute_dtype=dtype, cast_once=sharding != "fsdp")
         self.model = wrap(self.ttt, sharding, dist)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer([p for p in drafter.parameters() if p.requires_grad], cfg, dist.device)
         if saved:
             load_full_state(drafter, self.optimizer, sharding, saved[0], saved[1])
         self.tracking = Tracking(store, self.train_id, request.drafter, request.runs, list(trackers),
@@ -118,12 +121,12 @@ class Trainer:
                 self.full_drafter.load_state_dict(weights, strict=False)
         return self.full_drafter if self.dist.main else None
 
-    def micro_step(self, batch: Batch, sync: bool) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (loss, per-TTT-step losses (S,), correct (S,), valid (S,)) of one micro-batch."""
-        with set_gradient_sync(self.model, self.sharding, sync), self.autocast():
+    def micro_step(self, batch: Batch, sync: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward -> its statistics, still on the device (pack_stats)."""
+        with set_gradient_sync(self.model, self.sharding, sync):
             out = ttt_forward(self.model, batch, self.target)
             (out.loss / self.cfg.grad_accum).backward()
-        return float(out.loss.detach()), out.step_loss.float().cpu(), out.correct.sum((1, 2)).cpu(), out.valid.sum((1, 2)).cpu()
+        return pack_stats(out)
 
     def train(self) -> TrainerState:
         cfg, st = self.cfg, self.state
@@ -135,16 +138,16 @@ class Trainer:
                 lr = lr_at(st.step, cfg.lr, self.steps, self.warmup)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                loss, tokens, step_loss, correct, valid = 0.0, 0, 0.0, 0, 0
+                tokens, stats = 0, 0
                 for micro in range(cfg.grad_accum):
                     (st.epoch, st.batch), batch = next(batches)
                     tokens += batch.tokens
-                    m_loss, m_steps, m_correct, m_valid = self.micro_step(batch.to(self.dist.device), sync=micro == cfg.grad_accum - 1)
-                    loss += m_loss / cfg.grad_accum
-                    step_loss, correct, valid = step_loss + m_steps / cfg.grad_accum, correct + m_correct, valid + m_valid
+                    stats = stats + self.micro_step(batch.to(self.dist.device), sync=micro == cfg.grad_accum - 1)
                 torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad], cfg.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                # the step's one host sync, after the optimizer is queued (the GPU keeps working)
+                loss, step_loss, correct, valid = read_stats(stats, cfg.ttt_steps, cfg.grad_accum)
                 st.step += 1
                 st.losses.append(self.dist.mean(loss))
                 st.tokens += round(self.dist.mean(tokens) * self.dist.world_size)
@@ -183,6 +186,28 @@ class Trainer:
             if self.tracking is not None:
                 self.tracking.checkpointed(self.state.step)
         self.dist.barrier()
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg, device: torch.device) -> torch.optim.AdamW:
+    """AdamW(0.9, 0.95) over the float32 master weights: one fused kernel for all of them on a GPU."""
+    fused = True if torch.device(device).type == "cuda" else None
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
+
+
+def pack_stats(out) -> torch.Tensor:
+    """A TTTOutput -> [loss, per-step losses (S), correct (S), valid (S)] float64 on its device;
+    micro-batches' packs add up."""
+    counts = torch.stack([out.correct.sum((1, 2)), out.valid.sum((1, 2))]).flatten().double()
+    return torch.cat([out.loss.detach().double().reshape(1), out.step_loss.double(), counts])
+
+
+def read_stats(stats: torch.Tensor, steps: int, grad_accum: int) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed packs -> (mean loss, mean per-step losses (S,) float32, correct (S,), valid (S,) int64):
+    one transfer from the device, the training step's one host sync."""
+    stats = stats.cpu()
+    S = steps
+    return (float(stats[0]) / grad_accum, (stats[1 : 1 + S] / grad_accum).float(),
+            stats[1 + S : 1 + 2 * S].long(), stats[1 + 2 * S :].long())
 
 
 def default_train_id(request: TrainRequest) -> str:

@@ -7,8 +7,12 @@ exactly what chain drafting sees at serving time (the tests check the equivalenc
 cross-entropy to the target distribution over the draft vocab, step k weighted by decay^k.
 
 - `TargetHead`: a batch's target signal (final state or top-k log-probs) -> the distribution
-  over the draft vocab, the target's argmax, and which slots are trainable.
-- `TTT`: the unrolled module (one forward per batch; what DDP wraps).
+  over the draft vocab (`TargetDist`: logits and their log-sum-exp, computed once per batch, in
+  the layout the loss reads: (B, W, Vd), step k reads slots k..k+L), the target's argmax, and
+  which slots are trainable. No host sync on a GPU: every slot is computed, masks applied after.
+- `TTT`: the unrolled module (one forward per batch; what DDP wraps). On a GPU it computes in
+  bf16 from the float32 parameters, each weight cast once per forward (aerie_trainer.precision);
+  the loss is aerie_trainer.loss (never a (rows, Vd) float32 tensor).
 """
 
 from __future__ import annotations
@@ -16,56 +20,93 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from aerie_trainer.data import Batch
+from aerie_trainer.loss import soft_cross_entropy
 from aerie_trainer.model import Eagle3Drafter
+from aerie_trainer.precision import acc_dtype, weights_cast_once
 from aerie_trainer.vocab import target_to_draft
 
 
 # --------------------------------------------------------------------------------------
 # The target distribution
 # --------------------------------------------------------------------------------------
+@dataclass
+class TargetDist:
+    """The target's distribution over the draft vocab: p = exp(logits - lse)."""
+
+    logits: torch.Tensor  # (B, W, Vd): the head's logits (its dtype) or float32 log-probs (top-k)
+    lse: torch.Tensor  # (B, W) float32 (float64 for float64 logits)
+
+    def probs(self) -> torch.Tensor:
+        """(B, W, Vd) probabilities (tests, inspection; the loss never forms them all at once)."""
+        acc = acc_dtype(self.logits.dtype)
+        return torch.exp(self.logits.to(acc) - self.lse.to(acc)[..., None])
+
+
 class TargetHead:
-    """Turns a batch's target signal into (p over the draft vocab, target argmax, trainable)."""
+    """Turns a batch's target signal into (TargetDist, target argmax, trainable)."""
+
+    CHUNK_ROWS = 2048  # rows of full-vocab logits at a time (2048 x 128k bf16 = 0.5 GB)
 
     def __init__(self, lm_head: torch.Tensor | None, t2d: torch.Tensor, d2t: torch.Tensor, dtype: torch.dtype):
         self.weight = None if lm_head is None else lm_head.to(dtype)  # (V, H) frozen
         self.t2d = t2d
         self.draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # (Vd,) target ids
         self.to_draft = target_to_draft(t2d)  # (V,) draft index or -1
+        self.select_rows: bool | None = None  # compute only loss-masked slots (None: on the CPU only)
 
     @torch.no_grad()
-    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> p (B, W, Vd) float32, argmax (B, W) target ids (-1 unused), mask (B, W) bool."""
-        rows = batch.loss_mask  # only trained slots need a distribution
-        B, W = rows.shape
-        Vd = len(self.draft_ids)
+    def __call__(self, batch: Batch) -> tuple[TargetDist, torch.Tensor, torch.Tensor]:
+        """-> TargetDist (B, W, Vd), argmax (B, W) target ids (-1 unused), trainable (B, W) bool."""
+        rows = batch.loss_mask.reshape(-1)  # only trained slots need a distribution
+        B, W = batch.loss_mask.shape
+        # a GPU computes every slot (choosing the trained ones would be a host sync), the CPU only
+        # the trained ones (its time goes to the head's matmul); the others get weight 0 anyway
+        select = not rows.is_cuda if self.select_rows is None else self.select_rows
+        chosen = rows.nonzero().squeeze(1) if select else None
         if batch.final is not None:
             if self.weight is None:
                 raise ValueError("shards carry the final state but no target lm_head was loaded")
-            h = batch.final[rows].to(self.weight.dtype)  # (N, H)
-            argmax, p = [], []
-            for chunk in h.split(2048):
-                logits = chunk @ self.weight.T  # (n, V)
-                argmax.append(logits.argmax(-1))
-                p.append(torch.softmax(logits[:, self.draft_ids].float(), dim=-1))
-            argmax = torch.cat(argmax) if argmax else h.new_zeros(0, dtype=torch.int64)
-            p = torch.cat(p) if p else h.new_zeros(0, Vd, dtype=torch.float32)
+            h = batch.final.reshape(B * W, -1)
+            logits, lse, argmax = self._from_final(h if chosen is None else h[chosen])
         else:
-            ids, lp = batch.topk_ids[rows], batch.topk_logprobs[rows]  # (N, k)
-            argmax = ids.gather(1, lp.argmax(-1, keepdim=True)).squeeze(1)
-            d = self.to_draft[ids]  # (N, k)
-            p = torch.zeros(len(ids), Vd, device=ids.device)
-            p.scatter_add_(1, d.clamp(min=0), lp.exp() * (d >= 0))
-            p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
-        P = torch.zeros(B, W, Vd, device=rows.device)
-        P[rows] = p
-        ARG = torch.full((B, W), -1, dtype=torch.int64, device=rows.device)
-        ARG[rows] = argmax
-        mask = torch.zeros(B, W, dtype=torch.bool, device=rows.device)
-        mask[rows] = self.t2d[argmax]  # the drafter cannot propose tokens outside its vocab
-        return P, ARG, mask
+            ids, lp = batch.topk_ids.reshape(B * W, -1), batch.topk_logprobs.reshape(B * W, -1)  # (N, k)
+            if chosen is not None:
+                ids, lp = ids[chosen], lp[chosen]
+            logits, lse, argmax = self._from_topk(ids, lp)
+        if chosen is not None:  # back to every slot
+            logits = logits.new_zeros(B * W, logits.shape[1]).index_copy_(0, chosen, logits)
+            lse = lse.new_zeros(B * W).index_copy_(0, chosen, lse)
+            argmax = argmax.new_zeros(B * W).index_copy_(0, chosen, argmax)
+        argmax = torch.where(rows, argmax, -1)
+        trainable = rows & self.t2d[argmax.clamp(min=0)]  # the drafter cannot propose tokens outside its vocab
+        return TargetDist(logits.view(B, W, -1), lse.view(B, W)), argmax.view(B, W), trainable.view(B, W)
+
+    def _from_final(self, h: torch.Tensor):
+        """h (N, H) final states -> draft-vocab logits (N, Vd), their lse, full-vocab argmax (N,)."""
+        N, Vd = h.shape[0], len(self.draft_ids)
+        logits = torch.empty(N, Vd, dtype=self.weight.dtype, device=h.device)
+        lse = torch.empty(N, dtype=acc_dtype(self.weight.dtype), device=h.device)
+        argmax = torch.empty(N, dtype=torch.int64, device=h.device)
+        for start in range(0, N, self.CHUNK_ROWS):
+            part = slice(start, start + self.CHUNK_ROWS)
+            full = h[part].to(self.weight.dtype) @ self.weight.T  # (n, V)
+            argmax[part] = full.argmax(-1)
+            torch.index_select(full, 1, self.draft_ids, out=logits[part])
+            lse[part] = torch.logsumexp(logits[part].to(lse.dtype), -1)
+        return logits, lse, argmax
+
+    def _from_topk(self, ids: torch.Tensor, lp: torch.Tensor):
+        """ids/lp (N, k) top-k target ids and log-probs -> float32 log-probs over the draft vocab
+        (the top-k renormalised to its draft tokens; -inf elsewhere), their lse, the argmax."""
+        argmax = ids.gather(1, lp.argmax(-1, keepdim=True)).squeeze(1)
+        d = self.to_draft[ids]  # (N, k)
+        p = torch.zeros(len(ids), len(self.draft_ids), dtype=torch.float32, device=ids.device)
+        p.scatter_add_(1, d.clamp(min=0), lp.float().exp() * (d >= 0))
+        logits = p.log()
+        lse = torch.logsumexp(logits, -1)
+        return logits, torch.where(torch.isfinite(lse), lse, 0.0), argmax  # a slot with no draft token: p = 0
 
 
 # --------------------------------------------------------------------------------------
@@ -80,45 +121,52 @@ class TTTOutput:
 
 
 class TTT(torch.nn.Module):
-    """The drafter unrolled for `steps` draft steps; one forward per batch (what DDP wraps)."""
+    """The drafter unrolled for `steps` draft steps; one forward per batch (what DDP wraps).
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    compute_dtype: the activations' dtype (None: the parameters'); cast_once: cast each weight to
+    it once per forward (off under FSDP, whose modules gather their weights at each call)."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compute_dtype: torch.dtype | None = None,
+                 cast_once: bool = True):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.compute_dtype, self.cast_once = compute_dtype, cast_once
 
-    def forward(self, input_ids, aux, p, argmax, trainable, loss_mask, keep_logits: list | None = None):
-        """input_ids (B, W), aux (B, L, K*Ht), p (B, W, Vd), argmax/trainable/loss_mask (B, W); W = L + S.
+    def forward(self, input_ids, aux, target_logits, target_lse, argmax, trainable, loss_mask,
+                keep_logits: list | None = None):
+        """input_ids (B, W), aux (B, L, K*Ht), target_logits (B, W, Vd) / target_lse (B, W) (a
+        TargetDist), argmax/trainable/loss_mask (B, W); W = L + S.
 
         keep_logits: a list that receives each step's logits (B, L, Vd) (tests, inspection).
         """
         drafter, L = self.drafter, aux.shape[1]
-        hidden = drafter.project(aux.to(drafter.fc.weight.dtype))  # (B, L, H)
-        slots = torch.arange(L, device=hidden.device)
-        causal = torch.ones(L, L, dtype=torch.bool, device=hidden.device).tril()  # (L, L)
-        base, chain = None, []
-        loss, step_loss, correct, valid = 0.0, [], [], []
-        for k in range(self.steps):
-            ids = input_ids[:, k : k + L]  # (B, L): x[t+1+k]
-            if k == 0:
-                logits, hidden, base = drafter(ids, hidden, slots)
-            else:
-                logits, hidden, kv = drafter(ids, hidden, slots + k, prefix=base, prefix_mask=causal, chain=chain)
-                chain.append(kv)
-            if keep_logits is not None:
-                keep_logits.append(logits.detach())
-            m = trainable[:, k : k + L]  # (B, L)
-            logp = F.log_softmax(logits.float(), dim=-1)  # (B, L, Vd)
-            ce = -(p[:, k : k + L] * logp).sum(-1)  # (B, L)
-            step_loss.append((ce * m).sum() / m.sum().clamp(min=1))
-            loss = loss + self.decay**k * step_loss[-1]
-            with torch.no_grad():
-                guess = drafter.draft_to_target(logits.argmax(-1))  # (B, L) target ids
-                correct.append((guess == argmax[:, k : k + L]) & m)
-                valid.append(loss_mask[:, k : k + L])
+        dtype = self.compute_dtype or drafter.fc.weight.dtype
+        with weights_cast_once(self.cast_once and dtype != drafter.fc.weight.dtype):
+            hidden = drafter.project(aux.to(dtype))  # (B, L, H)
+            slots = torch.arange(L, device=hidden.device)
+            base, chain = None, []
+            loss, step_loss, correct, valid = 0.0, [], [], []
+            for k in range(self.steps):
+                ids = input_ids[:, k : k + L]  # (B, L): x[t+1+k]
+                if k == 0:
+                    logits, hidden, base = drafter(ids, hidden, slots)
+                else:
+                    logits, hidden, kv = drafter(ids, hidden, slots + k, prefix=base, chain=chain)
+                    chain.append(kv)
+                if keep_logits is not None:
+                    keep_logits.append(logits.detach())
+                m = trainable[:, k : k + L]  # (B, L)
+                weight = m.to(acc_dtype(logits.dtype)) / m.sum().clamp(min=1)
+                step, guess = soft_cross_entropy(logits, target_logits[:, k : k + L], target_lse[:, k : k + L], weight)
+                step_loss.append(step)
+                loss = loss + self.decay**k * step
+                with torch.no_grad():
+                    correct.append((drafter.draft_to_target(guess) == argmax[:, k : k + L]) & m)
+                    valid.append(loss_mask[:, k : k + L])
         return loss, torch.stack(step_loss).detach(), torch.stack(correct), torch.stack(valid)
 
 
 def ttt_forward(model: torch.nn.Module, batch: Batch, target: TargetHead) -> TTTOutput:
     """model: a TTT module (or DDP around one)."""
-    p, argmax, trainable = target(batch)
-    return TTTOutput(*model(batch.input_ids, batch.aux, p, argmax, trainable, batch.loss_mask))
+    dist, argmax, trainable = target(batch)
+    return TTTOutput(*model(batch.input_ids, batch.aux, dist.logits, dist.lse, argmax, trainable, batch.loss_mask))

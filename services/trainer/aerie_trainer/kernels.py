@@ -1,0 +1,228 @@
+"""Triton kernels of the training step on a GPU (imported only there: the CPU never needs triton).
+
+- `soft_ce_forward` / `soft_ce_backward`: the soft cross-entropy of a TTT step over the draft
+  vocab, one program per row streaming the row once: the student's log-sum-exp (online), the
+  target's probabilities from its logits and log-sum-exp, Σ p·z, Σ p and the student's argmax in
+  the forward; (softmax(z)·Σp − p)·weight in the backward. Nothing of size (rows, Vd) in float32
+  is ever written. Reference: aerie_trainer.loss (the same formulas in torch).
+- `chain_merge_forward` / `chain_merge_backward`: the chain keys of TTT merged into the prefix
+  attention by log-sum-exp, one program per (batch, slot, key/value head) holding the group's
+  query heads. Reference: aerie_trainer.attention.merge_forward_torch / merge_backward_torch.
+
+Offsets are int64 (rows x vocab overflows int32 at large batches).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------
+# Soft cross-entropy over the draft vocab
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _soft_ce_fwd(Z, TGT, TLSE, W, ROWS, LSE, SUMP, ARG, L, V,
+                 z_sb, z_st, t_sb, t_st, tl_sb, tl_st, w_sb, w_st,
+                 BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b, t = row // L, row % L
+    z_row = Z + b * z_sb + t * z_st
+    t_row = TGT + b * t_sb + t * t_st
+    t_lse = tl.load(TLSE + b * tl_sb + t * tl_st).to(tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)  # running max of z
+    s = tl.full([], 0.0, tl.float32)  # running Σ exp(z - m)
+    pz = tl.full([], 0.0, tl.float32)  # Σ p·z
+    ps = tl.full([], 0.0, tl.float32)  # Σ p
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < V
+        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        tgt = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.exp(tgt - t_lse)
+        block_max = tl.max(z, 0)
+        m_new = tl.maximum(m, block_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        pz += tl.sum(tl.where(inside & (p > 0), p * z, 0.0), 0)
+        ps += tl.sum(p, 0)
+        i = tl.argmax(z, 0).to(tl.int64)  # first index of the block's max
+        take = block_max > best  # strictly greater: the earliest block keeps a tie (torch.argmax)
+        best_i = tl.where(take, start + i, best_i)
+        best = tl.where(take, block_max, best)
+    lse = m + tl.log(s)
+    w = tl.load(W + b * w_sb + t * w_st).to(tl.float32)
+    loss = tl.where(w != 0, w * (lse * ps - pz), 0.0)
+    tl.store(ROWS + row, loss)
+    tl.store(LSE + row, lse)
+    tl.store(SUMP + row, ps)
+    tl.store(ARG + row, best_i)
+
+
+@triton.jit
+def _soft_ce_bwd(Z, TGT, TLSE, W, LSE, SUMP, GOUT, G, L, V,
+                 z_sb, z_st, t_sb, t_st, tl_sb, tl_st, w_sb, w_st, g_sb, g_st,
+                 BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b, t = row // L, row % L
+    z_row = Z + b * z_sb + t * z_st
+    t_row = TGT + b * t_sb + t * t_st
+    g_row = G + b * g_sb + t * g_st
+    t_lse = tl.load(TLSE + b * tl_sb + t * tl_st).to(tl.float32)
+    w = tl.load(W + b * w_sb + t * w_st).to(tl.float32) * tl.load(GOUT).to(tl.float32)
+    lse = tl.load(LSE + row)
+    ps = tl.load(SUMP + row)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < V
+        z = tl.load(z_row + cols, mask=inside, other=0.0).to(tl.float32)
+        tgt = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        g = (tl.exp(z - lse) * ps - tl.exp(tgt - t_lse)) * w
+        g = tl.where(w != 0, g, 0.0)
+        tl.store(g_row + cols, g.to(G.dtype.element_ty), mask=inside)
+
+
+def _block(V: int) -> int:
+    return min(4096, triton.next_power_of_2(V))
+
+
+def soft_ce_forward(z, tgt, t_lse, w):
+    """z (B, L, V) student logits, tgt (B, L, V) target logits (any row strides), t_lse/w (B, L).
+    -> per-row weighted losses (B, L) fp32, student lse (B, L), Σp (B, L), argmax (B, L) int64."""
+    B, L, V = z.shape
+    for x in (z, tgt):
+        assert x.stride(-1) == 1, "the vocab dimension must be contiguous"
+    rows = torch.empty(B, L, dtype=torch.float32, device=z.device)
+    lse, sum_p = torch.empty_like(rows), torch.empty_like(rows)
+    arg = torch.empty(B, L, dtype=torch.int64, device=z.device)
+    if B * L:
+        _soft_ce_fwd[(B * L,)](z, tgt, t_lse, w, rows, lse, sum_p, arg, L, V,
+                               z.stride(0), z.stride(1), tgt.stride(0), tgt.stride(1), t_lse.stride(0), t_lse.stride(1),
+                               w.stride(0), w.stride(1), BLOCK=_block(V), num_warps=8)
+    return rows, lse, sum_p, arg
+
+
+def soft_ce_backward(z, tgt, t_lse, w, lse, sum_p, grad_out):
+    B, L, V = z.shape
+    g = torch.empty(B, L, V, dtype=z.dtype, device=z.device)
+    if B * L:
+        _soft_ce_bwd[(B * L,)](z, tgt, t_lse, w, lse, sum_p, grad_out, g, L, V,
+                               z.stride(0), z.stride(1), tgt.stride(0), tgt.stride(1), t_lse.stride(0), t_lse.stride(1),
+                               w.stride(0), w.stride(1), g.stride(0), g.stride(1), BLOCK=_block(V), num_warps=8)
+    return g
+
+
+# --------------------------------------------------------------------------------------
+# The chain keys of TTT, merged into the prefix attention
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _chain_fwd(Q, OP, LSEP, CK, CV, OUT, LSE, T, NKV, N,
+               q_sb, q_st, q_sh, o_sb, o_st, o_sh, lp_sb, lp_sh, lp_st,
+               c_sn, c_sb, c_st, c_sg, out_sb, out_st, out_sh, l_sb, l_sh, l_st,
+               scale,
+               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid % NKV
+    bt = pid // NKV
+    t, b = bt % T, bt // T
+    r = tl.arange(0, REP_P)
+    d = tl.arange(0, HD_P)
+    rm, dm = r < REP, d < HD
+    m2 = rm[:, None] & dm[None, :]
+    h = g * REP + r  # the group's query heads
+    q = tl.load(Q + b * q_sb + t * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = tl.load(OP + b * o_sb + t * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    m = tl.load(LSEP + b * lp_sb + h * lp_sh + t * lp_st, mask=rm, other=0.0).to(tl.float32)
+    l = tl.full([REP_P], 1.0, tl.float32)  # the prefix enters as weight exp(lse_p - m) = 1, output o_p
+    for j in range(N):
+        base = j * c_sn + b * c_sb + t * c_st + g * c_sg
+        kk = tl.load(CK + base + d, mask=dm, other=0.0).to(tl.float32)
+        vv = tl.load(CV + base + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.sum(q * kk[None, :], 1) * scale
+        m_new = tl.maximum(m, s)
+        alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
+        acc = acc * alpha[:, None] + beta[:, None] * vv[None, :]
+        l = l * alpha + beta
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(OUT + b * out_sb + t * out_st + h[:, None] * out_sh + d[None, :], out.to(OUT.dtype.element_ty), mask=m2)
+    tl.store(LSE + b * l_sb + h * l_sh + t * l_st, m + tl.log(l), mask=rm)
+
+
+@triton.jit
+def _chain_bwd(Q, DO, OUT, LSE, CK, CV, DQP, DQ, DCK, DCV, T, NKV, N,
+               q_sb, q_st, q_sh, do_sb, do_st, do_sh, o_sb, o_st, o_sh, l_sb, l_sh, l_st,
+               c_sn, c_sb, c_st, c_sg, dqp_sb, dqp_st, dqp_sh, dq_sb, dq_st, dq_sh,
+               scale,
+               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid % NKV
+    bt = pid // NKV
+    t, b = bt % T, bt // T
+    r = tl.arange(0, REP_P)
+    d = tl.arange(0, HD_P)
+    rm, dm = r < REP, d < HD
+    m2 = rm[:, None] & dm[None, :]
+    h = g * REP + r
+    q = tl.load(Q + b * q_sb + t * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * do_sb + t * do_st + h[:, None] * do_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = tl.load(OUT + b * o_sb + t * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + b * l_sb + h * l_sh + t * l_st, mask=rm, other=0.0).to(tl.float32)
+    dq = tl.load(DQP + b * dqp_sb + t * dqp_st + h[:, None] * dqp_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    delta = tl.sum(do * o, 1)
+    for j in range(N):
+        base = j * c_sn + b * c_sb + t * c_st + g * c_sg
+        kk = tl.load(CK + base + d, mask=dm, other=0.0).to(tl.float32)
+        vv = tl.load(CV + base + d, mask=dm, other=0.0).to(tl.float32)
+        p = tl.exp(tl.sum(q * kk[None, :], 1) * scale - lse)
+        p = tl.where(rm, p, 0.0)
+        ds = p * (tl.sum(do * vv[None, :], 1) - delta)
+        dq += ds[:, None] * kk[None, :] * scale
+        dk = tl.sum(ds[:, None] * q, 0) * scale
+        dv = tl.sum(p[:, None] * do, 0)
+        tl.store(DCK + base + d, dk.to(DCK.dtype.element_ty), mask=dm)
+        tl.store(DCV + base + d, dv.to(DCV.dtype.element_ty), mask=dm)
+    tl.store(DQ + b * dq_sb + t * dq_st + h[:, None] * dq_sh + d[None, :], dq.to(DQ.dtype.element_ty), mask=m2)
+
+
+def _heads(q, ck):
+    nh, hd, nkv = q.shape[1], q.shape[3], ck.shape[3]
+    rep = nh // nkv
+    return nkv, rep, dict(REP=rep, REP_P=triton.next_power_of_2(rep), HD=hd, HD_P=triton.next_power_of_2(hd))
+
+
+def _bthd(x):
+    """Strides (batch, slot, head) of a (B, heads, T, hd) tensor whose last dim is contiguous."""
+    assert x.stride(-1) == 1, "the head dimension must be contiguous"
+    return x.stride(0), x.stride(2), x.stride(1)
+
+
+def chain_merge_forward(q, o_p, lse_p, ck, cv, scale):
+    """q, o_p (B, nh, T, hd); lse_p (B, nh, T) fp32; ck, cv (n, B, T, nkv, hd) -> out (B, nh, T, hd)
+    (stored slot-major, as flash stores its output), lse (B, nh, T) fp32."""
+    B, nh, T, hd = q.shape
+    ck, cv = ck.contiguous(), cv.contiguous()
+    nkv, rep, meta = _heads(q, ck)
+    out = torch.empty(B, T, nh, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
+    if B * T:
+        _chain_fwd[(B * T * nkv,)](q, o_p, lse_p, ck, cv, out, lse, T, nkv, ck.shape[0],
+                                   *_bthd(q), *_bthd(o_p), *lse_p.stride(), *ck.stride()[:4], *_bthd(out), *lse.stride(),
+                                   scale, **meta, num_warps=2)
+    return out, lse
+
+
+def chain_merge_backward(dout, q, out, lse, ck, cv, dq_prefix, scale):
+    B, nh, T, hd = q.shape
+    ck, cv = ck.contiguous(), cv.contiguous()
+    nkv, rep, meta = _heads(q, ck)
+    dq = torch.empty(B, T, nh, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
+    dck, dcv = torch.empty_like(ck), torch.empty_like(cv)
+    if B * T:
+        _chain_bwd[(B * T * nkv,)](q, dout, out, lse, ck, cv, dq_prefix, dq, dck, dcv, T, nkv, ck.shape[0],
+                                   *_bthd(q), *_bthd(dout), *_bthd(out), *lse.stride(), *ck.stride()[:4],
+                                   *_bthd(dq_prefix), *_bthd(dq), scale, **meta, num_warps=2)
+    return dq, dck, dcv

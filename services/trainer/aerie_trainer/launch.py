@@ -1,6 +1,6 @@
 """A training job over every device the worker was given: torchrun as a child of the task.
 
-    AERIE_TRAIN_RANKS=auto   # the visible CUDA devices (compose TRAINER_GPU_IDS / the k8s GPU
+    AERIE_TRAIN_RANKS=auto   # the visible CUDA devices (compose deploy.resources / the k8s GPU
                              # resource -> CUDA_VISIBLE_DEVICES); 1 on the CPU
     AERIE_TRAIN_RANKS=2      # two ranks (gloo on the CPU: how the tests run it)
 

@@ -174,7 +174,7 @@ def build_aerie(shape: dict, B: int, L: int, inp: dict, device, phases: Phases):
     from aerie.contracts import TrainConfig
 
     from aerie_trainer.precision import compute_dtype
-    from aerie_trainer.trainer import lr_at, make_optimizer, pack_stats, read_stats
+    from aerie_trainer.trainer import clip_and_step, lr_at, make_optimizer, pack_stats, read_stats
     from aerie_trainer.ttt import TTT, TargetHead, TTTOutput
 
     cfg = TrainConfig(draft_vocab_size=shape["Vd"], ttt_steps=TTT_STEPS)  # the defaults otherwise
@@ -194,12 +194,7 @@ def build_aerie(shape: dict, B: int, L: int, inp: dict, device, phases: Phases):
     forward = phases.wrap("forward TTT+loss", model)
     backward = phases.wrap("backward", lambda loss: loss.backward())
 
-    def optimize():
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    optimize = phases.wrap("optimizer (clip+AdamW)", optimize)
+    optimize = phases.wrap("optimizer (clip+AdamW)", lambda: clip_and_step(optimizer, cfg.grad_clip))
     read = phases.wrap("stats read (host sync)", read_stats)
 
     def step():
@@ -496,6 +491,41 @@ def check_gpu(device) -> dict:
     tg = loss.soft_ce_backward_torch(z, t, t_lse, w, tf[1], tf[2], go)
     out["loss"] = dict(rows_rel=rel(kf[0], tf[0]), lse_rel=rel(kf[1], tf[1]), sum_p_rel=rel(kf[2], tf[2]),
                        argmax_equal=bool((kf[3] == tf[3]).all()), grad_rel=rel(kg, tg))
+    # the teacher kernel against torch's argmax / index_select / logsumexp
+    full = rnd(300, 128256) * 3
+    ids = torch.randperm(128256, generator=g, device=device)[:32000].sort().values
+    lo, ls, am = torch.empty(300, 32000, dtype=full.dtype, device=device), torch.empty(300, device=device), \
+        torch.empty(300, dtype=torch.int64, device=device)
+    kernels.teacher_rows(full, ids, lo, ls, am)
+    out["teacher"] = dict(logits_equal=bool(torch.equal(lo, full[:, ids])), argmax_equal=bool(torch.equal(am, full.argmax(-1))),
+                          lse_rel=rel(ls, torch.logsumexp(full[:, ids].float(), -1)))
+    # a linear layer's weight gradient summed in float32 by the matmuls, against bf16 matmuls + float32 sums
+    from aerie_trainer import precision
+
+    w = torch.randn(512, 1024, generator=g, device=device, requires_grad=True)
+    xs, gs = [rnd(700, 1024) for _ in range(4)], [rnd(700, 512) for _ in range(4)]
+    with precision.weights_cast_once():
+        ys = [precision.linear(x, w) for x in xs]
+    sum((y * gy).sum() for y, gy in zip(ys, gs)).backward()
+    want = sum((gy.t() @ x).float() for x, gy in zip(xs, gs))
+    out["weight_grad_sum"] = dict(rel=rel(w.grad, want), out_dtype_matmuls=precision._MM_OUT_DTYPE.get("cuda", True))
+    # the clip folded into the fused AdamW against clip_grad_norm_ then the step
+    from aerie.contracts import TrainConfig
+
+    from aerie_trainer.trainer import clip_and_step, make_optimizer
+
+    start = [torch.randn(300, 200, generator=g, device=device) for _ in range(3)]
+    grad = [torch.randn(300, 200, generator=g, device=device) * 5 for _ in range(3)]
+    moved = []
+    for fold in (True, False):
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        opt = make_optimizer(ps, TrainConfig(), device)
+        for _ in range(2):
+            for p, gr in zip(ps, grad):
+                p.grad = gr.clone()
+            clip_and_step(opt, 0.5, fold=fold)
+        moved.append(torch.cat([(p.detach() - x).flatten() for p, x in zip(ps, start)]))
+    out["clip_folded_into_adamw"] = dict(rel=rel(moved[0], moved[1]))
     # a whole TTT step: bf16 fast path against float32 (math attention, float32 compute), same weights
     shape = dict(SHAPES["smol135m"], Vd=4096)
     ttt_L = CHECK_SIZES["ttt_L"]

@@ -5,6 +5,8 @@
   target's probabilities from its logits and log-sum-exp, Σ p·z, Σ p and the student's argmax in
   the forward; (softmax(z)·Σp − p)·weight in the backward. Nothing of size (rows, Vd) in float32
   is ever written. Reference: aerie_trainer.loss (the same formulas in torch).
+- `teacher_rows`: the target head's full-vocab logits -> the draft vocab's logits, their
+  log-sum-exp and the full-vocab argmax, one pass per row. Reference: ttt.TargetHead (torch).
 - `chain_merge_forward` / `chain_merge_backward`: the chain keys of TTT merged into the prefix
   attention by log-sum-exp, one program per (batch, slot, key/value head) holding the group's
   query heads. Reference: aerie_trainer.attention.merge_forward_torch / merge_backward_torch.
@@ -113,6 +115,49 @@ def soft_ce_backward(z, tgt, t_lse, w, lse, sum_p, grad_out):
                                z.stride(0), z.stride(1), tgt.stride(0), tgt.stride(1), t_lse.stride(0), t_lse.stride(1),
                                w.stride(0), w.stride(1), g.stride(0), g.stride(1), BLOCK=_block(V), num_warps=8)
     return g
+
+
+# --------------------------------------------------------------------------------------
+# The target distribution from the target head's full-vocab logits
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _teacher_rows(LOGITS, IDS, OUT, LSE, ARG, V, VD, l_s, o_s, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * l_s
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):  # the argmax over the whole vocab
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(x, 0)
+        i = tl.argmax(x, 0).to(tl.int64)
+        take = block_max > best
+        best_i = tl.where(take, start + i, best_i)
+        best = tl.where(take, block_max, best)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for start in range(0, VD, BLOCK):  # the draft vocab's logits, gathered, and their log-sum-exp
+        j = start + tl.arange(0, BLOCK)
+        inside = j < VD
+        ids = tl.load(IDS + j, mask=inside, other=0)
+        x = tl.load(base + ids, mask=inside, other=float("-inf"))
+        tl.store(OUT + row * o_s + j, x, mask=inside)
+        xf = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(xf, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xf - m_new), 0)
+        m = m_new
+    tl.store(LSE + row, m + tl.log(s))
+    tl.store(ARG + row, best_i)
+
+
+def teacher_rows(full, draft_ids, logits, lse, argmax):
+    """full (n, V) target logits -> into logits (n, Vd) (the draft ids' columns, full's dtype),
+    lse (n,) float32 of those, argmax (n,) int64 over all V. One pass per row."""
+    n, V = full.shape
+    assert full.stride(-1) == 1 and logits.stride(-1) == 1
+    if n:
+        _teacher_rows[(n,)](full, draft_ids, logits, lse, argmax, V, len(draft_ids), full.stride(0), logits.stride(0),
+                            BLOCK=4096, num_warps=8)
 
 
 # --------------------------------------------------------------------------------------

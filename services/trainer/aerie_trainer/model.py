@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aerie_trainer.attention import attend
-from aerie_trainer.precision import compute_weight
+from aerie_trainer.precision import compute_weight, linear
 
 
 class DrafterError(ValueError):
@@ -176,13 +176,13 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) in the activations' dtype: the weight comes by `compute_weight`."""
+    """nn.Linear (no bias) in the activations' dtype (aerie_trainer.precision.linear)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, compute_weight(self.weight, x.dtype))
+        return linear(x, self.weight)
 
 
 def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:

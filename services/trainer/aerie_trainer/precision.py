@@ -4,9 +4,12 @@
   and checkpoints hold, so resuming is exact whatever the sharding.
 - On a GPU the step computes in bfloat16 (`compute_dtype`): activations are bf16 from the start
   (the captured states are), and each layer takes its weight in the activations' dtype
-  (`compute_weight`). Inside `weights_cast_once()` — one TTT forward, without FSDP — a weight is
-  cast once and the copy serves all draft steps; its gradient flows back through that one cast
-  into the float32 parameter's gradient. Under FSDP each call casts (FSDP gathers per call).
+  (`compute_weight`, `linear`). Inside `weights_cast_once()` — one TTT forward, without FSDP — a
+  weight is cast once and the copy serves all draft steps. A linear layer's weight gradient is
+  then summed over the draft steps in float32 by the matmuls themselves (cuBLAS accumulating into
+  the output, `addmm(..., out_dtype=float32)`) and handed to the parameter once, by the last of
+  its uses to run backward: no bf16 gradient sums, no casts of gradients. Under FSDP each call
+  casts (FSDP gathers the weights at each call).
 - Arithmetic that must not round to bf16 (softmax, log-sum-exp, norms, loss) runs in
   `acc_dtype`: float32 for half types, the input's own dtype otherwise (float64 in the tests).
 - The Triton kernels (aerie_trainer.kernels) are used on a GPU when triton is importable.
@@ -43,6 +46,66 @@ def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if cast is None:
         cast = casts[key] = weight.to(dtype)
     return cast
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) in x's dtype (see the module doc for the cast and the weight gradient)."""
+    casts = _CASTS.get()
+    if casts is None or weight.dtype == x.dtype or not (weight.requires_grad and torch.is_grad_enabled()):
+        return torch.nn.functional.linear(x, compute_weight(weight, x.dtype))
+    key = ("linear", id(weight), x.dtype)
+    use = casts.get(key)
+    if use is None:
+        use = casts[key] = _WeightUse(weight.detach().to(x.dtype), weight.dtype)
+    use.uses += 1
+    return _CastOnceLinear.apply(x, weight, use)
+
+
+class _WeightUse:
+    """One weight within one forward: its cast, how many calls used it, their summed gradient."""
+
+    __slots__ = ("cast", "dtype", "uses", "done", "grad")
+
+    def __init__(self, cast: torch.Tensor, dtype: torch.dtype):
+        self.cast, self.dtype, self.uses, self.done, self.grad = cast, dtype, 0, 0, None
+
+
+class _CastOnceLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, use):
+        ctx.save_for_backward(x)
+        ctx.use = use
+        return torch.nn.functional.linear(x, use.cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        use = ctx.use
+        grad_x = grad @ use.cast if ctx.needs_input_grad[0] else None
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        use.grad = _accumulate_weight_grad(use.grad, g2, x2, use.dtype)
+        use.done += 1
+        if use.done < use.uses:  # an earlier-run use of the same weight hands over the sum
+            return grad_x, None, None
+        grad_w, use.grad = use.grad, None
+        return grad_x, grad_w, None
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> matmuls with a float32 output for half inputs work
+
+
+def _accumulate_weight_grad(acc, g, x, dtype):
+    """acc (out, in) in the weight's `dtype`, or None; + g^T x (g (N, out), x (N, in))."""
+    if (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32
+            and _MM_OUT_DTYPE.get("cuda", True)):
+        try:
+            if acc is None:
+                return torch.ops.aten.mm.dtype(g.t(), x, torch.float32)
+            return torch.ops.aten.addmm.dtype_out(acc, g.t(), x, torch.float32, out=acc)
+        except (RuntimeError, AttributeError):  # an older PyTorch: sum in the generic way below
+            _MM_OUT_DTYPE["cuda"] = False
+    w = (g.t() @ x).to(dtype)
+    return w if acc is None else acc.add_(w)
 
 
 @contextlib.contextmanager

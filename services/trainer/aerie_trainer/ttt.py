@@ -24,7 +24,7 @@ import torch
 from aerie_trainer.data import Batch
 from aerie_trainer.loss import soft_cross_entropy
 from aerie_trainer.model import Eagle3Drafter
-from aerie_trainer.precision import acc_dtype, weights_cast_once
+from aerie_trainer.precision import acc_dtype, triton_available, weights_cast_once
 from aerie_trainer.vocab import target_to_draft
 
 
@@ -89,9 +89,15 @@ class TargetHead:
         logits = torch.empty(N, Vd, dtype=self.weight.dtype, device=h.device)
         lse = torch.empty(N, dtype=acc_dtype(self.weight.dtype), device=h.device)
         argmax = torch.empty(N, dtype=torch.int64, device=h.device)
+        fused = h.is_cuda and triton_available() and lse.dtype == torch.float32
         for start in range(0, N, self.CHUNK_ROWS):
             part = slice(start, start + self.CHUNK_ROWS)
             full = h[part].to(self.weight.dtype) @ self.weight.T  # (n, V)
+            if fused:  # one pass over each row (aerie_trainer.kernels)
+                from aerie_trainer import kernels
+
+                kernels.teacher_rows(full, self.draft_ids, logits[part], lse[part], argmax[part])
+                continue
             argmax[part] = full.argmax(-1)
             torch.index_select(full, 1, self.draft_ids, out=logits[part])
             lse[part] = torch.logsumexp(logits[part].to(lse.dtype), -1)

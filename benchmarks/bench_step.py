@@ -53,7 +53,7 @@ PLANS = {
     "full": [
         dict(trainer="aerie", shape="llama8b", B=1, profile=True),
         dict(trainer="specforge", shape="llama8b", B=1),
-        dict(trainer="aerie", shape="llama8b", B=4),
+        dict(trainer="aerie", shape="llama8b", B=4, profile=True),
         dict(trainer="specforge", shape="llama8b", B=4),
         dict(trainer="aerie", shape="smol135m", B=4, profile=True),
         dict(trainer="specforge", shape="smol135m", B=4),
@@ -674,6 +674,7 @@ def main():
     ap.add_argument("--attention", action="store_true", help="GPU: time the attention variants (after the plan)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated plan indices")
+    ap.add_argument("--repeat", type=int, default=1, help="run the plan this many times (profiles in the first)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds from start; later items are skipped")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -706,6 +707,7 @@ def main():
     plan = PLANS[args.plan]
     if args.only:
         plan = [plan[int(i)] for i in args.only.split(",")]
+    plan = [dict(it, run=n, profile=it.get("profile", False) and n == 0) for n in range(args.repeat) for it in plan]
     for item in plan:
         if time.perf_counter() - start > args.deadline:
             out["skipped"].append(dict(item, reason="deadline"))
@@ -737,8 +739,8 @@ def table(out: dict) -> str:
     lines = ["shape              B  aerie tok/s  SpecForge tok/s  ratio  aerie GiB  SpecForge GiB  aerie warmup s"]
     by = {}
     for r in out["results"]:
-        by.setdefault((r["shape"], r["B"]), {})[r["trainer"]] = r
-    for (shape, B), pair in by.items():
+        by.setdefault((r["shape"], r["B"], r.get("run", 0)), {})[r["trainer"]] = r
+    for (shape, B, _), pair in by.items():
         a, s = pair.get("aerie", {}), pair.get("specforge", {})
         at, st = a.get("tokens_per_s"), s.get("tokens_per_s")
         ratio = f"{at / st:.2f}" if at and st else "-"

@@ -8,8 +8,8 @@
 - `teacher_rows`: the target head's full-vocab logits -> the draft vocab's logits, their
   log-sum-exp and the full-vocab argmax, one pass per row. Reference: ttt.TargetHead (torch).
 - `chain_merge_forward` / `chain_merge_backward`: the chain keys of TTT merged into the prefix
-  attention by log-sum-exp, one program per (batch, slot, key/value head) holding the group's
-  query heads. Reference: aerie_trainer.attention.merge_forward_torch / merge_backward_torch.
+  attention by log-sum-exp, one program per (batch, key/value head, CHAIN_SLOTS slots) holding
+  the group's query heads. Reference: aerie_trainer.attention.merge_forward_torch / merge_backward_torch.
 
 Offsets are int64 (rows x vocab overflows int32 at large batches).
 """
@@ -164,37 +164,44 @@ def teacher_rows(full, draft_ids, logits, lse, argmax):
 # The chain keys of TTT, merged into the prefix attention
 # --------------------------------------------------------------------------------------
 @triton.jit
+def _rows(T, REP: tl.constexpr, REP_P: tl.constexpr, BT: tl.constexpr):
+    """The program's rows: BT slots x the group's REP query heads (padded to REP_P), slot-major."""
+    i = tl.arange(0, BT * REP_P)
+    t = tl.program_id(0).to(tl.int64) * BT + i // REP_P
+    r = i % REP_P
+    return t, r, (t < T) & (r < REP)
+
+
+@triton.jit
 def _chain_fwd(Q, OP, LSEP, CK, CV, OUT, LSE, T, NKV, N,
                q_sb, q_st, q_sh, o_sb, o_st, o_sh, lp_sb, lp_sh, lp_st,
                c_sn, c_sb, c_st, c_sg, out_sb, out_st, out_sh, l_sb, l_sh, l_st,
                scale,
-               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    g = pid % NKV
-    bt = pid // NKV
-    t, b = bt % T, bt // T
-    r = tl.arange(0, REP_P)
+               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, BT: tl.constexpr):
+    bg = tl.program_id(1).to(tl.int64)
+    g, b = bg % NKV, bg // NKV
+    t, r, valid = _rows(T, REP, REP_P, BT)
     d = tl.arange(0, HD_P)
-    rm, dm = r < REP, d < HD
-    m2 = rm[:, None] & dm[None, :]
+    m2 = valid[:, None] & (d < HD)[None, :]
     h = g * REP + r  # the group's query heads
-    q = tl.load(Q + b * q_sb + t * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc = tl.load(OP + b * o_sb + t * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    m = tl.load(LSEP + b * lp_sb + h * lp_sh + t * lp_st, mask=rm, other=0.0).to(tl.float32)
-    l = tl.full([REP_P], 1.0, tl.float32)  # the prefix enters as weight exp(lse_p - m) = 1, output o_p
+    q = tl.load(Q + b * q_sb + t[:, None] * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = tl.load(OP + b * o_sb + t[:, None] * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    m = tl.load(LSEP + b * lp_sb + h * lp_sh + t * lp_st, mask=valid, other=0.0).to(tl.float32)
+    l = tl.full([BT * REP_P], 1.0, tl.float32)  # the prefix enters as weight exp(lse_p - m) = 1, output o_p
     for j in range(N):
-        base = j * c_sn + b * c_sb + t * c_st + g * c_sg
-        kk = tl.load(CK + base + d, mask=dm, other=0.0).to(tl.float32)
-        vv = tl.load(CV + base + d, mask=dm, other=0.0).to(tl.float32)
-        s = tl.sum(q * kk[None, :], 1) * scale
+        base = j * c_sn + b * c_sb + t * c_st + g * c_sg  # the slot's chain key (shared by the group)
+        kk = tl.load(CK + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        vv = tl.load(CV + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        s = tl.sum(q * kk, 1) * scale
         m_new = tl.maximum(m, s)
         alpha, beta = tl.exp(m - m_new), tl.exp(s - m_new)
-        acc = acc * alpha[:, None] + beta[:, None] * vv[None, :]
+        acc = acc * alpha[:, None] + beta[:, None] * vv
         l = l * alpha + beta
         m = m_new
     out = acc / l[:, None]
-    tl.store(OUT + b * out_sb + t * out_st + h[:, None] * out_sh + d[None, :], out.to(OUT.dtype.element_ty), mask=m2)
-    tl.store(LSE + b * l_sb + h * l_sh + t * l_st, m + tl.log(l), mask=rm)
+    tl.store(OUT + b * out_sb + t[:, None] * out_st + h[:, None] * out_sh + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=m2)
+    tl.store(LSE + b * l_sb + h * l_sh + t * l_st, m + tl.log(l), mask=valid)
 
 
 @triton.jit
@@ -202,35 +209,41 @@ def _chain_bwd(Q, DO, OUT, LSE, CK, CV, DQP, DQ, DCK, DCV, T, NKV, N,
                q_sb, q_st, q_sh, do_sb, do_st, do_sh, o_sb, o_st, o_sh, l_sb, l_sh, l_st,
                c_sn, c_sb, c_st, c_sg, dqp_sb, dqp_st, dqp_sh, dq_sb, dq_st, dq_sh,
                scale,
-               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    g = pid % NKV
-    bt = pid // NKV
-    t, b = bt % T, bt // T
-    r = tl.arange(0, REP_P)
+               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, BT: tl.constexpr):
+    bg = tl.program_id(1).to(tl.int64)
+    g, b = bg % NKV, bg // NKV
+    t, r, valid = _rows(T, REP, REP_P, BT)
     d = tl.arange(0, HD_P)
-    rm, dm = r < REP, d < HD
-    m2 = rm[:, None] & dm[None, :]
+    dm = d < HD
+    m2 = valid[:, None] & dm[None, :]
     h = g * REP + r
-    q = tl.load(Q + b * q_sb + t * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * do_sb + t * do_st + h[:, None] * do_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    o = tl.load(OUT + b * o_sb + t * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + b * l_sb + h * l_sh + t * l_st, mask=rm, other=0.0).to(tl.float32)
-    dq = tl.load(DQP + b * dqp_sb + t * dqp_st + h[:, None] * dqp_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    q = tl.load(Q + b * q_sb + t[:, None] * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * do_sb + t[:, None] * do_st + h[:, None] * do_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = tl.load(OUT + b * o_sb + t[:, None] * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + b * l_sb + h * l_sh + t * l_st, mask=valid, other=0.0).to(tl.float32)
+    dq = tl.load(DQP + b * dqp_sb + t[:, None] * dqp_st + h[:, None] * dqp_sh + d[None, :], mask=m2,
+                 other=0.0).to(tl.float32)
     delta = tl.sum(do * o, 1)
+    ts = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # the program's slots, one row each
+    ms = (ts < T)[:, None] & dm[None, :]
     for j in range(N):
         base = j * c_sn + b * c_sb + t * c_st + g * c_sg
-        kk = tl.load(CK + base + d, mask=dm, other=0.0).to(tl.float32)
-        vv = tl.load(CV + base + d, mask=dm, other=0.0).to(tl.float32)
-        p = tl.exp(tl.sum(q * kk[None, :], 1) * scale - lse)
-        p = tl.where(rm, p, 0.0)
-        ds = p * (tl.sum(do * vv[None, :], 1) - delta)
-        dq += ds[:, None] * kk[None, :] * scale
-        dk = tl.sum(ds[:, None] * q, 0) * scale
-        dv = tl.sum(p[:, None] * do, 0)
-        tl.store(DCK + base + d, dk.to(DCK.dtype.element_ty), mask=dm)
-        tl.store(DCV + base + d, dv.to(DCV.dtype.element_ty), mask=dm)
-    tl.store(DQ + b * dq_sb + t * dq_st + h[:, None] * dq_sh + d[None, :], dq.to(DQ.dtype.element_ty), mask=m2)
+        kk = tl.load(CK + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        vv = tl.load(CV + base[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        p = tl.where(valid, tl.exp(tl.sum(q * kk, 1) * scale - lse), 0.0)
+        ds = p * (tl.sum(do * vv, 1) - delta)
+        dq += ds[:, None] * kk * scale
+        # the key's and value's gradients: summed over the group's heads (rows of one slot)
+        dk = tl.sum(tl.reshape(ds[:, None] * q, (BT, REP_P, HD_P)), 1) * scale
+        dv = tl.sum(tl.reshape(p[:, None] * do, (BT, REP_P, HD_P)), 1)
+        slot = j * c_sn + b * c_sb + ts * c_st + g * c_sg
+        tl.store(DCK + slot[:, None] + d[None, :], dk.to(DCK.dtype.element_ty), mask=ms)
+        tl.store(DCV + slot[:, None] + d[None, :], dv.to(DCV.dtype.element_ty), mask=ms)
+    tl.store(DQ + b * dq_sb + t[:, None] * dq_st + h[:, None] * dq_sh + d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m2)
+
+
+CHAIN_SLOTS = 8  # slots per program of the chain kernels (x the group's heads x head dim per tile)
 
 
 def _heads(q, ck):
@@ -254,9 +267,10 @@ def chain_merge_forward(q, o_p, lse_p, ck, cv, scale):
     out = torch.empty(B, T, nh, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
     if B * T:
-        _chain_fwd[(B * T * nkv,)](q, o_p, lse_p, ck, cv, out, lse, T, nkv, ck.shape[0],
-                                   *_bthd(q), *_bthd(o_p), *lse_p.stride(), *ck.stride()[:4], *_bthd(out), *lse.stride(),
-                                   scale, **meta, num_warps=2)
+        grid = (triton.cdiv(T, CHAIN_SLOTS), B * nkv)
+        _chain_fwd[grid](q, o_p, lse_p, ck, cv, out, lse, T, nkv, ck.shape[0],
+                         *_bthd(q), *_bthd(o_p), *lse_p.stride(), *ck.stride()[:4], *_bthd(out), *lse.stride(),
+                         scale, **meta, BT=CHAIN_SLOTS, num_warps=4)
     return out, lse
 
 
@@ -267,7 +281,8 @@ def chain_merge_backward(dout, q, out, lse, ck, cv, dq_prefix, scale):
     dq = torch.empty(B, T, nh, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
     dck, dcv = torch.empty_like(ck), torch.empty_like(cv)
     if B * T:
-        _chain_bwd[(B * T * nkv,)](q, dout, out, lse, ck, cv, dq_prefix, dq, dck, dcv, T, nkv, ck.shape[0],
-                                   *_bthd(q), *_bthd(dout), *_bthd(out), *lse.stride(), *ck.stride()[:4],
-                                   *_bthd(dq_prefix), *_bthd(dq), scale, **meta, num_warps=2)
+        grid = (triton.cdiv(T, CHAIN_SLOTS), B * nkv)
+        _chain_bwd[grid](q, dout, out, lse, ck, cv, dq_prefix, dq, dck, dcv, T, nkv, ck.shape[0],
+                         *_bthd(q), *_bthd(dout), *_bthd(out), *lse.stride(), *ck.stride()[:4],
+                         *_bthd(dq_prefix), *_bthd(dq), scale, **meta, BT=CHAIN_SLOTS, num_warps=8)
     return dq, dck, dcv

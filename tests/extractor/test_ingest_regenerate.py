@@ -71,6 +71,7 @@ def test_regeneration_through_sglangs_chat_api(fs_store, smollm2_path, tmp_path)
         settings = Settings(engine="sglang", engine_urls=[server.url], ingest_local_dirs=[DATA])
         summary = run_ingest(fs_store, settings, IngestRequest(
             run="regen-sglang", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
+            target_signal="topk",  # a stock server (no plugin) gives JSON: top-k is what it can capture
         ))
 
         def chat(messages: list[dict]) -> str:

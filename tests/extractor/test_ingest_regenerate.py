@@ -90,3 +90,24 @@ def test_regeneration_through_sglangs_chat_api(fs_store, smollm2_path, tmp_path)
     (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen-sglang", "tokens")) if k.endswith(".safetensors")]
     seq = shard.sequence(1)
     assert tok.decode(seq["input_ids"][seq["loss_mask"] == 1]) == a1 + "<|im_end|>" + a2 + "<|im_end|>"
+
+
+def test_a_conversation_opening_with_an_assistant_turn_is_rejected_not_a_crash(fs_store, smollm2_path, tmp_path):
+    """ShareGPT holds records whose first turn is the assistant's: nothing to answer. Such a record
+    is rejected with its line and reason, and the run goes on (before: the whole ingest crashed on
+    `apply_chat_template` of an empty conversation)."""
+    import json
+
+    dataset = tmp_path / "assistant-first.jsonl"
+    dataset.write_text(
+        json.dumps({"conversations": [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi"}]}) + "\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]}) + "\n"
+    )
+    options = IngestOptions(max_tokens=128, shard_tokens=4096, regenerate=True, regenerate_max_tokens=4)
+    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
+        run="assistant-first", dataset=str(dataset), model=str(smollm2_path), options=options,
+    ))
+    assert summary.sequences == 1 and summary.rejects == 1
+    (key,) = fs_store.list(layout.rejects_prefix("assistant-first"))
+    reject = json.loads(fs_store.get_bytes(key).decode().splitlines()[0])
+    assert reject["line"] == 1 and "assistant turn with no user turn before it" in reject["reason"]

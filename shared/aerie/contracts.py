@@ -70,9 +70,14 @@ class IngestOptions(Contract):
         1 << 20, ge=1024,
         description="a dataset line (JSONL) or array element larger than this is rejected before it is decoded or tokenized",
     )
-    regenerate: bool = False
+    regenerate: bool = Field(False, description="answer every user turn again with the target (the regenerate stage)")
     regenerate_temperature: float = Field(0.0, ge=0.0)
-    regenerate_max_tokens: int = Field(512, ge=1)
+    regenerate_max_tokens: int = Field(512, ge=1, description="new tokens per regenerated answer")
+    regenerate_max_turns: int | None = Field(
+        None, ge=1, description="assistant turns regenerated per conversation; the rest of it is dropped (None: all)")
+    regenerate_reasoning: Literal["keep", "drop"] = Field(
+        "keep", description="a reasoning model's think segment (reasoning_content or <think>...</think>): trained on, or dropped")
+    regenerate_shard_records: int = Field(256, ge=1, description="conversations per regenerate task (one token shard each)")
 
 
 class RunSpec(Contract):
@@ -111,6 +116,30 @@ class ShardRecord(Contract):
     created_at: str = Field(default_factory=utcnow)
 
 
+class RegeneratedRecord(Contract):
+    """`runs/<run>/regenerated/<shard>.json`, written after the answers object it describes: the
+    shard's regeneration is done (a redelivered task reuses the answers, never asks again)."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    shard: str
+    key: str
+    sha256: str
+    conversations: int = Field(ge=0, description="conversations answered (refused ones are in rejects)")
+    turns: int = Field(ge=0, description="assistant turns regenerated")
+    rejects: int = Field(0, ge=0)
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    seconds: float = 0.0
+    tokens_per_second: float = Field(0.0, description="completion tokens / seconds")
+    max_in_flight: int = Field(0, description="most requests in flight at once, measured from their start and end times")
+    mean_in_flight: float = Field(0.0, description="requests in flight, averaged over the shard's wall time")
+    servers: list[str] = Field(default_factory=list, description="engine URLs used ('hf': the target in-process)")
+    token_sequences: int | None = Field(
+        None, description="sequences its token shard holds, once tokenized; 0: every conversation refused, no token shard")
+    created_at: str = Field(default_factory=utcnow)
+
+
 class RejectRecord(Contract):
     """One line of `runs/<run>/rejects/<part>.jsonl`."""
 
@@ -140,6 +169,8 @@ class RunStatus(Contract):
     rejects: int
     complete: bool
     failed_shards: list[str] = Field(default_factory=list)
+    regenerate_total: int = Field(0, description="shards to regenerate (runs with regenerate on)")
+    regenerated: int = Field(0, description="of those, shards whose answers are stored")
 
 
 class IngestFailure(Contract):
@@ -183,6 +214,14 @@ class IngestRequest(Contract):
 class ExtractRequest(Contract):
     run: str = Field(pattern=_NAME)
     shard: str = Field(pattern=SHARD_NAME, description="six digits, as aerie.layout.shard_name makes")
+
+
+class RegenerateRequest(Contract):
+    """One conversation shard of a run to answer again with the target, then tokenize."""
+
+    run: str = Field(pattern=_NAME)
+    shard: str = Field(pattern=SHARD_NAME, description="six digits, as aerie.layout.shard_name makes")
+    fan_out: bool = Field(True, description="enqueue the shard's extract task when its tokens are stored")
 
 
 class DrafterShape(Contract):
@@ -263,7 +302,26 @@ class IngestResult(StageResult):
     rejects: int = 0
     truncated: int = 0
     skipped: bool = Field(False, description="the run was already ingested: nothing written")
-    fanned_out: int = Field(0, description="extract tasks enqueued")
+    fanned_out: int = Field(0, description="extract (or regenerate) tasks enqueued")
+    regenerate_shards: list[str] = Field(default_factory=list, description="conversation shards the regenerate stage answers")
+
+
+class RegenerateResult(StageResult):
+    run: str
+    shard: str
+    skipped: bool = Field(False, description="the shard's tokens were already stored")
+    reused_answers: bool = Field(False, description="the answers were stored by an earlier attempt: not asked again")
+    conversations: int = 0
+    turns: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    rejects: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    max_in_flight: int = 0
+    mean_in_flight: float = 0.0
+    extract_enqueued: bool = False
 
 
 class ExtractResult(StageResult):
@@ -317,13 +375,15 @@ class ProgressEvent(Contract):
     """What a stage reports while it runs: drawn by `aerie run`, sent to Celery as task state
     `PROGRESS` (Flower and `progress` show it)."""
 
-    stage: Literal["ingest", "extract", "train", "evaluate", "publish", "done"]
+    stage: Literal["ingest", "regenerate", "extract", "train", "evaluate", "publish", "done"]
     message: str = ""
     step: int | None = None
     steps: int | None = None
     loss: float | None = None
     tokens: int | None = None
     eta_s: float | None = None
+    tokens_per_second: float | None = None
+    in_flight: int | None = Field(None, description="regenerate: requests in flight now")
 
 
 class TrainProgress(Contract):

@@ -4,6 +4,8 @@
 datasets/<name>.jsonl
 datasets/sha256/<sha256>/<file name>      a local dataset uploaded by enqueue / aerie run (keyed by content)
 runs/<run>/run.json
+runs/<run>/conversations/<shard>.jsonl      a regenerated run's input conversations (ingest writes them)
+runs/<run>/regenerated/<shard>.jsonl (+ .json record)   the target's answers to them (the regenerate stage)
 runs/<run>/tokens/<shard>.safetensors (+ .json record)
 runs/<run>/hidden/<shard>.safetensors (+ .json record)
 runs/<run>/failed/<shard>.json            a shard whose extraction gave up (ingest.json: the ingest)
@@ -79,6 +81,42 @@ def shards_prefix(run: str, kind: str) -> str:
     return f"runs/{run}/{kind}/"
 
 
+def _checked(name: str) -> str:
+    if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
+        raise ValueError(f"shard name {name!r} is not six digits")
+    return name
+
+
+# --- regeneration: conversations in, the target's answers out -----------------------------
+def conversations(run: str, name: str) -> str:
+    """A shard of a regenerated run's input conversations (JSONL: line, source, messages)."""
+    return f"runs/{run}/conversations/{_checked(name)}.jsonl"
+
+
+def conversations_prefix(run: str) -> str:
+    return f"runs/{run}/conversations/"
+
+
+def conversation_names(keys: list[str]) -> list[str]:
+    """Shard names of the `<name>.jsonl` conversation objects among `keys`, sorted."""
+    return sorted({k.rsplit("/", 1)[-1][: -len(".jsonl")] for k in keys
+                   if k.endswith(".jsonl") and _SHARD_NAME.fullmatch(k.rsplit("/", 1)[-1][: -len(".jsonl")])})
+
+
+def regenerated(run: str, name: str) -> str:
+    """The target's answers to one conversation shard (JSONL, the regenerated conversations)."""
+    return f"runs/{run}/regenerated/{_checked(name)}.jsonl"
+
+
+def regenerated_record(run: str, name: str) -> str:
+    """Written after `regenerated(run, name)`: its presence means the shard's answers are stored."""
+    return f"runs/{run}/regenerated/{_checked(name)}.json"
+
+
+def regenerated_prefix(run: str) -> str:
+    return f"runs/{run}/regenerated/"
+
+
 def shard_failure(run: str, name: str) -> str:
     """A shard's extraction that failed for good (removed when a later attempt succeeds)."""
     return f"runs/{run}/failed/{name}.json"
@@ -112,6 +150,11 @@ def shard_objects(keys: list[str]) -> list[str]:
 
 def rejects(run: str, part: str) -> str:
     return f"runs/{run}/rejects/{part}.jsonl"
+
+
+def regenerate_rejects(run: str, name: str) -> str:
+    """The conversations of one shard the regenerate stage refused (beside ingest's parts)."""
+    return f"runs/{run}/rejects/{_checked(name)}-regenerate.jsonl"
 
 
 def rejects_prefix(run: str) -> str:

@@ -38,9 +38,10 @@ INGEST_TASK = "aerie.ingest"
 EXTRACT_TASK = "aerie.extract"
 TRAIN_TASK = "aerie.train"
 ALIGN_TASK = "aerie.align"  # the alignment check before training: light (HTTP + numpy), an extractor's work
+REGENERATE_TASK = "aerie.regenerate"  # one conversation shard answered by the target's server: HTTP + tokenizer, an extractor's work
 
 ROUTES = {INGEST_TASK: {"queue": INGEST}, EXTRACT_TASK: {"queue": EXTRACT}, TRAIN_TASK: {"queue": TRAIN},
-          ALIGN_TASK: {"queue": INGEST}}
+          ALIGN_TASK: {"queue": INGEST}, REGENERATE_TASK: {"queue": INGEST}}
 
 MAX_RETRIES = 5
 BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0

@@ -4,8 +4,9 @@ Nothing here extracts or trains; it reads what the extractor wrote (and records 
 failure), so the trainer, `aerie run` and the Celery sub-commands share one view of a run:
 
 - `load_run(store, run)`: `runs/<run>/run.json`, or a clear error when the run was never ingested.
-- `run_status(store, run)`: shards total / tokenized / extracted / failed, tokens, rejects.
-- `run_complete(store, run)`: every token shard has a hidden record (listings only: cheap).
+- `run_status(store, run)`: shards total / regenerated / tokenized / extracted / failed, tokens, rejects.
+- `run_complete(store, run)`: every shard (a regenerated run's conversation shards too) has a
+  hidden record (listings only: cheap).
 - `wait_for_run(store, run, timeout_s)`: until complete; fails naming the failed shards, or the
   deadline, and says where to look.
 - `alignment_reports(store, run)`, `lineage_alignment(store, runs)`: the run's alignment checks
@@ -20,8 +21,8 @@ from collections.abc import Callable
 
 from aerie import layout
 from aerie.contracts import (
-    AlignmentReport, AlignmentSummary, IngestFailure, IngestRequest, LineageAlignment, RunSpec, RunStatus, ShardFailure,
-    ShardRecord,
+    AlignmentReport, AlignmentSummary, IngestFailure, IngestRequest, LineageAlignment, RegeneratedRecord, RunSpec, RunStatus,
+    ShardFailure, ShardRecord,
 )
 from aerie.store import NotFound, ObjectStore, StoreError
 
@@ -40,6 +41,37 @@ def load_run(store: ObjectStore, run: str) -> RunSpec:
 def shard_names(store: ObjectStore, run: str, kind: str) -> list[str]:
     """Names of the shards of `kind` ("tokens" | "hidden") that have a record, sorted."""
     return layout.record_names(store.list(layout.shards_prefix(run, kind)))
+
+
+def conversation_shards(store: ObjectStore, run: str) -> list[str]:
+    """A regenerated run's conversation shards (ingest writes them; each becomes one token shard)."""
+    return layout.conversation_names(store.list(layout.conversations_prefix(run)))
+
+
+def regenerated_shards(store: ObjectStore, run: str) -> list[str]:
+    """Conversation shards whose answers are stored (their record exists)."""
+    return layout.record_names(store.list(layout.regenerated_prefix(run)))
+
+
+def _nothing_to_extract(store: ObjectStore, run: str, shards: set[str]) -> set[str]:
+    """Of a regenerated run's shards without tokens, those whose every conversation was refused
+    (the record says 0 token sequences: there is no token shard to extract). One read per shard
+    still missing, so only the few in flight cost anything."""
+    empty = set()
+    for name in shards:
+        try:
+            if store.get_json(layout.regenerated_record(run, name), RegeneratedRecord).token_sequences == 0:
+                empty.add(name)
+        except NotFound:
+            pass
+    return empty
+
+
+def _shards_to_extract(store: ObjectStore, run: str, tokens: set[str], hidden: set[str]) -> set[str]:
+    """Every shard the run must extract: its token shards and its conversation shards (a
+    regenerated run), less conversation shards that ended with nothing to extract."""
+    conversations = set(conversation_shards(store, run))
+    return tokens | conversations - _nothing_to_extract(store, run, conversations - tokens - hidden)
 
 
 def hidden_bytes(store: ObjectStore, run: str) -> int:
@@ -74,7 +106,9 @@ def run_status(store: ObjectStore, run: str) -> RunStatus:
     """Shards total/tokenized/extracted/failed, tokens and rejects of a run, from the store."""
     ingested = store.exists(layout.run_spec(run))
     tokens = shard_names(store, run, "tokens")
+    to_regenerate = conversation_shards(store, run)
     hidden = set(shard_names(store, run, "hidden"))
+    every = _shards_to_extract(store, run, set(tokens), hidden)
     failed = sorted(set(layout.record_names(store.list(layout.failures_prefix(run)))) - hidden)
     sequences = n_tokens = 0
     for name in tokens:
@@ -83,9 +117,10 @@ def run_status(store: ObjectStore, run: str) -> RunStatus:
         n_tokens += record.tokens
     rejects = sum(store.get_bytes(k).count(b"\n") for k in store.list(layout.rejects_prefix(run)))
     return RunStatus(
-        run=run, shards_total=len(tokens), tokens_done=len(tokens), hidden_done=len(hidden), failed=len(failed),
-        sequences=sequences, tokens=n_tokens, rejects=rejects, complete=ingested and set(tokens) <= hidden,
-        failed_shards=failed,
+        run=run, shards_total=len(every), tokens_done=len(tokens), hidden_done=len(hidden), failed=len(failed),
+        sequences=sequences, tokens=n_tokens, rejects=rejects, complete=ingested and every <= hidden,
+        failed_shards=failed, regenerate_total=len(to_regenerate),
+        regenerated=len(set(regenerated_shards(store, run)) & set(to_regenerate)),
     )
 
 
@@ -93,8 +128,9 @@ def run_complete(store: ObjectStore, run: str) -> bool:
     """Every token shard of an ingested run has a hidden record (cheap: listings only)."""
     if not store.exists(layout.run_spec(run)):
         return False
-    tokens = set(shard_names(store, run, "tokens"))
-    return bool(tokens) and tokens <= set(shard_names(store, run, "hidden"))
+    tokens, hidden = set(shard_names(store, run, "tokens")), set(shard_names(store, run, "hidden"))
+    every = _shards_to_extract(store, run, tokens, hidden)
+    return bool(every) and every <= hidden
 
 
 def wait_for_run(
@@ -172,5 +208,5 @@ def lineage_alignment(store: ObjectStore, runs: list[str]) -> LineageAlignment:
 
 __all__ = [
     "RunError", "StoreError", "failures", "hidden_bytes", "load_run", "record_failure", "record_ingest_failure", "alignment_reports", "lineage_alignment", "run_complete", "run_status",
-    "shard_names", "wait_for_run",
+    "conversation_shards", "regenerated_shards", "shard_names", "wait_for_run",
 ]

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     engine_shm_dir: Path | None = Field(
         default=None, description="the plugin's shm directory as mounted here (default: the path the server advertises)"
     )
+    regenerate_urls: list[str] = Field(
+        default_factory=list,
+        description="OpenAI-compatible servers (SGLang) the regenerate stage asks, spread across; empty: AERIE_ENGINE_URLS "
+                    "for a run on the sglang engine, the target in-process (transformers) for an hf run",
+    )
+    regenerate_concurrency: int = Field(default=64, ge=1, description="regenerate: requests in flight per task (all servers together)")
     device: str = "cpu"
     tokens_per_batch: int = Field(default=4096, ge=1)
 

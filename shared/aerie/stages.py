@@ -1,6 +1,9 @@
 """The pipeline's stages, as plain functions: each takes the store, the settings and a typed request.
 
     ingest   IngestRequest  -> IngestResult    dataset -> token shards + run.json      (extractor)
+                                               (regenerate on: -> conversation shards)
+    regenerate RegenerateRequest -> RegenerateResult  one conversation shard -> the    (extractor)
+                                               target's answers (many requests in flight) -> one token shard
     extract  ExtractRequest -> ExtractResult   one token shard -> one hidden shard     (extractor)
     align    AlignRequest   -> AlignmentReport a run's stored states against a         (extractor)
                                                serving SGLang: per point cosine, cause
@@ -21,8 +24,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from aerie.contracts import (
-    AlignmentReport, AlignRequest, ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, TrainRequest,
-    TrainResult,
+    AlignmentReport, AlignRequest, ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, RegenerateRequest,
+    RegenerateResult, TrainRequest, TrainResult,
 )
 from aerie.drafters import pull
 from aerie.settings import Settings
@@ -30,7 +33,8 @@ from aerie.store import ObjectStore
 
 Progress = Callable[[ProgressEvent], None]
 GROUP = "aerie.stages"
-PROVIDERS = {"ingest": "aerie-extractor (services/extractor)", "extract": "aerie-extractor (services/extractor)",
+PROVIDERS = {"ingest": "aerie-extractor (services/extractor)", "regenerate": "aerie-extractor (services/extractor)",
+             "extract": "aerie-extractor (services/extractor)",
              "align": "aerie-extractor (services/extractor)", "train": "aerie-trainer (services/trainer)"}
 
 
@@ -53,6 +57,12 @@ def ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> In
     return implementation("ingest")(store, settings, request)
 
 
+def regenerate(store: ObjectStore, settings: Settings, request: RegenerateRequest,
+               progress: Progress | None = None) -> RegenerateResult:
+    """Answer one conversation shard with the target (stored once), then tokenize it into its token shard."""
+    return implementation("regenerate")(store, settings, request, progress)
+
+
 def extract(store: ObjectStore, settings: Settings, request: ExtractRequest) -> ExtractResult:
     return implementation("extract")(store, settings, request)
 
@@ -66,4 +76,4 @@ def train(store: ObjectStore, settings: Settings, request: TrainRequest, progres
     return implementation("train")(store, settings, request, progress)
 
 
-__all__ = ["Progress", "StageUnavailable", "align", "extract", "implementation", "ingest", "pull", "train"]
+__all__ = ["Progress", "StageUnavailable", "align", "extract", "implementation", "ingest", "pull", "regenerate", "train"]

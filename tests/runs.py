@@ -131,3 +131,23 @@ def upload_run(store, folder: Path, run: str) -> RunSpec:
         store.put_json(layout.shard_record(run, "hidden", name), rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)}))
     store.put_json(layout.run_spec(run), spec)
     return spec
+
+
+def quantize_run(store, run: str, into: str, block: int | None = None) -> RunSpec:
+    """Copy run `run` of `store` as run `into` with its states stored as fp8 (aerie.shard's
+    quantization, as the extractor writes them with `storage_dtype: float8_e4m3fn`)."""
+    import hashlib
+
+    from aerie.shard import Shard
+
+    spec = store.get_json(layout.run_spec(run), RunSpec)
+    for name in shard_names(store, run, "hidden"):
+        rec = store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
+        data = Shard.from_buffer(store.get_bytes(rec.key)).quantize("float8_e4m3fn", block).to_bytes()
+        key = layout.shard(into, "hidden", name)
+        store.put_bytes(key, data)
+        store.put_json(layout.shard_record(into, "hidden", name), rec.model_copy(update={
+            "run": into, "key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+    fp8 = spec.model_copy(update={"run": into, "storage_dtype": "float8_e4m3fn", "scale_block": block})
+    store.put_json(layout.run_spec(into), fp8)
+    return fp8

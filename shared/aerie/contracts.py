@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aerie.layout import SHARD_NAME
 
@@ -80,6 +80,14 @@ class IngestOptions(Contract):
     regenerate_shard_records: int = Field(256, ge=1, description="conversations per regenerate task (one token shard each)")
 
 
+# How a run's hidden states are stored (aerie.shard): in `dtype`, or as fp8 with float32 scales.
+StorageDtype = Annotated[Literal["float8_e4m3fn"] | None, Field(
+    description="float8_e4m3fn: states stored as e4m3 with a float32 scale per row (or per scale_block values): about "
+                "half of bf16's bytes, dequantized by every reader; None: stored in `dtype`")]
+ScaleBlock = Annotated[int | None, Field(
+    ge=1, description="with storage_dtype: values of a row per scale (divides the hidden size); None: one scale per row")]
+
+
 class RunSpec(Contract):
     """`runs/<run>/run.json`: everything needed to know what the shards of a run contain."""
 
@@ -90,6 +98,8 @@ class RunSpec(Contract):
     engine: EngineSpec
     capture_points: list[int]
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    storage_dtype: StorageDtype = None
+    scale_block: ScaleBlock = None
     target_signal: Literal["final", "topk"] = "final"
     topk: int | None = None
     ingest: IngestOptions
@@ -203,12 +213,20 @@ class IngestRequest(Contract):
     capture_points: list[int] | None = None
     engine: Literal["hf", "sglang"] | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    storage_dtype: StorageDtype = None
+    scale_block: ScaleBlock = None
     target_signal: Literal["final", "topk"] = "final"
     topk: int = Field(20, ge=1)
     options: IngestOptions = Field(default_factory=IngestOptions)
     train_after: "TrainRequest | None" = None
     align: "AlignGate | None" = Field(None, description="check alignment against a serving server before train_after")
     fan_out: bool = Field(True, description="enqueue one extract task per shard")
+
+    @model_validator(mode="after")
+    def _scale_block_needs_fp8(self) -> "IngestRequest":
+        if self.scale_block is not None and self.storage_dtype is None:
+            raise ValueError(f"scale_block {self.scale_block} applies to fp8 storage only: set storage_dtype float8_e4m3fn")
+        return self
 
 
 class ExtractRequest(Contract):

@@ -11,10 +11,20 @@ Tensors (T tokens over S sequences, K capture points, H hidden size):
 | `final`         | bf16/f16/f32  | [T, H]     | hidden, signal "final" |
 | `topk_ids`      | int32         | [T, k]     | hidden, signal "topk"  |
 | `topk_logprobs` | float32       | [T, k]     | hidden, signal "topk"  |
+| `aux_scale`     | float32       | [T, K, G]  | hidden, fp8 storage    |
+| `final_scale`   | float32       | [T, G]     | hidden, fp8 storage, signal "final" |
 
 Sequence `s` is rows `offsets[s]:offsets[s+1]`. Row `t` of `aux`/`final` is the target's state
 after reading token `t`; the signal at row `t` is the target's distribution over token `t+1`.
 The safetensors header's `__metadata__` names the format, kind, capture points, dims and dtype.
+
+fp8 storage (the run's `storage_dtype: float8_e4m3fn`): `aux` and `final` are stored as e4m3
+(F8_E4M3, 1 byte) with a float32 scale per block of `scale_block` values of a row (the header says
+`scale_block`; the default is the whole row, H: one scale per token and capture point, so G = 1)
+and `states_dtype`, the dtype the engine produced. A state is `q * scale`, `scale = max|row| / 448`
+(e4m3's largest value): about half the bytes of bf16, a relative error per value of at most
+2^-4. Readers never see the stored bytes unless they ask: `Shard.sequence` dequantizes into
+`states_dtype`, as does `dequantize_tensors` for readers that fetch tensors by byte range.
 
 Why our own (tiny) container code: `safetensors.numpy` has no bfloat16, and the extractor's
 SGLang path runs without torch. Files are plain safetensors: `safetensors.torch.load_file`
@@ -35,6 +45,8 @@ from typing import BinaryIO
 import ml_dtypes
 import numpy as np
 
+from aerie.errors import ExpectedError
+
 FORMAT = "aerie-shard/1"
 
 _DTYPES: dict[str, np.dtype] = {
@@ -48,27 +60,112 @@ _DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 FLOAT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+STORAGE_DTYPES = {"float8_e4m3fn": "F8_E4M3"}  # quantized storage of the states (scales beside them)
+STATE_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")  # what `aux`/`final` may be stored as
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(_DTYPES["F8_E4M3"]).astype(np.float32)  # byte -> value (2x the cast)
+_QUANT_ROWS = 4096  # rows quantized at a time (bounds the float32 temporaries)
 
 
 class ShardError(ValueError):
     """A shard that does not hold what its header promises."""
 
 
+class UnknownDtype(ExpectedError, ShardError):
+    """A shard stored in a dtype this aerie does not read (written by a newer one?)."""
+
+
 def _nonfinite(arr: np.ndarray) -> np.ndarray:
-    """NaN/Inf mask, read off the exponent bits for 16-bit floats (no float32 copy)."""
+    """NaN/Inf mask, read off the exponent bits for 16-bit floats (no float32 copy); e4m3 has
+    no Inf, and its NaN is every exponent and mantissa bit set."""
     if arr.dtype == _DTYPES["BF16"]:
         return (arr.view(np.uint16) & 0x7F80) == 0x7F80
     if arr.dtype == _DTYPES["F16"]:
         return (arr.view(np.uint16) & 0x7C00) == 0x7C00
+    if arr.dtype == _DTYPES["F8_E4M3"]:
+        return (arr.view(np.uint8) & 0x7F) == 0x7F
     return ~np.isfinite(arr)
 
 
 def np_dtype(name: str) -> np.dtype:
     """'bfloat16' | 'float16' | 'float32' -> numpy dtype."""
     return _DTYPES[FLOAT_DTYPES[name]]
+
+
+# --------------------------------------------------------------------------------------
+# fp8 (e4m3) storage of the states: numpy only (the extractor's SGLang path has no torch)
+# --------------------------------------------------------------------------------------
+def quantize_e4m3(x: np.ndarray, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H // block] float32), x ~ q * scale.
+
+    Each block of `block` values of a row (None: the whole row) gets scale = max|x| / 448, so its
+    largest value lands on e4m3's largest; a zero block gets scale 0 (and stays exactly zero).
+    Values round to nearest (relative error <= 2^-4; below 2^-6 * scale e4m3 is subnormal, an
+    absolute error <= 2^-10 * scale). A NaN/Inf raises ShardError naming its row."""
+    H = x.shape[-1]
+    block = block or H
+    if H % block:
+        raise ShardError(f"scale block {block} does not divide the hidden size {H}")
+    G = H // block
+    rows = x.reshape(-1, H)
+    q = np.empty(rows.shape, dtype=_DTYPES["F8_E4M3"])
+    scale = np.empty((rows.shape[0], G), dtype=np.float32)
+    for a in range(0, rows.shape[0], _QUANT_ROWS):
+        v = rows[a : a + _QUANT_ROWS].astype(np.float32).reshape(-1, G, block)  # (r, G, block)
+        amax = np.abs(v).max(axis=-1)  # (r, G); NaN/Inf propagate here
+        if not np.isfinite(amax).all():
+            bad = a + int(np.argwhere(~np.isfinite(amax))[0][0])
+            raise ShardError(f"row {bad} holds NaN/Inf: it cannot be stored as fp8")
+        s = amax / np.float32(E4M3_MAX)
+        v /= np.where(s > 0, s, np.float32(1))[..., None]
+        np.clip(v, -E4M3_MAX, E4M3_MAX, out=v)  # a quotient a hair above 448 must not round to NaN
+        q[a : a + len(v)] = v.reshape(len(v), H).astype(_DTYPES["F8_E4M3"])
+        scale[a : a + len(v)] = s
+    return q.reshape(x.shape), scale.reshape(*x.shape[:-1], G)
+
+
+def dequantize_e4m3(q: np.ndarray, scale: np.ndarray, dtype: np.dtype | str = np.float32) -> np.ndarray:
+    """(q [..., H] float8_e4m3fn, scale [..., G]) -> q * scale [..., H] in `dtype` (float32 math,
+    one rounding into `dtype`: the same bits as the trainer's torch path)."""
+    dtype = _DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+    H, G = q.shape[-1], scale.shape[-1]
+    v = _E4M3_VALUES[q.view(np.uint8)].reshape(*q.shape[:-1], G, H // G)
+    v *= scale[..., None]
+    return v.reshape(q.shape).astype(dtype, copy=False)
+
+
+def scale_name(name: str) -> str:
+    """The tensor holding the scales of a quantized tensor (`aux` -> `aux_scale`)."""
+    return f"{name}_scale"
+
+
+def states_dtype(metadata: dict[str, str]) -> str:
+    """The dtype readers get a shard's states in (safetensors name): the engine's for fp8 shards."""
+    name = metadata.get("states_dtype") or metadata.get("dtype", "F32")
+    if name not in FLOAT_DTYPES.values():
+        raise UnknownDtype(f"shard states_dtype {name!r} is not one of {sorted(FLOAT_DTYPES.values())}: "
+                           "written by a newer aerie? read it with that version or re-extract the run")
+    return name
+
+
+def dequantize_tensors(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, np.ndarray]:
+    """Tensors (some or all of a shard's, as fetched by byte range) as readers want them: each fp8
+    one with its `<name>_scale` beside it turned back into the shard's states dtype, the scales
+    dropped. Anything else passes through unchanged."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith("_scale") and name.removesuffix("_scale") in tensors:
+            continue
+        if arr.dtype == _DTYPES["F8_E4M3"]:
+            if scale_name(name) not in tensors:
+                raise ShardError(f"tensor {name!r} is stored as fp8 but its scales {scale_name(name)!r} were not read")
+            arr = dequantize_e4m3(arr, tensors[scale_name(name)], states_dtype(metadata))
+        out[name] = arr
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -128,7 +225,8 @@ def read_safetensors(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     for name, spec in header.items():
         dt = _DTYPES.get(spec["dtype"])
         if dt is None:
-            raise ShardError(f"tensor {name!r}: unsupported dtype {spec['dtype']}")
+            raise UnknownDtype(f"tensor {name!r} is stored as {spec['dtype']}, which this aerie does not read (it reads "
+                               f"{', '.join(_DTYPES)}): written by a newer aerie? read it with that version or re-extract the run")
         start, end = spec["data_offsets"]
         if base + end > len(mv):
             raise ShardError(f"tensor {name!r} ends at byte {base + end}, past the file end {len(mv)}: truncated")
@@ -152,6 +250,9 @@ class Shard:
     final: np.ndarray | None = None
     topk_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
+    aux_scale: np.ndarray | None = None  # fp8 storage: [T, K, G] float32
+    final_scale: np.ndarray | None = None  # fp8 storage: [T, G] float32
+    states_dtype: str | None = None  # fp8 storage: what the states dequantize into (BF16/F16/F32)
     extra_metadata: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -167,6 +268,15 @@ class Shard:
         return int(self.input_ids.shape[0])
 
     @property
+    def quantized(self) -> bool:
+        return self.aux is not None and self.aux.dtype == _DTYPES["F8_E4M3"]
+
+    @property
+    def scale_block(self) -> int | None:
+        """Values of a row per scale (fp8 shards)."""
+        return self.aux.shape[2] // self.aux_scale.shape[2] if self.quantized and self.aux_scale is not None else None
+
+    @property
     def target_signal(self) -> str | None:
         if self.final is not None:
             return "final"
@@ -174,21 +284,23 @@ class Shard:
             return "topk"
         return None
 
-    def sequence(self, s: int) -> dict[str, np.ndarray]:
+    def sequence(self, s: int, dequantize: bool = True) -> dict[str, np.ndarray]:
+        """Sequence s's rows. An fp8 shard's states come back in `states_dtype`, or with
+        dequantize=False as stored, with their `aux_scale`/`final_scale` rows beside them."""
         a, b = int(self.offsets[s]), int(self.offsets[s + 1])
         out = {"input_ids": self.input_ids[a:b], "loss_mask": self.loss_mask[a:b]}
-        for name in ("aux", "final", "topk_ids", "topk_logprobs"):
+        for name in ("aux", "final", "topk_ids", "topk_logprobs", "aux_scale", "final_scale"):
             arr = getattr(self, name)
             if arr is not None:
                 out[name] = arr[a:b]
-        return out
+        return dequantize_tensors(out, {"states_dtype": str(self.states_dtype)}) if dequantize and self.quantized else out
 
     def sequences(self) -> Iterator[dict[str, np.ndarray]]:
         for s in range(self.num_sequences):
             yield self.sequence(s)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        names = ("input_ids", "loss_mask", "offsets", "aux", "final", "topk_ids", "topk_logprobs")
+        names = ("input_ids", "loss_mask", "offsets", "aux", "final", "topk_ids", "topk_logprobs", "aux_scale", "final_scale")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def metadata(self) -> dict[str, str]:
@@ -206,7 +318,26 @@ class Shard:
                 dtype=_NAMES[self.aux.dtype],
                 target_signal=str(self.target_signal),
             )
+        if self.quantized:
+            meta.update(states_dtype=str(self.states_dtype), scale_block=str(self.scale_block))
         return meta
+
+    def quantize(self, storage_dtype: str = "float8_e4m3fn", block: int | None = None) -> "Shard":
+        """This shard with its states stored as fp8 (`quantize_e4m3`: a scale per `block` values
+        of a row, None: per row); the token tensors and the top-k signal are shared, not copied."""
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ShardError(f"storage dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+        if self.aux is None or self.quantized:
+            raise ShardError("only a hidden shard in bf16/f16/f32 can be quantized")
+        aux, aux_scale = quantize_e4m3(self.aux, block)
+        final = final_scale = None
+        if self.final is not None:
+            final, final_scale = quantize_e4m3(self.final, block)
+        return Shard(
+            input_ids=self.input_ids, loss_mask=self.loss_mask, offsets=self.offsets, capture_points=list(self.capture_points),
+            aux=aux, final=final, topk_ids=self.topk_ids, topk_logprobs=self.topk_logprobs, aux_scale=aux_scale,
+            final_scale=final_scale, states_dtype=_NAMES[self.aux.dtype], extra_metadata=dict(self.extra_metadata),
+        )
 
     # ----------------------------------------------------------------------------------
     def validate(self, check_finite: bool = True) -> "Shard":
@@ -232,9 +363,10 @@ class Shard:
         K = len(self.capture_points)
         if self.aux.ndim != 3 or self.aux.shape[0] != T or self.aux.shape[1] != K:
             raise ShardError(f"aux must be [T={T}, K={K}, H], got {list(self.aux.shape)}")
-        if self.aux.dtype not in (_DTYPES["BF16"], _DTYPES["F16"], _DTYPES["F32"]):
-            raise ShardError(f"aux dtype {self.aux.dtype} is not bf16/f16/f32")
+        if self.aux.dtype not in [_DTYPES[n] for n in STATE_DTYPES]:
+            raise ShardError(f"aux dtype {self.aux.dtype} is not one of {', '.join(STATE_DTYPES)}")
         H = self.aux.shape[2]
+        self._validate_scales(T, K, H)
         if self.final is not None:
             if self.final.shape != (T, H):
                 raise ShardError(f"final must be [T={T}, H={H}], got {list(self.final.shape)}")
@@ -246,16 +378,45 @@ class Shard:
         else:
             raise ShardError("hidden shard has no target signal: needs `final` or `topk_ids`+`topk_logprobs`")
         if check_finite:
-            for name in ("aux", "final"):
+            for name in ("aux", "final", "aux_scale", "final_scale"):
                 arr = getattr(self, name)
                 if arr is None:
                     continue
                 bad = _nonfinite(arr)
+                if name.endswith("_scale"):
+                    bad |= arr < 0
                 if bad.any():
                     row = int(np.argwhere(bad)[0][0])
                     seq = int(np.searchsorted(off, row, side="right") - 1)
-                    raise ShardError(f"{name} holds NaN/Inf at token {row} (sequence {seq})")
+                    what = "a NaN/Inf or negative scale" if name.endswith("_scale") else "NaN/Inf"
+                    raise ShardError(f"{name} holds {what} at token {row} (sequence {seq})")
         return self
+
+    def _validate_scales(self, T: int, K: int, H: int) -> None:
+        """fp8 states come with float32 scales [T, K, G] / [T, G] (G divides H) and a states dtype;
+        other states come with neither."""
+        if not self.quantized:
+            if self.aux_scale is not None or self.final_scale is not None or self.states_dtype is not None:
+                raise ShardError(f"scales or states_dtype on a shard stored as {_NAMES[self.aux.dtype]}: only fp8 states have them")
+            if self.final is not None and self.final.dtype == _DTYPES["F8_E4M3"]:
+                raise ShardError("final is fp8 but aux is not: both states are stored alike")
+            return
+        if self.states_dtype not in FLOAT_DTYPES.values():
+            raise ShardError(f"fp8 shard: states_dtype {self.states_dtype!r} is not one of {sorted(FLOAT_DTYPES.values())}")
+        scale = self.aux_scale
+        if scale is None or scale.dtype != np.float32 or scale.ndim != 3 or scale.shape[:2] != (T, K) or H % max(scale.shape[2], 1):
+            got = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
+            raise ShardError(f"fp8 aux needs aux_scale float32 [T={T}, K={K}, G] with G dividing H={H}, got {got}")
+        G = scale.shape[2]
+        if self.final is not None:
+            if self.final.dtype != _DTYPES["F8_E4M3"]:
+                raise ShardError(f"aux is fp8 but final is {self.final.dtype}: both states are stored alike")
+            fs = self.final_scale
+            if fs is None or fs.dtype != np.float32 or fs.shape != (T, G):
+                got = "none" if fs is None else f"{fs.dtype} {list(fs.shape)}"
+                raise ShardError(f"fp8 final needs final_scale float32 [T={T}, G={G}], got {got}")
+        elif self.final_scale is not None:
+            raise ShardError("final_scale without final")
 
     # ----------------------------------------------------------------------------------
     def write(self, out: BinaryIO) -> int:
@@ -287,7 +448,10 @@ class Shard:
         missing = [n for n in ("input_ids", "loss_mask", "offsets") if n not in tensors]
         if missing:
             raise ShardError(f"shard lacks tensor(s) {missing}")
-        extra = {k: v for k, v in meta.items() if k not in ("format", "kind", "sequences", "tokens", "capture_points", "hidden_size", "dtype", "target_signal")}
+        extra = {k: v for k, v in meta.items() if k not in (
+            "format", "kind", "sequences", "tokens", "capture_points", "hidden_size", "dtype", "target_signal", "states_dtype",
+            "scale_block")}
+        quantized = tensors.get("aux") is not None and tensors["aux"].dtype == _DTYPES["F8_E4M3"]
         shard = cls(
             input_ids=tensors["input_ids"],
             loss_mask=tensors["loss_mask"],
@@ -297,10 +461,17 @@ class Shard:
             final=tensors.get("final"),
             topk_ids=tensors.get("topk_ids"),
             topk_logprobs=tensors.get("topk_logprobs"),
+            aux_scale=tensors.get("aux_scale"),
+            final_scale=tensors.get("final_scale"),
+            states_dtype=states_dtype(meta) if quantized else None,
             extra_metadata=extra,
         )
         if meta.get("kind") != shard.kind:
             raise ShardError(f"header says kind {meta.get('kind')!r} but tensors make a {shard.kind!r} shard")
+        if shard.aux is not None and meta.get("dtype") != _NAMES[shard.aux.dtype]:
+            raise ShardError(f"header says dtype {meta.get('dtype')!r} but aux is stored as {_NAMES[shard.aux.dtype]}")
+        if quantized and shard.aux_scale is not None and meta.get("scale_block") != str(shard.scale_block):
+            raise ShardError(f"header says scale_block {meta.get('scale_block')!r} but aux_scale makes it {shard.scale_block}")
         return shard
 
     @classmethod

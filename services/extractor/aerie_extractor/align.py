@@ -59,7 +59,7 @@ from aerie.contracts import (
 )
 from aerie.runs import RunError, load_run, shard_names
 from aerie.settings import Settings
-from aerie.shard import read_safetensors
+from aerie.shard import dequantize_tensors, read_safetensors, scale_name
 from aerie.store import ObjectStore
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import model_info, server_info, topk_rows
@@ -246,17 +246,23 @@ def draw_sample(store: ObjectStore, run: str, samples: int, seed: int) -> list[t
 
 
 class ShardRows:
-    """Rows of one stored shard's tensors, fetched by byte range."""
+    """Rows of one stored shard's tensors, fetched by byte range (fp8 states dequantized)."""
 
     def __init__(self, store: ObjectStore, key: str):
         self.store, self.key = store, key
         (n,) = struct.unpack("<Q", store.get_range(key, 0, 8))
         self.header = json.loads(store.get_range(key, 8, n))
-        self.header.pop("__metadata__", None)
+        self.metadata = self.header.pop("__metadata__", None) or {}
         self.base = 8 + n
         self.offsets = self.rows("offsets", 0, self.header["offsets"]["shape"][0])
 
     def rows(self, name: str, a: int, b: int) -> np.ndarray:
+        if scale_name(name) in self.header:  # fp8 states: as the run's dtype, like every reader gets them
+            both = {name: self._stored_rows(name, a, b), scale_name(name): self._stored_rows(scale_name(name), a, b)}
+            return dequantize_tensors(both, self.metadata)[name]
+        return self._stored_rows(name, a, b)
+
+    def _stored_rows(self, name: str, a: int, b: int) -> np.ndarray:
         spec = self.header[name]
         shape = spec["shape"]
         row_bytes = (spec["data_offsets"][1] - spec["data_offsets"][0]) // max(shape[0], 1)

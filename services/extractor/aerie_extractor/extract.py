@@ -10,6 +10,8 @@
   it; a Celery task extracts one shard with `run_extract`).
 - An engine with `capture_into` (the `hf` engine, signal "final") writes straight into the
   shard's arrays, and may report them checked finite on the device (no host pass over them).
+- A run with `storage_dtype` (fp8) is quantized by the writer (aerie.shard.Shard.quantize) after
+  the finite check: the store holds e4m3 states with float32 scales, about half of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -219,6 +221,8 @@ def _store_hidden(
     stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
+        if spec.storage_dtype is not None:  # fp8: numpy only, in this writer thread (no torch on the SGLang path)
+            hidden = hidden.quantize(spec.storage_dtype, spec.scale_block).validate()
     except ShardError as e:
         raise EngineMismatch(f"shard {name}: the engine's output is not a valid hidden shard: {e}") from e
     parts = hidden.parts()

@@ -462,6 +462,9 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
             "start SGLang with AERIE_SGLANG_BINARY=1 and a sink this extractor reads (AERIE_ENGINE_SINK=s3 when they run "
             "in other pods), or ingest with target_signal 'topk'"
         )
+    if request.scale_block and target.hidden_size % request.scale_block:
+        raise IngestError(f"run {request.run!r}: scale_block {request.scale_block} does not divide the target's hidden size "
+                          f"{target.hidden_size}: pick a divisor, or leave it unset (one scale per row)")
     return RunSpec(
         run=request.run,
         dataset=request.dataset,
@@ -469,6 +472,8 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
         engine=engine,
         capture_points=points,
         dtype=request.dtype,
+        storage_dtype=request.storage_dtype,
+        scale_block=request.scale_block,
         target_signal=request.target_signal,
         topk=request.topk if request.target_signal == "topk" else None,
         ingest=request.options,

@@ -9,6 +9,9 @@
   (epoch, batch index) and a resumed run sees exactly the batches an uninterrupted one would.
 - A background thread downloads shards (memory-maps them where the store has a local path) and
   builds batches; `wait_s` counts the time the training loop spent waiting for it.
+- fp8 shards (a run's `storage_dtype`) travel as stored, e4m3 bytes plus float32 scales, up to
+  `Batch.to`, which dequantizes where the batch lands (the GPU: half the host-to-device bytes and
+  no host pass over the states) into the shard's states dtype, the bits `aerie.shard` computes.
 
 Slot layout of a sequence x[0..T-1] (aux/final row t = target state after token t), for draft
 step k at slot t: token x[t+1+k], target signal row t+1+k (the distribution over x[t+2+k]),
@@ -34,7 +37,7 @@ import torch
 from aerie import layout
 from aerie.contracts import RunSpec, ShardRecord
 from aerie.runs import shard_names
-from aerie.shard import Shard, read_safetensors
+from aerie.shard import Shard, dequantize_tensors, read_safetensors, scale_name
 from aerie.store import NotFound, ObjectStore
 
 SHUFFLE_WINDOW = 4  # shards whose sequences are shuffled together
@@ -84,6 +87,7 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
             ("capture points", first.capture_points, spec.capture_points),
             ("hidden size", first.target.hidden_size, spec.target.hidden_size),
             ("target signal", (first.target_signal, first.topk), (spec.target_signal, spec.topk)),
+            ("storage (dtype, scale block)", (first.storage_dtype, first.scale_block), (spec.storage_dtype, spec.scale_block)),
         ):
             if a != b:
                 raise DataError(
@@ -108,10 +112,12 @@ def read_tensors(store: ObjectStore, key: str, names: list[str]) -> dict[str, np
     """Only the named tensors of a shard, by byte ranges (no need to fetch aux)."""
     local = store.local_path(key)
     if local is not None:
-        shard, _ = read_safetensors(np.memmap(local, mode="r", dtype=np.uint8))
-        return {n: np.array(shard[n]) for n in names}
+        shard, meta = read_safetensors(np.memmap(local, mode="r", dtype=np.uint8))
+        names = [*names, *(scale_name(n) for n in names if scale_name(n) in shard)]  # fp8 states: their scales too
+        return dequantize_tensors({n: np.array(shard[n]) for n in names}, meta)
     (n,) = struct.unpack("<Q", store.get_range(key, 0, 8))
     header = json.loads(store.get_range(key, 8, n))
+    names = [*names, *(scale_name(n) for n in names if scale_name(n) in header)]
     out = {}
     for name in names:
         spec = header[name]
@@ -119,7 +125,7 @@ def read_tensors(store: ObjectStore, key: str, names: list[str]) -> dict[str, np
         raw = store.get_range(key, 8 + n + a, b - a)
         tensors, _ = read_safetensors(_one_tensor_file(name, spec, raw))
         out[name] = tensors[name].copy()
-    return out
+    return dequantize_tensors(out, header.get("__metadata__") or {})
 
 
 def _one_tensor_file(name: str, spec: dict, raw: bytes) -> bytes:
@@ -167,21 +173,45 @@ class Batch:
     topk_ids: torch.Tensor | None = None  # (B, L+S, k) int64
     topk_logprobs: torch.Tensor | None = None  # (B, L+S, k) float32
     tokens: int = 0  # real slots
+    aux_scale: torch.Tensor | None = None  # fp8 shards: (B, L, K, G) float32 (aux is float8_e4m3fn)
+    final_scale: torch.Tensor | None = None  # fp8 shards: (B, L+S, G) float32
+    states_dtype: torch.dtype | None = None  # fp8 shards: what aux/final dequantize into
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
+        """The batch on `device`; fp8 states dequantized there (aux, final in states_dtype)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.aux), move(self.loss_mask), move(self.final),
-                     move(self.topk_ids), move(self.topk_logprobs), self.tokens)
+        moved = Batch(move(self.input_ids), move(self.aux), move(self.loss_mask), move(self.final),
+                      move(self.topk_ids), move(self.topk_logprobs), self.tokens)
+        if self.aux_scale is not None:
+            moved.aux = dequantize(moved.aux, move(self.aux_scale), self.states_dtype)
+            if self.final is not None:
+                moved.final = dequantize(moved.final, move(self.final_scale), self.states_dtype)
+        return moved
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q (..., H) float8_e4m3fn or its flattened (..., K*H), scale (..., [K,] G)) -> q * scale in
+    `dtype`: float32 math, one rounding (aerie.shard.dequantize_e4m3's bits)."""
+    G = scale.shape[-1]
+    v = q.to(torch.float32).view(*scale.shape, -1) * scale[..., None]  # (..., [K,] G, H // G)
+    return v.to(dtype).view(q.shape)
+
+
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:
     if a.dtype == np.dtype("bfloat16"):
         return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
+    if a.dtype == np.dtype("float8_e4m3fn"):
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int) -> Batch:
-    """Sequences (Shard.sequence dicts, T >= 3) -> one right-padded batch."""
+def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int, states_dtype: str | None = None) -> Batch:
+    """Sequences (Shard.sequence dicts, T >= 3) -> one right-padded batch. Sequences of an fp8
+    shard as stored (`sequence(s, dequantize=False)`: with aux_scale/final_scale) make a batch of
+    fp8 states that `Batch.to` dequantizes into `states_dtype` (BF16/F16/F32)."""
     B = len(sequences)
     L = max(len(s["input_ids"]) for s in sequences) - 1
     W = L + ttt_steps
@@ -194,6 +224,11 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int) -> Batch:
     if "topk_ids" in first:
         k = first["topk_ids"].shape[1]
         topk_ids, topk_lp = np.zeros((B, W, k), dtype=np.int64), np.full((B, W, k), -np.inf, dtype=np.float32)
+    quantized = "aux_scale" in first
+    if quantized:  # scale 0 on padding: it dequantizes to zeros, as the other dtypes pad
+        G = first["aux_scale"].shape[-1]
+        aux_scale = np.zeros((B, L, K, G), dtype=np.float32)
+        final_scale = np.zeros((B, W, G), dtype=np.float32) if final is not None else None
     tokens = 0
     for b, s in enumerate(sequences):
         T = len(s["input_ids"])
@@ -201,8 +236,12 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int) -> Batch:
         input_ids[b, : T - 1] = s["input_ids"][1:]
         loss_mask[b, : T - 2] = s["loss_mask"][2:].astype(bool)
         aux[b, : T - 1] = s["aux"][: T - 1].reshape(T - 1, K * Ht)
+        if quantized:
+            aux_scale[b, : T - 1] = s["aux_scale"][: T - 1]
         if final is not None:
             final[b, : T - 1] = s["final"][1:]
+            if quantized:
+                final_scale[b, : T - 1] = s["final_scale"][1:]
         else:
             topk_ids[b, : T - 1] = s["topk_ids"][1:]
             topk_lp[b, : T - 1] = s["topk_logprobs"][1:]
@@ -211,6 +250,12 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int) -> Batch:
         batch.final = _torch(final)
     else:
         batch.topk_ids, batch.topk_logprobs = torch.from_numpy(topk_ids), torch.from_numpy(topk_lp)
+    if quantized:
+        if states_dtype not in _TORCH_DTYPES:
+            raise DataError(f"fp8 sequences need the dtype they dequantize into (BF16, F16 or F32), got {states_dtype!r}")
+        batch.aux_scale, batch.states_dtype = torch.from_numpy(aux_scale), _TORCH_DTYPES[states_dtype]
+        if final is not None:
+            batch.final_scale = torch.from_numpy(final_scale)
     return batch
 
 
@@ -282,9 +327,10 @@ class HiddenData:
     def load(self, cache: ShardCache, batch: list[Item]) -> Batch:
         seqs = []
         for shard_idx, seq_idx in batch:
-            seq = cache.get(self.shards[shard_idx].key).sequence(seq_idx)
+            shard = cache.get(self.shards[shard_idx].key)
+            seq = shard.sequence(seq_idx, dequantize=False)  # fp8 stays fp8 until Batch.to (load_runs: one storage)
             seqs.append({k: v[: self.max_seq_tokens] for k, v in seq.items()})
-        return collate(seqs, self.ttt_steps)
+        return collate(seqs, self.ttt_steps, shard.states_dtype)
 
     # --- iteration ----------------------------------------------------------------------
     def batches(self, epoch: int = 0, index: int = 0) -> "Prefetcher":

@@ -707,7 +707,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--plan", default="full", choices=sorted(PLANS))
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke test: --plan tiny")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="where the JSON goes (required unless --summarize)")
+    ap.add_argument("--summarize", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="GPU: check the kernels against the torch paths first")
@@ -717,6 +718,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="run the plan this many times (profiles in the first)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds from start; later items are skipped")
     args = ap.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(table(json.load(f)))
+        return
+    if not args.out:
+        ap.error("--out is required")
     device = torch.device(args.device)
     if args.tiny:
         args.plan, args.warmup, args.iters = "tiny", 1, 3
@@ -778,6 +785,42 @@ def main():
     log("total", round(time.perf_counter() - start, 1), "s")
 
 
+def gemm_flops_per_token(shape: dict) -> float:
+    """Matrix-multiply FLOPs per token of one aerie step (what the profile files under GEMM).
+
+    Per TTT step the drafter's matmuls see each token once: q/k/v read [embedding; hidden] (2H),
+    o, the MLP and the draft lm_head; forward 2 FLOPs per weight, backward 4 (input and weight
+    gradients). The fc over the K capture points runs once (its input needs no gradient: 2 + 2),
+    the target's head once, forward only. Attention (flash, chain merge) is not counted here.
+    """
+    H, nh, nkv, hd, I, V, Vd, K = (shape[k] for k in ("H", "nh", "nkv", "hd", "I", "V", "Vd", "K"))
+    per_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd
+    return 6 * per_step * TTT_STEPS + 4 * K * H * H + 2 * H * V
+
+
+def floor_rows(out: dict) -> list[str]:
+    """For each profiled aerie item: GEMM time, its TFLOP/s, and the ratio to SpecForge's step
+    that aerie would reach if every other kernel took no time (the matmul floor)."""
+    sf = {}
+    for r in out["results"]:
+        if r.get("trainer") == "specforge" and r.get("step_ms_mean"):
+            sf.setdefault((r["shape"], r["B"]), []).append(r["step_ms_mean"])
+    lines = []
+    for r in out["results"]:
+        prof = r.get("profile")
+        if r.get("trainer") != "aerie" or not isinstance(prof, dict):
+            continue
+        gemm = prof["categories_ms"].get("GEMM", 0.0)
+        other = prof["gpu_kernel_ms"] - gemm
+        tflops = gemm_flops_per_token(SHAPES[r["shape"]]) * r["tokens_per_step"] / (gemm / 1e3) / 1e12
+        sf_ms = sorted(sf.get((r["shape"], r["B"]), [float("nan")]))
+        sf_mid = sf_ms[len(sf_ms) // 2]
+        lines.append(f"{r['shape']:<18} {r['B']:<2} GEMM {gemm:7.1f} ms at {tflops:5.0f} TFLOP/s, other kernels "
+                     f"{other:6.1f} ms; SpecForge step {sf_mid:6.1f} ms -> ratio at most {sf_mid / gemm:.2f} "
+                     f"with nothing but the matmuls; 1.5x needs the others <= {sf_mid / 1.5 - gemm:.1f} ms")
+    return lines
+
+
 def table(out: dict) -> str:
     lines = ["shape              B  aerie tok/s  SpecForge tok/s  ratio  aerie GiB  SpecForge GiB  aerie warmup s"]
     by = {}
@@ -790,6 +833,9 @@ def table(out: dict) -> str:
         lines.append(f"{shape:<18} {B:<2} {at or a.get('error', '-')!s:<12} {st or s.get('error', '-')!s:<16} "
                      f"{ratio:<6} {a.get('peak_mem_own_GiB', '-')!s:<10} {s.get('peak_mem_own_GiB', '-')!s:<14} "
                      f"{a.get('warmup_s', '-')}")
+    floor = floor_rows(out)
+    if floor:
+        lines += ["", "matmul floor (profiled items; the profile's kernel times):", *floor]
     return "\n".join(lines)
 
 

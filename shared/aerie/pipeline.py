@@ -282,12 +282,14 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
               help="seconds to wait for the workers (with --broker redis://)")
 @click.option("--out", default=None, help="folder to pull the published drafter into (default ./drafters/<name>)")
 @click.option("--device", default=None, help="cpu or cuda")
+@click.option("--storage-dtype", type=click.Choice(["float8_e4m3fn"]), default=None,
+              help="store the hidden states as fp8 (e4m3, a float32 scale per row): about half the bytes (default: as computed)")
 @click.option("--server", default=None, help="serving SGLang in capture mode: check the run's alignment with it before "
               "training (aerie align); a failed check stops the run")
 @click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
 @train_options(skip=("steps", "draft_vocab"))
 def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
-        store_url, broker, timeout_s, out, device, server, allow_misaligned, **training):
+        store_url, broker, timeout_s, out, device, storage_dtype, server, allow_misaligned, **training):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
     size = SIZES["quick" if quick else "default"]
@@ -317,7 +319,7 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
     train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir), config=config)
     ingest_request = IngestRequest(
         run=run_name, dataset=dataset_path, model=str(model_dir), capture_points=points, engine="hf",
-        dtype="bfloat16" if settings.device.startswith("cuda") else "float32",
+        dtype="bfloat16" if settings.device.startswith("cuda") else "float32", storage_dtype=storage_dtype,
         options=IngestOptions(max_tokens=max_tokens or size.max_tokens, shard_tokens=size.shard_tokens,
                               max_records=n_records, overlong="truncate"),
         fan_out=False,

@@ -46,7 +46,7 @@ def test_cli_surface():
     training = ["--batch-tokens", "--draft-vocab", "--drafter-shape", "--epochs", "--lr", "--preset", "--seq-len", "--steps",
                 "--train-config", "--ttt-steps"]  # aerie.presets.train_options
     assert flags == sorted([
-        "--capture-points", "--dataset", "--debug", "--dtype", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
+        "--capture-points", "--dataset", "--debug", "--dtype", "--storage-dtype", "--scale-block", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
         "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
         "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned", *training,
     ]), flags

@@ -181,3 +181,24 @@ def test_partial_readers_dequantize_what_they_fetch():
     np.testing.assert_array_equal(got["final"], dequantize_e4m3(fp8.final, fp8.final_scale, "BF16"))
     with pytest.raises(ShardError, match="its scales 'final_scale' were not read"):
         dequantize_tensors({"final": fp8.final}, meta)
+
+
+def test_quantizing_needs_no_torch():
+    """The extractor's SGLang path has no torch: fp8 shards are made and read with numpy alone."""
+    import subprocess
+    import sys
+
+    from tests.services import clean_env
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any import of torch now fails
+        "import numpy as np, ml_dtypes\n"
+        "from aerie.shard import Shard, pack\n"
+        "s = pack([{'input_ids': np.arange(5, dtype=np.int32), 'loss_mask': np.ones(5, np.uint8),\n"
+        "           'aux': np.ones((5, 2, 8), ml_dtypes.bfloat16), 'final': np.ones((5, 8), ml_dtypes.bfloat16)}], [1, 2])\n"
+        "back = Shard.from_buffer(s.quantize().to_bytes()).validate()\n"
+        "print(back.sequence(0)['aux'].astype(np.float32).sum(), 'torch' in sys.modules and sys.modules['torch'] is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["80.0", "False"]

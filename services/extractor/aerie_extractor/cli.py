@@ -54,6 +54,9 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--capture-points", default=None, help="comma-separated capture points (default 2,N//2,N-3)")
 @click.option("--engine", type=click.Choice(["hf", "sglang"]), default=None, help="default: AERIE_ENGINE")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
+@click.option("--storage-dtype", type=click.Choice(["float8_e4m3fn"]), default=None,
+              help="store the states as fp8 (e4m3 + a float32 scale per row): about half of bf16's bytes (default: in --dtype)")
+@click.option("--scale-block", type=int, default=None, help="with --storage-dtype: values per scale (default: the whole row)")
 @click.option("--target-signal", type=click.Choice(["final", "topk"]), default="final")
 @click.option("--topk", type=int, default=20)
 @click.option("--loss-on", type=click.Choice(["all", "last"]), default="all", help="assistant turns trained on")
@@ -73,7 +76,7 @@ def _points(value: str | None) -> list[int] | None:
 @train_options()
 @one_line_failures
 @click.pass_context
-def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target_signal, topk, loss_on,
+def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storage_dtype, scale_block, target_signal, topk, loss_on,
             max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, align_server,
             allow_misaligned, **training):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
@@ -99,7 +102,7 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, target
     try:
         request = IngestRequest(
             run=run_name, dataset=dataset, model=model, capture_points=_points(capture_points), engine=engine,
-            dtype=dtype, target_signal=target_signal, topk=topk, fan_out=fan_out,
+            dtype=dtype, storage_dtype=storage_dtype, scale_block=scale_block, target_signal=target_signal, topk=topk, fan_out=fan_out,
             options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong, shard_tokens=shard_tokens,
                                   max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {})),
             train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,

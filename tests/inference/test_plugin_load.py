@@ -2,8 +2,9 @@
 SGLang process (`.venv-sglang`, where `aerie-sglang` is pip-installed: its entry point is real).
 
 - installed is not enabled: without `AERIE_SGLANG_BINARY=1` it hooks nothing;
-- on sglang 0.5.23 every hook applies; on another version the plugin refuses, with a message
-  that says what to do, and hooks nothing (the server then runs stock and advertises nothing);
+- on sglang 0.5.23 every hook of its table (`compat.RELEASES`) applies; on a release without a
+  table the plugin refuses, with a message that says what to do, and hooks nothing (the server
+  then runs stock and advertises nothing); 0.5.17's table: tests/inference/test_plugin_compat.py;
 - a broken sink configuration refuses to load, naming the variable;
 - the back-pressure bound and the reservations of admitted requests;
 - the shm sink is private to the server's user and sweeps only its own names; the s3 sink counts
@@ -44,7 +45,9 @@ def test_the_plugin_hooks_every_target_on_its_sglang_version_once_enabled():
     out = _run("""
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from aerie_sglang.plugin import HOOKS, register
+        from aerie_sglang.plugin import register
+        from aerie_sglang.plugin.compat import RELEASES
+        HOOKS = [h.target for h in RELEASES["0.5.23"].hooks]
         os.environ.pop("AERIE_SGLANG_BINARY")
         register()                                    # installed, not enabled: hooks nothing
         print("OFF", [t for t in HOOKS if t in HookRegistry._hooks])
@@ -65,13 +68,13 @@ def test_the_plugin_refuses_another_sglang_version_and_hooks_nothing():
         importlib.metadata.version = lambda name: "0.5.22" if name == "sglang" else real(name)
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from aerie_sglang.plugin import HOOKS
+        from aerie_sglang.plugin.compat import RELEASES
+        HOOKS = {h.target for r in RELEASES.values() for h in r.hooks}
         load_plugins()
         print("HOOKED", [t for t in HOOKS if t in HookRegistry._hooks])
     """)
     assert "HOOKED []" in out
-    assert "aerie_capture plugin refused to load: it hooks sglang==0.5.23 internals and this is sglang==0.5.22" in out
-    assert "Install sglang==0.5.23" in out
+    assert "aerie_capture plugin refused to load: sglang==0.5.22 is not supported (supported: sglang==0.5.23, sglang==0.5.17)" in out
 
 
 def test_an_s3_sink_without_credentials_refuses_to_load_naming_the_variables():
@@ -79,7 +82,8 @@ def test_an_s3_sink_without_credentials_refuses_to_load_naming_the_variables():
         """
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from aerie_sglang.plugin import HOOKS
+        from aerie_sglang.plugin.compat import RELEASES
+        HOOKS = {h.target for r in RELEASES.values() for h in r.hooks}
         load_plugins()
         print("HOOKED", [t for t in HOOKS if t in HookRegistry._hooks])
         """,

@@ -18,8 +18,9 @@ Stock SGLang returns `return_hidden_states` as `.tolist()` floats (~15 KB per to
   bytes); the client checks both, then deletes the object.
 - Opt in per request: `sampling_params.custom_params.aerie_capture = "shm" | "s3"`, with
   `return_hidden_states: true` and `max_new_tokens: 1`. Other requests are stock SGLang's.
-- The plugin hooks SGLang internals, so it pins the version it was checked against and refuses
-  to load on any other; `/server_info` then has no `aerie_capture` key and clients use JSON.
+- The plugin hooks SGLang internals: `compat.py` lists every hook point per supported release
+  (0.5.23, 0.5.17) and the plugin refuses to load on any other; `/server_info` then has no
+  `aerie_capture` key and clients use JSON.
 - Installed is not enabled: it hooks SGLang only where `AERIE_SGLANG_BINARY=1` (the compose
   `capture` profile, the k8s capture Deployment). Elsewhere (serve mode) SGLang runs unhooked.
 
@@ -36,28 +37,9 @@ import logging
 import os
 import pkgutil
 
-SGLANG_VERSION = "0.5.23"
-
-# target -> (hook type, hook function name in .hooks, parameters the hook relies on)
-HOOKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue": (
-        "BEFORE", "before_add_request_to_queue", ("self", "req", "is_retracted")),
-    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor._append_prefill_hidden_states": (
-        "AROUND", "around_append_prefill_hidden_states",
-        ("self", "req", "logits_output", "hidden_state_offset", "capture_hidden_mode", "extend_input_len", "store")),
-    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key": (
-        "AROUND", "around_is_request_level_customized_info_key", ("self", "key")),
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info": (
-        "AROUND", "around_update_request_meta_info",
-        ("self", "meta_info", "state", "customized_info", "index", "finish_reason")),
-    "sglang.srt.utils.common.build_server_info": (
-        "AFTER", "after_build_server_info", ("server_args", "scheduler_info")),
-}
-
-
 ENABLE_VAR = "AERIE_SGLANG_BINARY"
 # Every variable the plugin reads (sink.py's table); the deploy checks accept these AERIE_* names.
-ENV_VARS = (ENABLE_VAR, "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", "AERIE_CAPTURE_TTL_S", "AERIE_CAPTURE_WRITERS",
+ENV_VARS = (ENABLE_VAR, "AERIE_CAPTURE_LAYER_IDS", "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", "AERIE_CAPTURE_TTL_S", "AERIE_CAPTURE_WRITERS",
             "AERIE_CAPTURE_S3_PREFIX", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY", "AERIE_S3_REGION")
 
 
@@ -75,16 +57,11 @@ def enabled(env: dict[str, str] | None = None) -> bool:
     raise PluginRefused(f"aerie_capture plugin refused to load: {ENABLE_VAR}={raw!r} is not one of 1, 0 (true/false, yes/no)")
 
 
-def check_sglang(version: str | None = None) -> str:
-    """The installed SGLang version, or PluginRefused when it is not the pinned one."""
-    version = version or importlib.metadata.version("sglang")
-    if version != SGLANG_VERSION:
-        raise PluginRefused(
-            f"aerie_capture plugin refused to load: it hooks sglang=={SGLANG_VERSION} internals and this "
-            f"is sglang=={version}. Install sglang=={SGLANG_VERSION} (scripts/sglang_env.sh, the "
-            "inference image), or uninstall aerie-sglang to run stock SGLang; clients fall back to JSON."
-        )
-    return version
+def check_sglang(version: str | None = None):
+    """The hook table (`compat.Release`) of the installed SGLang, or PluginRefused for another release."""
+    from aerie_sglang.plugin.compat import release
+
+    return release(version or importlib.metadata.version("sglang"))
 
 
 def _check_target(target: str, params: tuple[str, ...]) -> None:
@@ -111,13 +88,15 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from aerie_sglang.plugin import hooks
+    from aerie_sglang.plugin.compat import configured_layer_ids
     from aerie_sglang.plugin.sink import CaptureSinkSettings
 
-    version = check_sglang()
-    for target, (_, _, params) in HOOKS.items():
-        _check_target(target, params)
+    rel = check_sglang()
+    layer_ids = configured_layer_ids(rel)
+    for hook in rel.hooks:
+        _check_target(hook.target, hook.params)
     config = CaptureSinkSettings.from_env()
     config.prepare()  # the shm directory: private to this user, or the plugin refuses to load
-    hooks.configure(config, version, importlib.metadata.version("aerie-sglang"))
-    for target, (kind, fn_name, _) in HOOKS.items():
-        HookRegistry.register(target, getattr(hooks, fn_name), HookType[kind])
+    hooks.configure(config, rel, importlib.metadata.version("aerie-sglang"), layer_ids)
+    for hook in rel.hooks:
+        HookRegistry.register(hook.target, getattr(hooks, hook.hook), HookType[hook.kind])

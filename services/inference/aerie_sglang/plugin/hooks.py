@@ -1,4 +1,7 @@
-"""The five places the plugin hooks SGLang 0.5.23 (through `HookRegistry`), and why each.
+"""The places the plugin hooks SGLang (through `HookRegistry`), and why each.
+
+Which targets a release needs, and every SGLang name the hooks read, is `compat.py`'s table; the
+hooks below branch on nothing else. On 0.5.23 (the images'):
 
 | target                                                         | type   | process   | does                                   |
 |----------------------------------------------------------------|--------|-----------|----------------------------------------|
@@ -7,6 +10,16 @@
 | `SchedulerOutputStreamer.is_request_level_customized_info_key` | AROUND | scheduler | sends the descriptor once per request  |
 | `TokenizerManager.update_request_meta_info`                    | AROUND | http      | puts the descriptor in `meta_info`, and nothing in other requests' |
 | `sglang.srt.utils.common.build_server_info`                    | AFTER  | http      | advertises the plugin in `/server_info` |
+
+On 0.5.17 (the H200's) the first two, and instead of the last three:
+
+| target                                                         | type   | process   | does                                   |
+|----------------------------------------------------------------|--------|-----------|----------------------------------------|
+| `spec_aux_hidden_state.resolve_spec_aux_hidden_state_config`   | AFTER  | scheduler | switches EAGLE-3 aux capture on for `AERIE_CAPTURE_LAYER_IDS` (no capture flags in 0.5.17) |
+| `LogitsProcessor.forward`, `PrefillCudaGraphRunner._trim_logits_output` | AROUND | scheduler | keep the final (post-norm) rows, which 0.5.17 drops |
+| `TokenizerManager._handle_batch_output`                        | AROUND | http      | takes the descriptors out of the batch's `customized_info` (other requests see none) |
+| `RequestLogger.log_finished_request`                           | BEFORE | http      | puts the descriptor into its own request's `meta_info` |
+| `TokenizerManager.resolved_config_dict`                        | AFTER  | http      | advertises the plugin and the capture layer ids in `/server_info` |
 
 A request opts in with `sampling_params.custom_params.aerie_capture = "shm" | "s3"` (SGLang
 carries `custom_params` to the scheduler untouched and only custom logit processors read it)
@@ -17,24 +30,27 @@ unchanged for any other request, so their responses are stock SGLang's.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import torch
 
+from aerie_sglang.plugin import compat
+from aerie_sglang.plugin.compat import FIELD, LAYER_IDS_VAR
 from aerie_sglang.plugin.sink import (
     FORMAT_VERSION, SUFFIX, Capture, CaptureConfigError, CaptureSinkSettings, Sinks, SinkFull, planned_size,
 )
 
 logger = logging.getLogger("aerie_sglang.capture")
 
-FIELD = "aerie_capture"  # the custom_params key, the meta_info key and the /server_info key
 _ATTR = "_aerie_capture"  # per-request state on SGLang's Req
 
 # Set by `install` in every SGLang process that loads the plugin.
 _config: CaptureSinkSettings | None = None
 _sinks: Sinks | None = None
+_rel: compat.Release | None = None
 _sglang_version = ""
 _plugin_version = ""
 
@@ -48,10 +64,11 @@ class _RequestCapture:
     final_parts: list[torch.Tensor] = field(default_factory=list)
 
 
-def configure(config: CaptureSinkSettings, sglang_version: str, plugin_version: str) -> None:
-    global _config, _sinks, _sglang_version, _plugin_version
-    _config, _sinks = config, Sinks(config)
-    _sglang_version, _plugin_version = sglang_version, plugin_version
+def configure(config: CaptureSinkSettings, rel: compat.Release, plugin_version: str, layer_ids: list[int] | None = None) -> None:
+    global _config, _sinks, _rel, _sglang_version, _plugin_version
+    _config, _sinks, _rel = config, Sinks(config), rel
+    _sglang_version, _plugin_version = rel.version, plugin_version
+    compat.install(rel, layer_ids)
 
 
 def advertised() -> dict:
@@ -80,10 +97,8 @@ def requested_sink(req) -> str | None:
 
 # --- scheduler: admission ---------------------------------------------------------------------
 def _layer_ids() -> list[int] | None:
-    from sglang.srt.runtime_context import get_exec
-
-    ids = get_exec().features.return_aux_hidden_state_layer_ids
-    return None if ids is None else [int(i) for i in ids]
+    assert _rel is not None
+    return compat.layer_ids(_rel)
 
 
 def _refusal(scheduler, req, sink: str) -> tuple[str, int] | None:
@@ -99,8 +114,8 @@ def _refusal(scheduler, req, sink: str) -> tuple[str, int] | None:
         return (f"aerie_capture captures the prompt only: set sampling_params.max_new_tokens to 1 "
                 f"(got {req.sampling_params.max_new_tokens})", HTTPStatus.BAD_REQUEST)
     if _layer_ids() is None:
-        return ("aerie_capture needs a capture server: start SGLang with --enable-return-aux-hidden-states "
-                "--return-aux-hidden-state-layer-ids ...", HTTPStatus.BAD_REQUEST)
+        assert _rel is not None
+        return (f"aerie_capture needs a capture server: {compat.capture_server_hint(_rel)}", HTTPStatus.BAD_REQUEST)
     if not getattr(scheduler.server_args, "disable_radix_cache", False):
         return ("aerie_capture needs --disable-radix-cache: with the prefix cache on, SGLang computes "
                 "hidden states only for a prompt's uncached tokens", HTTPStatus.BAD_REQUEST)
@@ -141,7 +156,7 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
         return None
     refusal = _refusal(scheduler, req, sink)
     if refusal is not None:
-        req.set_finish_with_abort(refusal[0], status_code=refusal[1])
+        compat.abort(_rel, req, refusal[0], refusal[1])
         return None
     from sglang.srt.runtime_context import get_parallel
 
@@ -152,12 +167,12 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
         try:
             _sinks.start()
         except CaptureConfigError as e:  # the directory changed since the plugin loaded: no capture into it
-            req.set_finish_with_abort(f"aerie capture refused: {e}", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+            compat.abort(_rel, req, f"aerie capture refused: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
             return None
         try:
             reservation = _sinks.admit(req, _planned_bytes(scheduler, len(req.origin_input_ids)))
         except SinkFull as e:
-            req.set_finish_with_abort(str(e), status_code=HTTPStatus.SERVICE_UNAVAILABLE, err_type="AerieCaptureSinkFull")
+            compat.abort(_rel, req, str(e), HTTPStatus.SERVICE_UNAVAILABLE, "AerieCaptureSinkFull")
             return None
     setattr(req, _ATTR, _RequestCapture(sink=sink, reservation=reservation, writer=writer))
     return None
@@ -174,13 +189,14 @@ def around_append_prefill_hidden_states(original, processor, *, req, logits_outp
         return hidden_state_offset + 1
     start, end = hidden_state_offset, hidden_state_offset + extend_input_len
     if state.writer and not req.finished() and not req.is_retracted:
-        if logits_output.last_hidden_states is None:
-            _answer(req, {"error": "this SGLang build did not keep the final hidden state "
-                                   "(LogitsProcessorOutput.last_hidden_states): capture unsupported"})
+        final = compat.final_state(_rel, logits_output)
+        if final is None:
+            _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
+                                   "state of this forward: capture unsupported"})
             return end
         # A clone per chunk: graph runners may reuse their output buffers in the next forward.
         state.aux_parts.append(logits_output.hidden_states[start:end].clone())
-        state.final_parts.append(logits_output.last_hidden_states[start:end].clone())
+        state.final_parts.append(final[start:end].clone())
         if store:  # the chunk that completes the prompt
             _finish(req, state)
     return end
@@ -261,4 +277,97 @@ def around_update_request_meta_info(original, manager, meta_info, state, customi
 
 def after_build_server_info(result, *args, **kwargs):
     result[FIELD] = advertised()
+    return result
+
+
+# --- releases without capture flags or a kept final state (0.5.17) -----------------------------
+def after_resolve_spec_aux_hidden_state_config(config, *args, model_config=None, spec_algorithm=None,
+                                               is_draft_worker=False, **kwargs):
+    """SGLang's own EAGLE-3 aux capture, on the target and without a draft, for the configured ids
+    (what 0.5.23's --enable-return-aux-hidden-states does in `_resolve_capture_only_aux_hidden_state`)."""
+    ids = _layer_ids()
+    if ids is None or is_draft_worker or spec_algorithm is None or not spec_algorithm.is_none():
+        return config
+    layers = int(getattr(model_config.hf_text_config, "num_hidden_layers", 0) or 0)
+    beyond = [i for i in ids if i >= layers]
+    if beyond:
+        raise ValueError(f"{LAYER_IDS_VAR}: layer ids {beyond} are out of range for a target with {layers} layers")
+    config.eagle_use_aux_hidden_state = True
+    config.eagle_aux_hidden_state_layer_ids = list(ids)
+    return config
+
+
+_FINAL = "_aerie_final"  # compat.final_state reads it
+
+
+def around_logits_processor_forward(original, processor, *args, **kwargs):
+    """Keeps the logits processor's input (the post-final-norm rows of every prompt token) on its
+    output when aux states are captured for the whole prompt."""
+    out = original(processor, *args, **kwargs)
+    if out is None or _layer_ids() is None:
+        return out
+    # (input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states): compat checks the order.
+    hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+    metadata = kwargs.get("logits_metadata", args[3] if len(args) > 3 else None)
+    aux = kwargs.get("aux_hidden_states", args[4] if len(args) > 4 else None)
+    mode = getattr(metadata, "capture_hidden_mode", None)
+    if hidden is not None and aux is not None and mode is not None and mode.is_full():
+        setattr(out, _FINAL, hidden)
+    return out
+
+
+def around_trim_logits_output(original, runner, output, *args, **kwargs):
+    """The prefill CUDA-graph runner rebuilds the output trimmed to the real tokens: keep ours, trimmed alike."""
+    trimmed = original(runner, output, *args, **kwargs)
+    final = getattr(output, _FINAL, None)
+    if final is not None and trimmed is not None:
+        rows = trimmed.hidden_states.shape[0] if trimmed.hidden_states is not None else final.shape[0]
+        setattr(trimmed, _FINAL, final[:rows])
+    return trimmed
+
+
+# rid -> (time, descriptor): taken out of a batch's output, waiting for its request's response.
+_pending: dict[str, tuple[float, dict]] = {}
+
+
+async def around_handle_batch_output(original, manager, recv_obj):
+    """0.5.17 gives every request of an output batch every customized_info key (a list per token):
+    the descriptors leave the batch here, and each goes to its own request in
+    `before_log_finished_request`, so other requests' responses are stock."""
+    wrapped = getattr(recv_obj, "customized_info", None)
+    if wrapped is not None:
+        from sglang.srt.managers.io_struct import unwrap_from_pickle, wrap_as_pickle
+
+        info = unwrap_from_pickle(wrapped)
+        if isinstance(info, dict) and FIELD in info:
+            now = time.monotonic()
+            for rid, values in zip(recv_obj.rids, info.pop(FIELD)):
+                mine = next((v for v in values or () if v is not None), None)
+                if mine is not None:
+                    _pending[rid] = (now, mine)
+            ttl = _config.ttl_s if _config is not None else 900
+            for rid in [r for r, (t, _) in _pending.items() if now - t > ttl]:  # responses never sent
+                del _pending[rid]
+            recv_obj.customized_info = wrap_as_pickle(info) if info else None
+    return await original(manager, recv_obj)
+
+
+def before_log_finished_request(request_logger, obj, out, *args, **kwargs):
+    """Called with every finished request's response just before it is returned."""
+    if not _pending:
+        return None
+    rid = getattr(obj, "rid", None)
+    if isinstance(rid, str) and rid in _pending and isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
+        out["meta_info"][FIELD] = _pending.pop(rid)[1]
+    return None
+
+
+def after_resolved_config_dict(result, *args, **kwargs):
+    """`/server_info` on 0.5.17: the plugin, and the capture mode it switched on (the fields 0.5.23's
+    flags add, which the extractor checks)."""
+    result[FIELD] = advertised()
+    ids = _layer_ids()
+    if ids is not None:
+        result["enable_return_aux_hidden_states"] = True
+        result["return_aux_hidden_state_layer_ids"] = ids
     return result

@@ -11,6 +11,10 @@
     # e.g. Llama-3.1-8B's, for a drafter of realistic size on a GPU:
     python benchmarks/bench_train.py --synthetic 4 --synthetic-target llama3-8b --device cuda
 
+    # the same trainer wrapped as the job's ranks wrap it (DDP, or FSDP2's fully_shard), in a
+    # process group of one (NCCL on a GPU, gloo on the CPU) or under torchrun:
+    python benchmarks/bench_train.py --synthetic 4 --synthetic-target llama3-8b --device cuda --sharding fsdp
+
 Prints one JSON line: tokens/s over the timed steps (after --warmup steps), mean step time,
 data wait fraction (goal < 5%), and the settings it ran with.
 """
@@ -91,6 +95,27 @@ def synthetic_target(shape: str, folder: str) -> str:
     return folder
 
 
+def dist_for(sharding: str, device: str):
+    """The job's Dist; for DDP/FSDP outside torchrun, a process group of one on this device (so
+    the wrapped path, its NCCL or gloo collectives included, runs on a single GPU)."""
+    import os
+
+    import torch
+
+    from aerie_trainer.parallel import Dist, setup_dist
+
+    if sharding == "single" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return setup_dist(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    cuda = device.startswith("cuda")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    dev = torch.device(device if not cuda or ":" in device else "cuda:0")
+    if cuda:
+        torch.cuda.set_device(dev)
+    return Dist(0, 1, dev)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="*", default=[])
@@ -105,6 +130,8 @@ def main() -> None:
     ap.add_argument("--seq-tokens", type=int, default=512)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--sharding", choices=("single", "ddp", "fsdp"), default="single",
+                    help="wrap the drafter as the job's ranks do (a process group of one unless under torchrun)")
     args = ap.parse_args()
 
     from aerie_trainer.trainer import Trainer, setup_dist
@@ -123,7 +150,7 @@ def main() -> None:
                       batch_tokens=args.batch_tokens, max_seq_tokens=args.seq_tokens, checkpoint_every=10**9,
                       eval_prompts=0, holdout_fraction=0.0, warmup_steps=2)
     request = TrainRequest(runs=runs, drafter="bench", model=args.model, config=cfg, train_id=f"bench-{time.time_ns()}", publish=False)
-    trainer = Trainer(store, request, setup_dist(settings.device), trackers=[])
+    trainer = Trainer(store, request, dist_for(args.sharding, settings.device), sharding=args.sharding, trackers=[])
     trainer.save = lambda: None  # a benchmark does not checkpoint
 
     marks = {}
@@ -151,7 +178,7 @@ def main() -> None:
         "data_wait_fraction": round(wait / elapsed, 4),
         "device": str(trainer.dist.device),
         "store": store.url.split("://")[0],
-        "batch_tokens": args.batch_tokens, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
+        "sharding": args.sharding, "batch_tokens": args.batch_tokens, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
         "timed_steps": args.steps, "runs": runs, "final_loss": round(state.losses[-1], 4),
     }))
 

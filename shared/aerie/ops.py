@@ -112,10 +112,10 @@ def smoke(model: str, capture_points: str | None, target_signal: str, timeout: f
 @click.command("retry-failed")
 @click.option("--run", "run_name", required=True, help="the run whose failed shards to extract again")
 def retry_failed(run_name: str) -> None:
-    """Re-enqueue every shard of a run whose extraction gave up (fix the cause first: `progress`
+    """Re-enqueue every shard of a run whose extraction (or regeneration) gave up (fix the cause first: `progress`
     and runs/RUN/failed/ in the store say what it was)."""
-    from aerie.contracts import ExtractRequest
-    from aerie.queue import EXTRACT_TASK
+    from aerie.contracts import ExtractRequest, RegenerateRequest
+    from aerie.queue import EXTRACT_TASK, REGENERATE_TASK
     from aerie.runs import failures, load_run
     from aerie.store import open_store
 
@@ -134,7 +134,10 @@ def retry_failed(run_name: str) -> None:
         record = layout.shard_failure(run_name, failure.shard)
         store.delete(record)  # the run counts it failed no more; put back if the task cannot be sent
         try:
-            app.send_task(EXTRACT_TASK, kwargs=ExtractRequest(run=run_name, shard=failure.shard).model_dump(mode="json"))
+            if store.exists(layout.shard_record(run_name, "tokens", failure.shard)):
+                app.send_task(EXTRACT_TASK, kwargs=ExtractRequest(run=run_name, shard=failure.shard).model_dump(mode="json"))
+            else:  # a regenerated run's shard whose answers failed: the regenerate task extracts it after
+                app.send_task(REGENERATE_TASK, kwargs=RegenerateRequest(run=run_name, shard=failure.shard).model_dump(mode="json"))
         except Exception:
             store.put_json(record, failure)
             raise

@@ -3,8 +3,9 @@
     aerie run            # default size: a real gain in acceptance length, < 15 min on 2 CPU cores
     aerie run --quick    # a first look in under 2 minutes
     aerie run --server http://sglang:30000   # train only if the run is aligned with that serving SGLang
+    aerie run --regenerate   # train on the target's own answers (AERIE_REGENERATE_URLS: an SGLang server, many in flight)
 
-Stages (aerie.stages): prepare the target -> ingest -> extract -> train (draft vocab, training,
+Stages (aerie.stages): prepare the target -> ingest -> [regenerate, shard by shard] -> extract -> train (draft vocab, training,
 evaluation before and after with a real speculative-decoding loop, export, publish) -> pull.
 On the embedded default (`memory://` broker, a filesystem store with the bucket's layout) every
 stage runs in this process, through the same stage functions the Celery workers run. With
@@ -32,8 +33,8 @@ from rich.table import Table
 
 from aerie import datasets, layout, presets, runs, stages
 from aerie.contracts import (
-    AlignmentReport, AlignRequest, ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RunStatus, TrainConfig,
-    TrainRequest, TrainResult,
+    AlignmentReport, AlignRequest, ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RegenerateRequest, RunStatus,
+    TrainConfig, TrainRequest, TrainResult,
 )
 from aerie.presets import train_options
 from aerie.settings import Settings
@@ -129,19 +130,41 @@ def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest
         ingested = stages.ingest(store, settings, ingest)
     if ingested.skipped:
         console.print(f"[yellow]ingest: run {ingest.run} already in {store.url}: reused[/]")
+    if ingested.regenerate_shards:
+        _regenerate_in_process(store, settings, ingest.run, ingested.regenerate_shards, watch)
+        shards = [s for s in ingested.regenerate_shards if s in set(runs.shard_names(store, ingest.run, "tokens"))]
+    else:
+        shards = ingested.shards
     _print_ingested(runs.run_status(store, ingest.run))
     watch.start("extract")
     reused = 0
     with _bar() as bar:
-        task = bar.add_task("extract hidden states (shards)", total=len(ingested.shards))
-        for shard in ingested.shards:
+        task = bar.add_task("extract hidden states (shards)", total=len(shards))
+        for shard in shards:
             reused += stages.extract(store, settings, ExtractRequest(run=ingest.run, shard=shard)).skipped
             bar.advance(task)
     if reused:
-        console.print(f"[yellow]extract: {reused} of {len(ingested.shards)} shards already extracted: reused[/]")
+        console.print(f"[yellow]extract: {reused} of {len(shards)} shards already extracted: reused[/]")
     if align is not None:
         _check_alignment(align, watch, lambda: stages.align(store, settings, align))
     return _train_with_bar(train, watch, lambda report: stages.train(store, settings, train, report))
+
+
+def _regenerate_in_process(store: ObjectStore, settings: Settings, run: str, shards: list[str], watch: Stopwatch) -> None:
+    """The regenerate stage over every conversation shard, its throughput on the bar."""
+    watch.start("regenerate")
+    tokens = seconds = 0.0
+    with _bar() as bar:
+        task = bar.add_task("regenerate (shards)", total=len(shards))
+
+        def report(event: ProgressEvent) -> None:
+            bar.update(task, description=f"regenerate: {event.message}")
+
+        for shard in shards:
+            result = stages.regenerate(store, settings, RegenerateRequest(run=run, shard=shard, fan_out=False), report)
+            tokens, seconds = tokens + result.completion_tokens, seconds + result.seconds
+            bar.update(task, advance=1, description=f"regenerate ({tokens / max(seconds, 1e-9):.0f} tok/s, "
+                                                    f"{result.max_in_flight} in flight at most)")
 
 
 def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
@@ -287,9 +310,12 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
 @click.option("--server", default=None, help="serving SGLang in capture mode: check the run's alignment with it before "
               "training (aerie align); a failed check stops the run")
 @click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
+@click.option("--regenerate", is_flag=True, help="train on the target's own answers: every turn answered again (the "
+              "regenerate stage; through AERIE_REGENERATE_URLS when set, else the target in this process)")
+@click.option("--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)")
 @train_options(skip=("steps", "draft_vocab"))
 def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
-        store_url, broker, timeout_s, out, device, storage_dtype, server, allow_misaligned, **training):
+        store_url, broker, timeout_s, out, device, storage_dtype, server, allow_misaligned, regenerate, regenerate_max_tokens, **training):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
     size = SIZES["quick" if quick else "default"]
@@ -313,7 +339,7 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
     if not Path(dataset_path).is_file():
         raise click.ClickException(f"--dataset {dataset}: no such file")
     n_records = records or size.records
-    run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}")
+    run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}{'-regen' if regenerate else ''}")
     drafter = drafter or f"{re.sub(r'[^a-z0-9._-]+', '-', model_dir.name.lower())[:40].strip('-.') or 'target'}-eagle3"
     config = training_config(size, model_dir, steps, draft_vocab, max_tokens, eval_prompts, **training)
     train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir), config=config)
@@ -321,7 +347,8 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
         run=run_name, dataset=dataset_path, model=str(model_dir), capture_points=points, engine="hf",
         dtype="bfloat16" if settings.device.startswith("cuda") else "float32", storage_dtype=storage_dtype,
         options=IngestOptions(max_tokens=max_tokens or size.max_tokens, shard_tokens=size.shard_tokens,
-                              max_records=n_records, overlong="truncate"),
+                              max_records=n_records, overlong="truncate", regenerate=regenerate,
+                              **({"regenerate_max_tokens": regenerate_max_tokens} if regenerate_max_tokens else {})),
         fan_out=False,
     )
     if allow_misaligned and not server:

@@ -1,7 +1,9 @@
-"""Regeneration: ingest replaces each assistant turn with the target's own answer.
+"""Regeneration on the embedded default: ingest writes conversation shards, the regenerate stage
+answers each assistant turn with the target in this process (the `hf` engine, no server).
 
 Checked against the target itself: greedy `generate` from the same chat-templated prompt, turn
-by turn, each later prompt holding the earlier regenerated answers.
+by turn, each later prompt holding the earlier regenerated answers. Through SGLang's chat API
+(many requests in flight, a killed worker, a bad server): tests/extractor/test_regenerate.py.
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aerie import layout
-from aerie.contracts import IngestOptions, IngestRequest
+from aerie import layout, stages
+from aerie.contracts import IngestOptions, IngestRequest, IngestResult, RegenerateRequest
 from aerie.settings import Settings
 from aerie.shard import Shard
-from aerie_extractor.ingest import run_ingest
 from tests.runs import DATA
 
 MAX_NEW = 8
@@ -35,14 +36,22 @@ def greedy(smollm2_path):
     return tok, answer
 
 
+def ingest_and_regenerate(store, settings: Settings, request: IngestRequest) -> tuple[IngestResult, int]:
+    """Ingest (conversation shards), then the regenerate stage over each: (ingest's result, sequences)."""
+    ingested = stages.ingest(store, settings, request)
+    assert ingested.shards == [] and ingested.regenerate_shards
+    results = [stages.regenerate(store, settings, RegenerateRequest(run=request.run, shard=s)) for s in ingested.regenerate_shards]
+    return ingested, sum(r.sequences for r in results)
+
+
 @pytest.mark.slow
 def test_regenerated_turns_are_the_targets_own_greedy_answers(fs_store, smollm2_path, greedy):
     tok, answer = greedy
     options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
-    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
+    _, sequences = ingest_and_regenerate(fs_store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
         run="regen", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
     ))
-    assert summary.sequences == 2
+    assert sequences == 2
     (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen", "tokens")) if k.endswith(".safetensors")]
 
     # record a_0: one user turn
@@ -58,44 +67,10 @@ def test_regenerated_turns_are_the_targets_own_greedy_answers(fs_store, smollm2_
     assert tok.decode(masked) == a1 + "<|im_end|>" + a2 + "<|im_end|>"
 
 
-@pytest.mark.slow
-@pytest.mark.sglang
-def test_regeneration_through_sglangs_chat_api(fs_store, smollm2_path, tmp_path):
-    """With the sglang engine, answers come from the server's OpenAI-compatible chat API."""
-    import httpx
-
-    from tests.sglang_server import sglang_server
-
-    with sglang_server(["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path) as server:
-        options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
-        settings = Settings(engine="sglang", engine_urls=[server.url], ingest_local_dirs=[DATA])
-        summary = run_ingest(fs_store, settings, IngestRequest(
-            run="regen-sglang", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
-            target_signal="topk",  # a stock server (no plugin) gives JSON: top-k is what it can capture
-        ))
-
-        def chat(messages: list[dict]) -> str:
-            body = {"model": "default", "messages": messages, "temperature": 0.0, "max_tokens": MAX_NEW}
-            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
-            r.raise_for_status()
-            return r.json()["choices"][0]["message"]["content"].strip()
-
-        convo = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}]
-        a1 = chat(convo)
-        a2 = chat([*convo, {"role": "assistant", "content": a1}, {"role": "user", "content": "Times 3?"}])
-    assert summary.sequences == 2
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen-sglang", "tokens")) if k.endswith(".safetensors")]
-    seq = shard.sequence(1)
-    assert tok.decode(seq["input_ids"][seq["loss_mask"] == 1]) == a1 + "<|im_end|>" + a2 + "<|im_end|>"
-
-
 def test_a_conversation_opening_with_an_assistant_turn_is_rejected_not_a_crash(fs_store, smollm2_path, tmp_path):
     """ShareGPT holds records whose first turn is the assistant's: nothing to answer. Such a record
-    is rejected with its line and reason, and the run goes on (before: the whole ingest crashed on
-    `apply_chat_template` of an empty conversation)."""
+    is rejected with its line and reason, and the run goes on (before b38b0c9: the whole ingest
+    crashed on `apply_chat_template` of an empty conversation)."""
     import json
 
     dataset = tmp_path / "assistant-first.jsonl"
@@ -104,10 +79,10 @@ def test_a_conversation_opening_with_an_assistant_turn_is_rejected_not_a_crash(f
         + json.dumps({"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]}) + "\n"
     )
     options = IngestOptions(max_tokens=128, shard_tokens=4096, regenerate=True, regenerate_max_tokens=4)
-    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
+    ingested, sequences = ingest_and_regenerate(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
         run="assistant-first", dataset=str(dataset), model=str(smollm2_path), options=options,
     ))
-    assert summary.sequences == 1 and summary.rejects == 1
+    assert sequences == 1 and ingested.rejects == 1  # refused by ingest, before any answer is asked
     (key,) = fs_store.list(layout.rejects_prefix("assistant-first"))
     reject = json.loads(fs_store.get_bytes(key).decode().splitlines()[0])
     assert reject["line"] == 1 and "assistant turn with no user turn before it" in reject["reason"]

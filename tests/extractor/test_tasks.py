@@ -49,12 +49,19 @@ def test_cli_surface():
         "--capture-points", "--dataset", "--debug", "--dtype", "--storage-dtype", "--scale-block", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
         "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
         "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned", *training,
+        "--regenerate", "--regenerate-max-tokens", "--regenerate-max-turns", "--regenerate-reasoning",  # the regenerate stage
+        "--regenerate-temperature", "--regenerate-shard-records",
     ]), flags
     bad = subprocess.run(
         [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--capture-points", "2,a"],
         env=clean_env(), capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode != 0 and "comma-separated layer numbers" in bad.stderr
+    bad = subprocess.run(
+        [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--regenerate-max-turns", "2"],
+        env=clean_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode != 0 and "--regenerate-max-turns is a setting of --regenerate: add --regenerate" in bad.stderr, bad.stderr
 
 
 def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):

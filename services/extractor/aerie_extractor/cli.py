@@ -4,6 +4,8 @@
         --capture-points 2,15,27 --max-tokens 2048 --shard-tokens 65536
     celery -A aerie_extractor.worker enqueue ... --train-drafter d1 --server http://sglang-capture:30000
         # training waits for `aerie align` of the run against that serving server, and not if it fails
+    celery -A aerie_extractor.worker enqueue ... --regenerate --regenerate-max-tokens 1024 --regenerate-max-turns 4
+        # train on the target's own answers: one aerie.regenerate task a shard (AERIE_REGENERATE_URLS, many in flight)
     celery -A aerie_extractor.worker progress --run r1 [--watch --timeout 3600]
 
 `progress`, not `status`: Celery registers its own `status` (workers online) after plugins, so a
@@ -66,6 +68,13 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--max-records", type=int, default=None, help="stop after this many accepted records")
 @click.option("--max-record-bytes", type=int, default=None,
               help="reject dataset lines / array elements larger than this (default 1 MiB: IngestOptions.max_record_bytes)")
+@click.option("--regenerate", is_flag=True, help="answer every user turn again with the target (the regenerate stage) and train on that")
+@click.option("--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)")
+@click.option("--regenerate-max-turns", type=int, default=None, help="with --regenerate: assistant turns answered per conversation (default all)")
+@click.option("--regenerate-reasoning", type=click.Choice(["keep", "drop"]), default=None,
+              help="with --regenerate: a reasoning model's think segment trained on (keep, default) or dropped")
+@click.option("--regenerate-temperature", type=float, default=None, help="with --regenerate: sampling temperature (default 0: greedy)")
+@click.option("--regenerate-shard-records", type=int, default=None, help="with --regenerate: conversations per task (default 256)")
 @click.option("--fan-out/--no-fan-out", default=True, help="enqueue one extract task per shard")
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
@@ -77,10 +86,17 @@ def _points(value: str | None) -> list[int] | None:
 @one_line_failures
 @click.pass_context
 def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storage_dtype, scale_block, target_signal, topk, loss_on,
-            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, fan_out, train_drafter, upload, wait, align_server,
+            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, regenerate, regenerate_max_tokens, regenerate_max_turns,
+            regenerate_reasoning, regenerate_temperature, regenerate_shard_records, fan_out, train_drafter, upload, wait, align_server,
             allow_misaligned, **training):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
     from aerie import presets
+
+    regeneration = {f"regenerate_{k}": v for k, v in (("max_tokens", regenerate_max_tokens), ("max_turns", regenerate_max_turns),
+                    ("reasoning", regenerate_reasoning), ("temperature", regenerate_temperature),
+                    ("shard_records", regenerate_shard_records)) if v is not None}
+    if regeneration and not regenerate:
+        raise click.UsageError(f"--{next(iter(regeneration)).replace('_', '-')} is a setting of --regenerate: add --regenerate")
 
     if align_server and not train_drafter or allow_misaligned and not align_server:
         raise click.UsageError("--server checks the run before --train-drafter trains on it, and --allow-misaligned "
@@ -104,7 +120,8 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storag
             run=run_name, dataset=dataset, model=model, capture_points=_points(capture_points), engine=engine,
             dtype=dtype, storage_dtype=storage_dtype, scale_block=scale_block, target_signal=target_signal, topk=topk, fan_out=fan_out,
             options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong, shard_tokens=shard_tokens,
-                                  max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {})),
+                                  max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {}),
+                                  regenerate=regenerate, **regeneration),
             train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
             align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
         )
@@ -147,10 +164,13 @@ def status_table(status: RunStatus):
     from rich.table import Table
 
     table = Table(title=f"run {status.run}")
-    for col in ("shards", "tokenized", "extracted", "failed", "sequences", "tokens", "rejects", "complete"):
+    regen = status.regenerate_total > 0
+    for col in ("shards", *(("regenerated",) if regen else ()), "tokenized", "extracted", "failed", "sequences", "tokens",
+                "rejects", "complete"):
         table.add_column(col, justify="right")
-    table.add_row(str(status.shards_total), str(status.tokens_done), str(status.hidden_done), str(status.failed),
-                  str(status.sequences), str(status.tokens), str(status.rejects), "yes" if status.complete else "no")
+    table.add_row(str(status.shards_total), *((str(status.regenerated),) if regen else ()), str(status.tokens_done),
+                  str(status.hidden_done), str(status.failed), str(status.sequences), str(status.tokens), str(status.rejects),
+                  "yes" if status.complete else "no")
     return table
 
 

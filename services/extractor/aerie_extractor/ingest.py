@@ -13,9 +13,12 @@
   only: each assistant turn's text span is found by rendering the conversation up to that turn
   (with the generation prompt) and up to its end, and checking that each rendering is a prefix
   of the whole; tokens are mapped to spans by their character offsets. A template that is not
-  prefix-stable (e.g. one that drops earlier turns' reasoning) is refused per record, by name.
-- Optional regeneration (`regenerate`): each assistant turn is replaced by the target's own
-  answer (aerie_extractor.regenerate) before templating.
+  prefix-stable (e.g. Qwen3's or Kimi's, which drop earlier turns' think blocks) is tokenized turn
+  by turn instead: one sequence per assistant turn, its own prompt as the template renders it then.
+- Regeneration (`regenerate`): ingest only checks and normalizes the records and writes them as
+  conversation shards (`runs/<run>/conversations/<shard>.jsonl`, `regenerate_shard_records` each);
+  the regenerate stage (aerie_extractor.regenerate, one task a shard) answers them with the target
+  and writes each shard's token shard, so extraction of a shard starts as soon as it is answered.
 - Every refused record becomes a `RejectRecord` (1-based line, reason) in
   `runs/<run>/rejects/<part>.jsonl`; the run goes on.
 - Output: token shards of about `shard_tokens` tokens (whole sequences), each object written
@@ -40,7 +43,7 @@ from aerie.capture import default_capture_points, validate_capture_points
 from aerie.contracts import IngestOptions, IngestRequest, IngestResult, RejectRecord, RunSpec, ShardRecord
 from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
 from aerie.errors import ExpectedError
-from aerie.runs import shard_names
+from aerie.runs import conversation_shards, shard_names
 from aerie.settings import Settings
 from aerie.shard import pack
 from aerie.store import NotFound, ObjectStore
@@ -69,6 +72,10 @@ class IngestError(ExpectedError, ValueError):
 
 class Rejected(ValueError):
     """One record refused; the message is the reason stored in rejects."""
+
+
+class NotPrefixStable(Rejected):
+    """The template renders an earlier turn differently once later turns follow (thinking templates)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -390,7 +397,7 @@ class ChatTokenizer:
                 start = upto.rfind(m["content"].strip())
                 stable = start >= 0
             if not stable or not text.startswith(upto):
-                raise Rejected(
+                raise NotPrefixStable(
                     f"chat template is not prefix-stable at turn {j + 1}: rendering the conversation up to "
                     "this turn is not a prefix of the whole (the template rewrites earlier turns)"
                 )
@@ -398,6 +405,39 @@ class ChatTokenizer:
             if end > start:
                 spans.append((start, end))
         return spans
+
+    def sequences(self, messages: list[dict[str, str]], loss_on: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The conversation as one sequence, or, when the template rewrites earlier turns, one
+        sequence per assistant turn (each with the prompt that turn was answered on)."""
+        try:
+            return [self.encode(messages, loss_on)]
+        except NotPrefixStable:
+            return self.encode_turns(messages, loss_on)
+
+    def encode_turns(self, messages: list[dict[str, str]], loss_on: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One (input_ids, loss_mask) per assistant turn j: the rendering of turns 0..j, the loss
+        on turn j only. Its prompt (turns before j with the generation prompt) must be a prefix of
+        that rendering: what the model saw when it answered turn j."""
+        turns = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        out = []
+        for j in turns[-1:] if loss_on == "last" else turns:
+            if not any(m["role"] == "user" for m in messages[:j]):
+                raise Rejected(f"turn {j + 1} is an assistant turn with no user turn before it (template rewrites earlier turns)")
+            try:
+                prompt = self.render(messages[:j], generation_prompt=True)
+                text = self.render(messages[: j + 1])
+            except Exception as e:
+                raise Rejected(f"chat template refused the conversation: {e}") from None
+            if not text.startswith(prompt):
+                raise Rejected(f"chat template is not prefix-stable at turn {j + 1} even on its own: the prompt rendered "
+                               "with the generation prompt is not a prefix of the turn's rendering")
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = np.asarray(enc["input_ids"], dtype=np.int32)
+            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            a, b = len(prompt), len(text.rstrip())
+            mask = ((offsets[:, 0] >= a) & (offsets[:, 0] < b) & (offsets[:, 1] > offsets[:, 0])).astype(np.uint8)
+            out.append((ids, mask))
+        return out
 
     def encode(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
         if self.generation_tags:
@@ -435,13 +475,42 @@ class ChatTokenizer:
 # --------------------------------------------------------------------------------------
 # The ingest job
 # --------------------------------------------------------------------------------------
-def regenerate_record(messages: list[dict[str, str]], answerer) -> list[dict[str, str]]:
-    from aerie_extractor.regenerate import RegenerateRefused, regenerate
+def fit(ids: np.ndarray, mask: np.ndarray, opts: IngestOptions) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A sequence within `max_tokens` (truncated or refused by `overlong`): (ids, mask, truncated)."""
+    truncated = False
+    if len(ids) > opts.max_tokens:
+        if opts.overlong == "reject":
+            raise Rejected(f"over-long: {len(ids)} tokens > max {opts.max_tokens}")
+        ids, mask, truncated = ids[: opts.max_tokens], mask[: opts.max_tokens], True
+        if not mask.any():
+            raise Rejected(f"over-long: no assistant token within the first {opts.max_tokens} tokens (truncated)")
+    if not mask.any():
+        raise Rejected("no assistant token after templating (empty assistant turns?)")
+    return ids, mask, truncated
 
-    try:
-        return regenerate(messages, answerer)
-    except RegenerateRefused as e:
-        raise Rejected(str(e)) from None
+
+def write_token_shard(store: ObjectStore, run: str, name: str, sequences: list[dict[str, np.ndarray]]) -> ShardRecord:
+    """A token shard, its object before its record (the record means: this shard is whole)."""
+    shard = pack(sequences, extra_metadata={"run": run, "shard": name})
+    data = shard.to_bytes()
+    key = layout.shard(run, "tokens", name)
+    sha = store.put_bytes(key, data)
+    record = ShardRecord(
+        run=run, shard=name, kind="tokens", key=key, sha256=sha, bytes=len(data),
+        sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()),
+    )
+    store.put_json(layout.shard_record(run, "tokens", name), record)
+    return record
+
+
+def answerable(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A conversation the target can answer again: a user turn before its first assistant turn."""
+    for j, m in enumerate(messages):
+        if m["role"] == "assistant":
+            raise Rejected(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
+        if m["role"] == "user":
+            return messages
+    return messages
 
 
 def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
@@ -507,17 +576,15 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
             )
         summary.skipped = True
         summary.shards = shard_names(store, request.run, "tokens")
+        if existing.ingest.regenerate:  # the regenerate stage writes those tokens: its shards are the work
+            summary.shards, summary.regenerate_shards = [], conversation_shards(store, request.run)
         return summary
 
     opts: IngestOptions = request.options
     source, chunks = _byte_chunks(store, request.dataset, settings.ingest_local_dirs)  # refused before any work
     chat = ChatTokenizer(request.model)
-    answerer = None
-    if opts.regenerate:
-        from aerie_extractor.regenerate import make_answerer
-
-        answerer = make_answerer(settings, spec.engine.name, request.model, opts)
     pending: list[dict[str, np.ndarray]] = []
+    conversations: list[dict] = []  # regenerate: the next conversation shard
     pending_tokens = 0
     rejects: list[RejectRecord] = []
 
@@ -527,19 +594,19 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
             summary.rejects += len(rejects)
             rejects.clear()
 
+    def flush_conversations() -> None:
+        name = layout.shard_name(len(summary.regenerate_shards))
+        store.put_bytes(layout.conversations(request.run, name),
+                        b"".join(json.dumps(c, ensure_ascii=False).encode() + b"\n" for c in conversations))
+        flush_rejects(name)
+        summary.regenerate_shards.append(name)
+        conversations.clear()
+
     def flush_shard() -> None:
         nonlocal pending_tokens
         name = layout.shard_name(len(summary.shards))
-        shard = pack(pending, extra_metadata={"run": request.run, "shard": name})
-        data = shard.to_bytes()
-        key = layout.shard(request.run, "tokens", name)
-        sha = store.put_bytes(key, data)
+        record = write_token_shard(store, request.run, name, pending)
         flush_rejects(name)
-        record = ShardRecord(
-            run=request.run, shard=name, kind="tokens", key=key, sha256=sha, bytes=len(data),
-            sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()),
-        )
-        store.put_json(layout.shard_record(request.run, "tokens", name), record)
         summary.shards.append(name)
         summary.sequences += record.sequences
         summary.tokens += record.tokens
@@ -553,38 +620,41 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
             if isinstance(record, Rejected):
                 raise record
             messages = normalize(record)
-            if answerer is not None:
-                messages = regenerate_record(messages, answerer)
-            ids, mask = chat.encode(messages, opts.loss_on)
-            if len(ids) > opts.max_tokens:
-                if opts.overlong == "reject":
-                    raise Rejected(f"over-long: {len(ids)} tokens > max {opts.max_tokens}")
-                ids, mask = ids[: opts.max_tokens], mask[: opts.max_tokens]
-                summary.truncated += 1
-                if not mask.any():
-                    raise Rejected(f"over-long: no assistant token within the first {opts.max_tokens} tokens (truncated)")
-            if not mask.any():
-                raise Rejected("no assistant token after templating (empty assistant turns?)")
+            if opts.regenerate:  # answered by the regenerate stage, tokenized there
+                conversations.append({"line": line, "source": source, "messages": answerable(messages)})
+                if len(conversations) >= opts.regenerate_shard_records:
+                    flush_conversations()
+                accepted += 1
+                if opts.max_records and accepted >= opts.max_records:
+                    break
+                continue
+            fitted = []
+            for ids, mask in chat.sequences(messages, opts.loss_on):
+                summary.truncated += len(ids) > opts.max_tokens and opts.overlong == "truncate"  # refused after, too
+                fitted.append(fit(ids, mask, opts))
         except Rejected as e:
             rejects.append(RejectRecord(source=source, line=line, reason=str(e)))
             continue
-        if pending and pending_tokens + len(ids) > opts.shard_tokens:
-            flush_shard()
-        pending.append({"input_ids": ids, "loss_mask": mask})
-        pending_tokens += len(ids)
+        for ids, mask, _ in fitted:
+            if pending and pending_tokens + len(ids) > opts.shard_tokens:
+                flush_shard()
+            pending.append({"input_ids": ids, "loss_mask": mask})
+            pending_tokens += len(ids)
         accepted += 1
         if opts.max_records and accepted >= opts.max_records:
             break
-    if answerer is not None:
-        answerer.close()
     if pending:
         flush_shard()
-    flush_rejects(layout.shard_name(len(summary.shards)))  # a part no shard wrote: never overwrites one
+    if conversations:
+        flush_conversations()
+    # a part no shard wrote: never overwrites one
+    flush_rejects(layout.shard_name(max(len(summary.shards), len(summary.regenerate_shards))))
     if not store.exists(layout.run_spec(request.run)):  # a twin delivery may have finished first
         store.put_json(layout.run_spec(request.run), spec)
     store.delete(layout.ingest_failure(request.run))  # an earlier attempt's, if any
     log.info(
-        "ingest %s: %d shards, %d sequences, %d tokens, %d rejects",
+        "ingest %s: %d shards, %d sequences, %d tokens, %d rejects%s",
         request.run, len(summary.shards), summary.sequences, summary.tokens, summary.rejects,
+        f", {accepted} conversations in {len(summary.regenerate_shards)} shards to regenerate" if opts.regenerate else "",
     )
     return summary

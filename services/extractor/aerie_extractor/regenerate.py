@@ -1,88 +1,179 @@
-"""Regeneration: replace a dataset's assistant turns with the target's own answers.
+"""Regenerate: one conversation shard answered again by the target, at serving speed, then tokenized.
 
-Drafters learn best from the target's own outputs, so ingest can ask the target to answer each
-user turn again (option `regenerate`), turn by turn, each answer conditioned on the earlier
-regenerated ones.
+Drafters learn best from the target's own outputs. A run ingested with `regenerate` is cut into
+conversation shards (`runs/<run>/conversations/<shard>.jsonl`, written by ingest); this stage
+answers one shard and turns it into the token shard of the same name, which extraction reads:
 
-- `sglang` engine: the server's OpenAI-compatible chat API (`/v1/chat/completions`) at
-  `settings.engine_urls`, round-robin. A 4xx refuses the record (reason in rejects); a 5xx or an
-  unreachable server is an EngineError: the ingest task retries.
-- `hf` engine: `generate` of the target in this process (the embedded default).
+- Many requests in flight: every conversation of the shard is a coroutine; at most
+  `AERIE_REGENERATE_CONCURRENCY` requests are open at once, over SGLang's OpenAI-compatible chat
+  API (`/v1/chat/completions`) at `AERIE_REGENERATE_URLS` (empty: `AERIE_ENGINE_URLS` for a run on
+  the sglang engine). Conversation i goes to server i mod n, all its turns to the same server, so
+  each turn's prompt hits that server's prefix cache. A run on the `hf` engine without URLs
+  answers with the target's `generate` in this process, one request at a time (the embedded
+  default; slow, for small runs).
+- Multi-turn: each assistant turn is answered on the regenerated history, up to
+  `regenerate_max_turns` turns and until the conversation reaches `max_tokens` (later turns would
+  be truncated away); what follows the last regenerated turn is dropped.
+- Reasoning models: the think segment (`reasoning_content` when the server runs a reasoning
+  parser, else `<think>...</think>` in the content) is kept inline as `<think>...</think>` before
+  the answer, which is what thinking templates (Qwen3, Kimi) parse, or dropped
+  (`regenerate_reasoning`). Templates that strip earlier turns' think blocks are tokenized turn by
+  turn (aerie_extractor.ingest.ChatTokenizer.sequences), not refused.
+- Stored once: the answers are written whole to `runs/<run>/regenerated/<shard>.jsonl`, then their
+  record; a redelivered task (a worker killed mid-shard, a retry after a server error) that finds
+  the record reuses the answers and asks nothing again; one without it redoes this shard only.
+  Then the token shard and its record, as ingest writes them; the Celery task enqueues the shard's
+  extraction once (aerie.queue.claim_once).
+- Errors: a 4xx (other than 401/403) refuses that conversation (rejects, the shard goes on); a
+  5xx, a malformed answer or an unreachable server is an EngineError naming the URL and the
+  setting: the task retries this shard; 401/403 is EngineMismatch (the configuration: no retry).
+- Progress: a ProgressEvent every few seconds (conversations done, completion tokens/s, requests
+  in flight now); the result and the record keep the shard's tokens/s and the in-flight figures
+  measured from the requests' own start and end times.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
-from aerie.contracts import IngestOptions
+from aerie import layout
+from aerie.contracts import IngestOptions, ProgressEvent, RegeneratedRecord, RegenerateRequest, RegenerateResult, RejectRecord
+from aerie.runs import load_run
 from aerie.settings import Settings
+from aerie.store import NotFound, ObjectStore
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 
+log = logging.getLogger(__name__)
+
 Messages = list[dict[str, str]]
+PROGRESS_EVERY_S = 2.0
+_THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.S)
 
 
 class RegenerateRefused(ValueError):
     """The engine refused this conversation (the record is rejected, the run goes on)."""
 
 
-def regenerate(messages: Messages, answer: Callable[[Messages], str]) -> Messages:
-    """Every assistant turn replaced by `answer(conversation so far)`."""
+class RegenerateError(EngineError):
+    """This shard cannot be regenerated as stored (not a regenerated run, a missing shard)."""
+
+    retryable = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    content: str
+    reasoning: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# A conversation, turn by turn
+# --------------------------------------------------------------------------------------
+def assistant_turn(answer: Answer, reasoning: str) -> str:
+    """The stored assistant text: the think segment kept inline (`<think>` ... `</think>`, what
+    thinking templates parse) or dropped."""
+    if reasoning == "drop":
+        return _THINK.sub("", answer.content).strip()
+    if answer.reasoning and answer.reasoning.strip():
+        return f"<think>\n{answer.reasoning.strip()}\n</think>\n\n{answer.content.strip()}"
+    return answer.content.strip()
+
+
+async def regenerate_conversation(messages: Messages, chat: Callable[[Messages], Awaitable[Answer]],
+                                  options: IngestOptions) -> tuple[Messages, int]:
+    """(the conversation with its assistant turns answered again, turns answered). Each answer
+    is asked on the regenerated history; stops at the turn limit or once the conversation
+    reaches `options.max_tokens`."""
     out: Messages = []
+    turns = 0
     for j, m in enumerate(messages):
-        if m["role"] == "assistant":
-            if not any(turn["role"] == "user" for turn in out):
-                raise RegenerateRefused(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
-            text = answer(out).strip()
-            if not text:
-                raise RegenerateRefused(f"regenerated answer for turn {j + 1} is empty")
-            out.append({"role": "assistant", "content": text})
-        else:
+        if m["role"] != "assistant":
             out.append(dict(m))
-    return out
+            continue
+        if options.regenerate_max_turns is not None and turns >= options.regenerate_max_turns:
+            break
+        if not any(turn["role"] == "user" for turn in out):
+            raise RegenerateRefused(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
+        answer = await chat(out)
+        text = assistant_turn(answer, options.regenerate_reasoning)
+        if not text:
+            raise RegenerateRefused(f"regenerated answer for turn {j + 1} is empty")
+        out.append({"role": "assistant", "content": text})
+        turns += 1
+        if answer.prompt_tokens + answer.completion_tokens >= options.max_tokens:
+            break  # later turns would lie beyond max_tokens
+    while out and out[-1]["role"] != "assistant":
+        out.pop()
+    return out, turns
 
 
+# --------------------------------------------------------------------------------------
+# Engines: an OpenAI-compatible server (SGLang), or the target in this process
+# --------------------------------------------------------------------------------------
 class OpenAIChat:
-    def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float, headers: dict[str, str] | None = None):
+    """Async client of `/v1/chat/completions`; one connection pool for all requests in flight."""
+
+    def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float, concurrency: int,
+                 headers: dict[str, str] | None = None):
         import httpx
 
         if not urls:
-            raise EngineError("regeneration needs an engine URL: set AERIE_ENGINE_URLS")
-        self.urls = itertools.cycle([u.rstrip("/") for u in urls])
+            raise EngineError("regeneration needs a server: set AERIE_REGENERATE_URLS (or AERIE_ENGINE_URLS)")
+        self.urls = [u.rstrip("/") for u in urls]
         self.options = options
-        self.client = httpx.Client(timeout=timeout_s, headers=headers)  # headers: SGLang's --api-key
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=limits)  # headers: SGLang's --api-key
 
-    def __call__(self, messages: Messages) -> str:
+    async def __call__(self, url: str, messages: Messages) -> Answer:
         import httpx
 
-        url = next(self.urls)
-        body = {
-            "model": "default",
-            "messages": messages,
-            "temperature": self.options.regenerate_temperature,
-            "max_tokens": self.options.regenerate_max_tokens,
-        }
+        body = {"model": "default", "messages": messages, "temperature": self.options.regenerate_temperature,
+                "max_tokens": self.options.regenerate_max_tokens}
         try:
-            r = self.client.post(f"{url}/v1/chat/completions", json=body)
+            r = await self.client.post(f"{url}/v1/chat/completions", json=body)
         except httpx.HTTPError as e:
-            raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {e}): is the engine up? (AERIE_ENGINE_URLS)") from e
+            raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {' '.join(str(e).split())}): is the "
+                              "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS)") from None
         if r.status_code in (401, 403):  # the whole run's configuration, not this record
             raise EngineMismatch(f"regeneration: {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
                                  "set AERIE_ENGINE_API_KEY to that key")
         if 400 <= r.status_code < 500:
-            raise RegenerateRefused(f"regeneration refused by {url}: HTTP {r.status_code}: {r.text[:200]}")
+            raise RegenerateRefused(f"regeneration refused by {url}: HTTP {r.status_code}: {_short(r.text)}")
         if r.status_code != 200:
-            raise EngineError(f"regeneration: {url} answered HTTP {r.status_code}: {r.text[:200]}")
+            raise EngineError(f"regeneration: {url} answered HTTP {r.status_code}: {_short(r.text)}")
         try:
-            return r.json()["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise EngineError(f"regeneration: {url} answered without choices[0].message.content: {r.text[:200]}") from e
+            reply = r.json()
+            message = reply["choices"][0]["message"]
+            usage = reply.get("usage") or {}
+            return Answer(message.get("content") or "", message.get("reasoning_content"),
+                          int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise EngineError(f"regeneration: {url} answered without choices[0].message: {_short(r.text)} "
+                              "(is it an OpenAI-compatible server? AERIE_REGENERATE_URLS)") from None
 
-    def close(self) -> None:
-        self.client.close()
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class HFChat:
+    """The target's greedy/sampled `generate` in this process (no server): one request at a time."""
+
+    urls = ["hf"]
+
     def __init__(self, model_path: str, options: IngestOptions, device: str):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,29 +182,231 @@ class HFChat:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
         self.model.to(device).eval()
+        self.lock = threading.Lock()
 
-    def __call__(self, messages: Messages) -> str:
+    def answer(self, messages: Messages) -> Answer:
         torch = self.torch
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
         sample = self.options.regenerate_temperature > 0
-        with torch.inference_mode():
+        with self.lock, torch.inference_mode():
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.options.regenerate_max_tokens,
                 do_sample=sample, temperature=self.options.regenerate_temperature if sample else None,
                 top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
-        return self.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        new = out[0, ids.shape[1]:]
+        return Answer(self.tokenizer.decode(new, skip_special_tokens=True), None, int(ids.shape[1]), int(new.shape[0]))
 
-    def close(self) -> None:
-        self.model = None
+    async def __call__(self, url: str, messages: Messages) -> Answer:
+        return await asyncio.to_thread(self.answer, messages)
+
+    async def close(self) -> None:
+        pass
 
 
-def make_answerer(settings: Settings, engine: str, model_path: str, options: IngestOptions):
-    if engine == "sglang":
+_hf_chats: dict[tuple, HFChat] = {}
+
+
+def make_chat(settings: Settings, engine: str, model_path: str, options: IngestOptions) -> tuple[OpenAIChat | HFChat, list[str], int]:
+    """(the chat engine, its URLs, requests in flight) for a run on `engine`."""
+    urls = list(settings.regenerate_urls) or (list(settings.engine_urls) if engine == "sglang" else [])
+    if urls:
         from aerie_extractor.engines.sglang import auth_headers
 
-        return OpenAIChat(list(settings.engine_urls), options, settings.engine_timeout_s, auth_headers(settings))
+        concurrency = settings.regenerate_concurrency
+        return OpenAIChat(urls, options, settings.engine_timeout_s, concurrency, auth_headers(settings)), urls, concurrency
     if engine == "hf":
-        return HFChat(model_path, options, settings.device)
-    raise EngineError(f"regeneration through engine {engine!r} is not supported (hf, sglang)")
+        key = (model_path, settings.device, options.regenerate_temperature, options.regenerate_max_tokens)
+        if key not in _hf_chats:
+            _hf_chats.clear()
+            _hf_chats[key] = HFChat(model_path, options, settings.device)
+        return _hf_chats[key], HFChat.urls, 1
+    raise EngineError(f"regeneration through engine {engine!r} needs AERIE_REGENERATE_URLS")
+
+
+# --------------------------------------------------------------------------------------
+# A shard: every conversation in flight at once, up to the concurrency
+# --------------------------------------------------------------------------------------
+@dataclass
+class Meter:
+    """Requests in flight and tokens, measured as the requests start and end."""
+
+    started: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    busy_s: float = 0.0  # summed request durations: / wall time = mean requests in flight
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    done: int = 0
+
+    def wrap(self, chat, url: str) -> Callable[[Messages], Awaitable[Answer]]:
+        async def ask(messages: Messages) -> Answer:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            t0 = time.monotonic()
+            try:
+                answer = await chat(url, messages)
+            finally:
+                self.in_flight -= 1
+                self.busy_s += time.monotonic() - t0
+            self.requests += 1
+            self.prompt_tokens += answer.prompt_tokens
+            self.completion_tokens += answer.completion_tokens
+            return answer
+
+        return ask
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / max(self.seconds, 1e-9)
+
+
+async def answer_all(records: list[dict], chat, urls: list[str], concurrency: int, options: IngestOptions,
+                     progress: Callable[[ProgressEvent], None] | None = None, meter: Meter | None = None) -> tuple[list[dict], Meter]:
+    """Every record answered (`messages` regenerated, `turns`) or refused (`reject`), in order.
+    The first engine error cancels the rest and is raised (the task retries the shard)."""
+    meter = meter or Meter()
+    gate = asyncio.Semaphore(concurrency)
+    out: list[dict] = [{} for _ in records]
+
+    async def one(i: int, record: dict) -> None:
+        async with gate:
+            base = {"line": record["line"], "source": record["source"]}
+            try:
+                messages, turns = await regenerate_conversation(record["messages"], meter.wrap(chat, urls[i % len(urls)]), options)
+                out[i] = {**base, "messages": messages, "turns": turns}
+            except RegenerateRefused as e:
+                out[i] = {**base, "reject": str(e)}
+            meter.done += 1
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            progress(ProgressEvent(stage="regenerate", step=meter.done, steps=len(records), tokens=meter.completion_tokens,
+                                   tokens_per_second=round(meter.tokens_per_second(), 1), in_flight=meter.in_flight,
+                                   message=f"{meter.done}/{len(records)} conversations, {meter.tokens_per_second():.0f} tok/s, "
+                                           f"{meter.in_flight} in flight"))
+
+    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(records)]
+    reporter = asyncio.create_task(report()) if progress is not None else None
+    try:
+        if tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+    finally:
+        for t in [*tasks, *([reporter] if reporter else [])]:
+            t.cancel()
+        await asyncio.gather(*tasks, *([reporter] if reporter else []), return_exceptions=True)
+    return out, meter
+
+
+async def _answer_shard(records, chat, urls, concurrency, options, progress):
+    try:
+        return await answer_all(records, chat, urls, concurrency, options, progress)
+    finally:
+        await chat.close()
+
+
+# --------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------
+def _jsonl(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
+
+
+def _rows(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def stored_answers(store: ObjectStore, run: str, shard: str) -> tuple[RegeneratedRecord, list[dict]] | None:
+    """The shard's stored answers when their record matches the object (sha256), else None."""
+    try:
+        record = store.get_json(layout.regenerated_record(run, shard), RegeneratedRecord)
+        data = store.get_bytes(record.key)
+    except NotFound:
+        return None
+    import hashlib
+
+    if hashlib.sha256(data).hexdigest() != record.sha256:
+        log.warning("%s: regenerated shard %s does not match its record: asking again", run, shard)
+        return None
+    return record, _rows(data)
+
+
+def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRequest,
+                   progress: Callable[[ProgressEvent], None] | None = None) -> RegenerateResult:
+    """Answer `runs/<run>/conversations/<shard>.jsonl` (once), tokenize it into the token shard."""
+    from aerie_extractor.ingest import ChatTokenizer, Rejected, fit, write_token_shard
+
+    run, shard = request.run, request.shard
+    spec = load_run(store, run)
+    options = spec.ingest
+    if not options.regenerate:
+        raise RegenerateError(f"run {run!r} was not ingested with regenerate: its token shards are the dataset's own")
+    result = RegenerateResult(run=run, shard=shard)
+    if store.exists(layout.shard_record(run, "tokens", shard)):
+        result.skipped = True
+        return result
+
+    found = stored_answers(store, run, shard)
+    if found is not None:
+        record, answered = found
+        result.reused_answers = True
+    else:
+        try:
+            records = _rows(store.get_bytes(layout.conversations(run, shard)))
+        except NotFound:
+            raise RegenerateError(f"run {run!r} has no conversation shard {shard} ({layout.conversations(run, shard)})") from None
+        chat, urls, concurrency = make_chat(settings, spec.engine.name, spec.target.model, options)
+        started = time.monotonic()
+        answered, meter = asyncio.run(_answer_shard(records, chat, urls, concurrency, options, progress))
+        data = _jsonl(answered)
+        key = layout.regenerated(run, shard)
+        sha = store.put_bytes(key, data)
+        seconds = time.monotonic() - started
+        record = RegeneratedRecord(
+            run=run, shard=shard, key=key, sha256=sha, conversations=sum("messages" in a for a in answered),
+            turns=sum(a.get("turns", 0) for a in answered), rejects=sum("reject" in a for a in answered),
+            prompt_tokens=meter.prompt_tokens, completion_tokens=meter.completion_tokens, seconds=round(seconds, 3),
+            tokens_per_second=round(meter.completion_tokens / max(seconds, 1e-9), 2), max_in_flight=meter.max_in_flight,
+            mean_in_flight=round(meter.busy_s / max(seconds, 1e-9), 3), servers=urls,
+        )
+        store.put_json(layout.regenerated_record(run, shard), record)
+        log.info("regenerate %s/%s: %d conversations, %d turns, %d completion tokens in %.1f s (%.0f tok/s, max %d in flight)",
+                 run, shard, record.conversations, record.turns, record.completion_tokens, seconds, record.tokens_per_second,
+                 record.max_in_flight)
+
+    # tokenize, as ingest does (each turn on its own where the template rewrites earlier turns)
+    chat_tokenizer = ChatTokenizer(spec.target.model)
+    sequences, rejects = [], []
+    for row in answered:
+        try:
+            if "reject" in row:
+                raise Rejected(row["reject"])
+            for ids, mask in chat_tokenizer.sequences(row["messages"], options.loss_on):
+                ids, mask, _ = fit(ids, mask, options)
+                sequences.append({"input_ids": ids, "loss_mask": mask})
+        except Rejected as e:
+            rejects.append(RejectRecord(source=row["source"], line=row["line"], reason=str(e)))
+    if rejects:
+        store.put_bytes(layout.regenerate_rejects(run, shard), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects))
+    if sequences:
+        tokens = write_token_shard(store, run, shard, sequences)
+        result.sequences, result.tokens = tokens.sequences, tokens.tokens
+    store.put_json(layout.regenerated_record(run, shard), record.model_copy(update={"token_sequences": len(sequences)}))
+    store.delete(layout.shard_failure(run, shard))  # an earlier attempt's, if any
+    result.conversations, result.turns, result.rejects = record.conversations, record.turns, len(rejects)
+    result.completion_tokens, result.seconds, result.tokens_per_second = record.completion_tokens, record.seconds, record.tokens_per_second
+    result.max_in_flight, result.mean_in_flight = record.max_in_flight, record.mean_in_flight
+    return result
+
+
+__all__ = ["Answer", "HFChat", "Meter", "OpenAIChat", "RegenerateError", "RegenerateRefused", "answer_all", "assistant_turn",
+           "make_chat", "regenerate_conversation", "run_regenerate"]

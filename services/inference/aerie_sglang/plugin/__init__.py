@@ -37,14 +37,12 @@ import logging
 import os
 import pkgutil
 
+from aerie_sglang.plugin.errors import PluginRefused  # noqa: F401 - raised here, imported from here by callers
+
 ENABLE_VAR = "AERIE_SGLANG_BINARY"
 # Every variable the plugin reads (sink.py's table); the deploy checks accept these AERIE_* names.
 ENV_VARS = (ENABLE_VAR, "AERIE_CAPTURE_LAYER_IDS", "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", "AERIE_CAPTURE_TTL_S", "AERIE_CAPTURE_WRITERS",
             "AERIE_CAPTURE_S3_PREFIX", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY", "AERIE_S3_REGION")
-
-
-class PluginRefused(RuntimeError):
-    """The plugin does not apply to this SGLang; nothing was hooked."""
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from aerie_sglang.plugin import PluginRefused
+from aerie_sglang.plugin.errors import PluginRefused
 
 FIELD = "aerie_capture"  # the custom_params key, the meta_info key and the /server_info key
 LAYER_IDS_VAR = "AERIE_CAPTURE_LAYER_IDS"  # releases without the capture flags: SGLang layer ids

@@ -37,7 +37,7 @@ from http import HTTPStatus
 
 import torch
 
-from aerie_sglang.plugin import compat
+import aerie_sglang.plugin.compat as compat
 from aerie_sglang.plugin.compat import FIELD, LAYER_IDS_VAR
 from aerie_sglang.plugin.sink import (
     FORMAT_VERSION, SUFFIX, Capture, CaptureConfigError, CaptureSinkSettings, Sinks, SinkFull, planned_size,

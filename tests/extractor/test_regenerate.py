@@ -141,16 +141,17 @@ def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path):
-    dataset = write_dataset(tmp_path, [CONVERSATIONS[i % 4][:3] if i % 4 == 0 else CONVERSATIONS[i % 4][:2] for i in range(9)])
+    dataset = write_dataset(tmp_path, [CONVERSATIONS[0][:3], *(c[:2] for c in CONVERSATIONS[1:4])])
+    # one request at a time: a shard of two conversations is half done when its first answer is back
     env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="6", AERIE_REGENERATE_URLS=json.dumps([chat_server.url]),
-                     AERIE_REGENERATE_CONCURRENCY="2")
+                     AERIE_REGENERATE_CONCURRENCY="1")
     victim = Worker(env, "victim", tmp_path)
     workers.append(victim)
     victim.wait_for(r"ready\.", 120)
     offset = len(chat_server.log_path.read_text(errors="replace"))
     out = celery_cli(env, "enqueue", "--dataset", str(dataset), "--run", "kill-regen", "--model", str(smollm2_path),
                      "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
-                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "3")
+                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "2")
     assert "enqueued aerie.ingest" in out
     killed = victim.wait_for(r"Task aerie\.regenerate\[([0-9a-f-]+)\] received", 200).group(1)
     # one answer of its shard is back, the shard's others are not: kill it there
@@ -158,19 +159,19 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)
     assert f"aerie.regenerate[{killed}] succeeded" not in victim.log()
-    assert len(layout.record_names(s3_store.list(layout.regenerated_prefix("kill-regen")))) < 3
+    assert len(layout.record_names(s3_store.list(layout.regenerated_prefix("kill-regen")))) < 2
 
     for name in ("rescuer1", "rescuer2"):
         workers.append(Worker(env, name, tmp_path))
     status = wait_complete(s3_store, "kill-regen", workers, 300, private_redis)
-    assert status.hidden_done == status.shards_total == status.regenerate_total == status.regenerated == 3
-    assert status.sequences == 9 and status.failed == 0
+    assert status.hidden_done == status.shards_total == status.regenerate_total == status.regenerated == 2
+    assert status.sequences == 4 and status.failed == 0
     assert any(f"aerie.regenerate[{killed}] received" in w.log() for w in workers[1:]), "the killed task was not redelivered"
 
     client = redis.Redis.from_url(private_redis)
     wait_until(lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")), 120, "queues to drain", poll=1)
     client.close()
-    shards = ["000000", "000001", "000002"]
+    shards = ["000000", "000001"]
     assert s3_store.list(layout.regenerated_prefix("kill-regen")) == [
         f"runs/kill-regen/regenerated/{s}.{ext}" for s in shards for ext in ("json", "jsonl")]
     for kind in ("tokens", "hidden"):
@@ -178,12 +179,12 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
             f"runs/kill-regen/{kind}/{s}.{ext}" for s in shards for ext in ("json", "safetensors")]
     # each shard's extraction was enqueued once, the redelivered shard's too
     logs = "".join(w.log() for w in workers)
-    assert len(set(re.findall(r"Task aerie\.extract\[([0-9a-f-]+)\] received", logs))) == 3, logs[-4000:]
-    # a redelivery redoes its one shard, never the run: 9 answers, plus at most 3 (one shard) per extra
+    assert len(set(re.findall(r"Task aerie\.extract\[([0-9a-f-]+)\] received", logs))) == 2, logs[-4000:]
+    # a redelivery redoes its one shard, never the run: 4 answers, plus at most 2 (one shard) per extra
     # delivery (the killed one; with a 6 s visibility timeout a slow shard may be handed out twice too)
     deliveries = len(re.findall(r"Task aerie\.regenerate\[[0-9a-f-]+\] received", logs))
     answers = server_log_since(chat_server, offset).count("POST /v1/chat/completions")
-    assert deliveries >= 4 and 9 <= answers <= 9 + 3 * (deliveries - 3), (answers, deliveries)
+    assert deliveries >= 3 and 4 <= answers <= 4 + 2 * (deliveries - 2), (answers, deliveries)
 
 
 # --------------------------------------------------------------------------------------
@@ -290,3 +291,14 @@ def test_a_template_that_rewrites_earlier_turns_is_tokenized_turn_by_turn(smollm
     plain = ChatTokenizer(smollm2_path)
     (whole,) = plain.sequences(messages, "all")
     assert np.array_equal(whole[0], plain.encode(messages, "all")[0])
+
+
+def test_a_conversation_whose_first_prompt_fills_max_tokens_is_not_asked(fs_store, smollm2_path, tmp_path):
+    """Its answer would be truncated away: ingest refuses it before any request is sent."""
+    settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
+    ingested = stages.ingest(fs_store, settings, IngestRequest(
+        run="long", dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])), model=str(smollm2_path), capture_points=POINTS,
+        options=IngestOptions(max_tokens=16, regenerate=True)))
+    assert ingested.rejects == 2 and ingested.regenerate_shards == []
+    reasons = fs_store.get_bytes(fs_store.list(layout.rejects_prefix("long"))[0]).decode()
+    assert reasons.count("over-long: no assistant token within the first 16 tokens (the first prompt alone is") == 2

@@ -406,6 +406,21 @@ class ChatTokenizer:
                 spans.append((start, end))
         return spans
 
+    def answerable(self, messages: list[dict[str, str]], max_tokens: int) -> list[dict[str, str]]:
+        """A conversation worth answering again: a user turn before its first assistant turn, and a
+        first prompt shorter than `max_tokens` (else no answer token would be kept: not asked)."""
+        first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
+        if not any(m["role"] == "user" for m in messages[:first]):
+            raise Rejected(f"turn {first + 1} is an assistant turn with no user turn before it: nothing to answer")
+        try:
+            prompt = self.tokenizer(self.render(messages[:first], generation_prompt=True), add_special_tokens=False)["input_ids"]
+        except Exception as e:  # jinja raises for conversations the template refuses
+            raise Rejected(f"chat template refused the conversation: {e}") from None
+        if len(prompt) >= max_tokens:
+            raise Rejected(f"over-long: no assistant token within the first {max_tokens} tokens (the first prompt alone "
+                           f"is {len(prompt)} tokens): not regenerated")
+        return messages
+
     def sequences(self, messages: list[dict[str, str]], loss_on: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """The conversation as one sequence, or, when the template rewrites earlier turns, one
         sequence per assistant turn (each with the prompt that turn was answered on)."""
@@ -503,14 +518,6 @@ def write_token_shard(store: ObjectStore, run: str, name: str, sequences: list[d
     return record
 
 
-def answerable(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """A conversation the target can answer again: a user turn before its first assistant turn."""
-    for j, m in enumerate(messages):
-        if m["role"] == "assistant":
-            raise Rejected(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
-        if m["role"] == "user":
-            return messages
-    return messages
 
 
 def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
@@ -621,7 +628,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
                 raise record
             messages = normalize(record)
             if opts.regenerate:  # answered by the regenerate stage, tokenized there
-                conversations.append({"line": line, "source": source, "messages": answerable(messages)})
+                conversations.append({"line": line, "source": source, "messages": chat.answerable(messages, opts.max_tokens)})
                 if len(conversations) >= opts.regenerate_shard_records:
                     flush_conversations()
                 accepted += 1

@@ -5,7 +5,7 @@
 
 Passes over the same prompts against the same capture server (plugin installed and enabled,
 `AERIE_SGLANG_BINARY=1`, `--disable-radix-cache`), each with `--concurrency` requests in flight,
-`max_new_tokens: 1`:
+`max_new_tokens: 1` (`--passes` picks a subset):
 
 - bare:   no hidden states returned (what prefill alone costs through HTTP)
 - json:   `return_hidden_states: true`; the client parses the floats into numpy (orjson), aux only
@@ -19,6 +19,28 @@ Prints tokens/s per pass and the ratios binary/json and binary/bare, for raw req
 the engine (goal: binary >= 0.95 bare). A warm-up pass (not timed) runs first. The passes are
 interleaved batch by batch (`--batch` prompts, the order rotating), `--rounds` times, so that a
 neighbour's load on a shared machine hits all alike; tokens/s = all tokens / all seconds of a pass.
+To tell a path's cost from noise the JSON also has: every (round, batch, pass) sample; each
+ratio per batch (the same prompts back to back: median, min, max); the rate by position in the
+rotation (warm-up/order effects); the server's own seconds per request (`e2e_latency`); and, for
+a server started here, how SGLang batched each pass (its "Prefill batch" log lines).
+
+On a GPU host, one call per model (issue 15 item 3): `--sglang-python` starts stock
+`sglang.launch_server` (0.5.23 with its capture flags, or 0.5.17 with `AERIE_CAPTURE_LAYER_IDS`:
+the plugin's compat table); an SGLang unpacked without pip (the device recipe's `/tmp/site`,
+given by `--server-env PYTHONPATH=...`) gets the plugin registered from this checkout.
+`--make-llama 4096,32` serves a random-weights Llama of the 8B shape (written once to
+`--model-dir`, ~15 GB bf16), `--workers 1,2,4` adds extraction by 1, 2 and 4 extractor processes
+against the one server:
+
+    python3 benchmarks/bench_capture.py --sglang-python python3 --server-env PYTHONPATH=/tmp/site \
+        --model SMOLLM2_DIR --prompts 256 --tokens 512 --concurrency 32 --batch 32 --rounds 2 \
+        --workers 1,2,4 --log-dir $OUT/smollm2 --out $OUT/capture-smollm2.json \
+        --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
+    # the 8B shape: add --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b (SMOLLM2_DIR gives the tokenizer)
+
+Checked on the CPU only, at tiny sizes (the CPU launcher through the same path:
+`--sglang-python .venv-sglang/bin/python --launcher aerie_sglang.cpu.launch --serve-dtype float32
+--server-arg=--device --server-arg=cpu ...`); not yet run on a GPU.
 
 Measured 2026-12-02:
 - 2-core CPU shared with other jobs (load average 6-15), SmolLM2 fp32, 8 prompts, c=4, 2 rounds:
@@ -27,7 +49,11 @@ Measured 2026-12-02:
   seconds there and the machine's load swings +-30 % between rounds: inconclusive either way.
 - Same CPU, 16 prompts x 256 tokens, c=4, interleaved in batches of 4, 2 rounds (BENCHMARKS.md):
   bare 154, json 164, binary 243, extract-json 153, extract-binary 274 tok/s; extraction
-  binary/json 1.79, binary/bare 1.78 (bare below binary in every round: unexplained, noise-sized).
+  binary/json 1.79, binary/bare 1.78: noise, as the next run shows (BENCHMARKS.md withdraws it).
+- 2026-12-03, same CPU at load 8-9, 16 x 256 tokens, c=4, batches of 4, 4 rounds, bare / binary /
+  extract-binary: 42.3 / 43.9 / 45.7 tok/s; per batch binary/bare median 0.96 (0.48-2.32),
+  extract-binary/bare 0.97 (0.52-2.01); SGLang batched all three alike; server seconds per
+  request 24.1 (bare) vs 23.1 (binary).
 - `--sink-only` on an H200 host (16 cores), bf16, 512-token requests, 32 per step, 8 claiming
   threads: H=576 (K=3): 144k / 346k / 376k tok/s with 1 / 4 / 8 writer threads; H=4096:
   21k / 75k / 118k tok/s. Bare prefill there (FIGURES.md): 167-190k and 38-42k tok/s, so
@@ -40,7 +66,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import signal
+import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,10 +81,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def bare(client, ids: list[int]) -> int:
+def _server_s(response: dict) -> float:
+    """The server's own end-to-end seconds for a request (`meta_info.e2e_latency`), 0 if absent."""
+    return float((response.get("meta_info") or {}).get("e2e_latency") or 0.0)
+
+
+def bare(client, ids: list[int]) -> tuple[int, float]:
     r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     r.raise_for_status()
-    return len(ids)
+    return len(ids), _server_s(r.json())
 
 
 def as_json(client, ids: list[int]) -> int:
@@ -63,9 +98,10 @@ def as_json(client, ids: list[int]) -> int:
     r = client.post("/generate", json={"input_ids": ids, "return_hidden_states": True,
                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
     r.raise_for_status()
-    aux = np.asarray(orjson.loads(r.content)["meta_info"]["hidden_states"][0], dtype=np.float32)
+    body = orjson.loads(r.content)
+    aux = np.asarray(body["meta_info"]["hidden_states"][0], dtype=np.float32)
     assert aux.shape[0] == len(ids)
-    return len(ids)
+    return len(ids), _server_s(body)
 
 
 def binary(client, ids: list[int]) -> int:
@@ -75,9 +111,10 @@ def binary(client, ids: list[int]) -> int:
 
     r = client.post("/generate", json=capture_body(ids, "shm"))
     r.raise_for_status()
-    tensors = fetch_binary(descriptor_of(orjson.loads(r.content)), reader_for(client.get("/server_info").json(), "shm"))
+    body = orjson.loads(r.content)
+    tensors = fetch_binary(descriptor_of(body), reader_for(client.get("/server_info").json(), "shm"))
     assert tensors["aux"].shape[0] == len(ids)
-    return len(ids)
+    return len(ids), _server_s(body)
 
 
 class EnginePass:
@@ -106,17 +143,37 @@ class EnginePass:
         return sum(map(len, prompts))
 
 
-def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[int, float]:
-    """-> (tokens, seconds) of one pass over `prompts`."""
+def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[int, float, float]:
+    """-> (tokens, seconds, the server's summed per-request seconds; 0 for the engine) of one pass over `prompts`."""
     import httpx
 
     if isinstance(fn, EnginePass):
         start = time.perf_counter()
-        return fn(prompts), time.perf_counter() - start
+        return fn(prompts), time.perf_counter() - start, 0.0
     with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
-        tokens = sum(pool.map(lambda ids: fn(client, ids), prompts))
-        return tokens, time.perf_counter() - start
+        done = list(pool.map(lambda ids: fn(client, ids), prompts))
+        return sum(n for n, _ in done), time.perf_counter() - start, sum(t for _, t in done)
+
+
+_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
+
+
+class ServerLog:
+    """The prefill batches SGLang logged (`#new-seq`, `#new-token`) since the last `take()`:
+    how the scheduler batched a pass's requests (None when the server is not ours)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.offset = path, (path.stat().st_size if path else 0)
+
+    def take(self) -> list[tuple[int, int]] | None:
+        if self.path is None:
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            text = f.read().decode(errors="replace")
+            self.offset = f.tell()
+        return [(int(a), int(b)) for a, b in _PREFILL.findall(text)]
 
 
 def sink_only(args) -> dict:
@@ -187,20 +244,184 @@ def sink_only(args) -> dict:
     return result
 
 
+# --- a server of our own: the CPU launcher, or stock SGLang of any supported release on a GPU ---------
+def sglang_version(python: str, env: dict[str, str]) -> str:
+    out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"{python} cannot report its sglang version: {out.stderr.strip()[-500:]}")
+    return out.stdout.strip()
+
+
+def plugin_site(folder: Path) -> Path:
+    """A folder that, on PYTHONPATH beside services/inference, registers aerie's plugin with
+    SGLang's loader (the dist-info `pip install services/inference` would write), for an SGLang
+    unpacked without pip (the device recipe's /tmp/site)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "services" / "inference" / "pyproject.toml").read_text())["project"]
+    info = folder / f"aerie_sglang-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    eps = "".join(f"{k} = {v}\n" for k, v in project["entry-points"]["sglang.srt.plugins"].items())
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{eps}")
+    return folder
+
+
+@contextlib.contextmanager
+def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path):
+    """Stock `sglang.launch_server` from `--sglang-python` with the plugin enabled: capture flags on
+    0.5.23, `AERIE_CAPTURE_LAYER_IDS` on 0.5.17 (aerie_sglang.plugin.compat)."""
+    from tests.sglang_server import SGLangServer, _wait_healthy, free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV"))}
+    env.update(AERIE_SGLANG_BINARY="1", AERIE_CAPTURE_DIR=shm, SGLANG_PLUGINS="aerie_capture")
+    for item in args.server_env:
+        key, _, value = item.partition("=")
+        env[key] = value
+    version = sglang_version(args.sglang_python, env)
+    port = free_port()
+    flags = ["--model-path", str(model), "--dtype", args.serve_dtype or "bfloat16", "--disable-radix-cache",
+             "--enable-return-hidden-states", "--host", "127.0.0.1", "--port", str(port), *args.server_arg]  # fmt: skip
+    if version == "0.5.23":
+        flags += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                  "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]  # fmt: skip
+    else:  # releases without capture flags: the plugin switches capture on (compat.py)
+        env["AERIE_CAPTURE_LAYER_IDS"] = ",".join(map(str, layer_ids))
+    seen = subprocess.run([args.sglang_python, "-c", "import importlib.metadata as m; m.version('aerie-sglang')"],
+                          env=env, capture_output=True, timeout=120).returncode == 0  # fmt: skip
+    if not seen:  # an SGLang unpacked without pip: register the plugin from this checkout
+        site = plugin_site(log_dir / "plugin-site")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO / "services" / "inference"), env.get("PYTHONPATH")) if p)
+    log_path = log_dir / f"sglang-{port}.log"
+    cmd = [args.sglang_python, "-m", args.launcher, *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
+    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=flags, log_path=log_path, process=proc)
+    try:
+        started = time.monotonic()
+        _wait_healthy(server, args.start_timeout)
+        server.extra.update(start_s=time.monotonic() - started, sglang=version)
+        yield server
+    finally:
+        server.stop()
+
+
+def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device: str, dtype: str) -> Path:
+    """A Llama of `hidden` x `layers` with random weights (seeded; speed only), the tokenizer of
+    `tokenizer_from` (its vocabulary size); 4096 x 32 is Llama-3-8B's shape (intermediate 14336,
+    32 heads, 8 KV heads) with SmolLM2's 49,152-token vocabulary. Reused when already there."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        have = json.loads((out / "config.json").read_text())
+        if (have.get("hidden_size"), have.get("num_hidden_layers")) != (hidden, layers):
+            raise SystemExit(f"{out} holds a {have.get('hidden_size')} x {have.get('num_hidden_layers')} model, not "
+                             f"{hidden} x {layers}: give another --model-dir")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    src = json.loads((tokenizer_from / "config.json").read_text())
+    heads = max(1, hidden // 128)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+           "intermediate_size": 14336 if hidden == 4096 else int(hidden * 3.5) // 64 * 64 or 64,
+           "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4), "head_dim": hidden // heads,
+           "vocab_size": src["vocab_size"], "bos_token_id": src.get("bos_token_id"), "eos_token_id": src.get("eos_token_id"),
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "hidden_act": "silu", "torch_dtype": dtype}  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, out / name)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = getattr(torch, dtype)
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dt).cpu()
+
+    save_file({"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=dt),
+               "lm_head.weight": rand(vocab, hidden)}, str(out / "model-head.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        save_file({p + "self_attn.q_proj.weight": rand(hidden, hidden), p + "self_attn.k_proj.weight": rand(kv, hidden),
+                   p + "self_attn.v_proj.weight": rand(kv, hidden), p + "self_attn.o_proj.weight": rand(hidden, hidden),
+                   p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+                   p + "mlp.down_proj.weight": rand(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden, dtype=dt),
+                   p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dt)},
+                  str(out / f"model-layer{i:03d}.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))  # last: a folder with config.json is complete
+    return out
+
+
+def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: list[list[int]], barrier, results) -> None:
+    sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
+    engine = EnginePass(url, Path(model), points, "binary", concurrency)  # checks the server, probes once
+    barrier.wait()
+    start = time.perf_counter()
+    tokens = engine(prompts)
+    results.put((tokens, start, time.perf_counter()))
+
+
+def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[int]], workers: list[int], concurrency: int) -> dict:
+    """N extractor processes (each one engine, `concurrency` requests in flight: a worker as deployed)
+    capture disjoint shares of the prompts at once against one server; tok/s = all tokens / the
+    span from the first start to the last end."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = {}
+    for n in workers:
+        barrier, results = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(url, str(model), points, concurrency, prompts[i::n], barrier, results)) for i in range(n)]
+        for proc in procs:
+            proc.start()
+        got = [results.get(timeout=3600) for _ in procs]
+        for proc in procs:
+            proc.join()
+            if proc.exitcode != 0:
+                raise SystemExit(f"an extractor worker exited with {proc.exitcode}")
+        span = max(e for _, _, e in got) - min(s for _, s, _ in got)
+        out[str(n)] = {"tokens": sum(t for t, _, _ in got), "seconds": span, "tokens_per_s": sum(t for t, _, _ in got) / span}
+        print(f"workers={n}: {out[str(n)]['tokens_per_s']:.1f} tok/s", flush=True)
+    return out
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="a running capture server with the plugin (default: start one on the CPU)")
+    p.add_argument("--url", help="a running capture server with the plugin (default: start one)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="prompts per interleaved batch (each pass runs each batch)")
+    p.add_argument("--passes", default=",".join(PASSES), help=f"which passes, of {','.join(PASSES)}")
     p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
-    p.add_argument("--points", default="2,15,27", help="capture points the server captures")
+    p.add_argument("--make-llama", metavar="HIDDEN,LAYERS", help="serve a random-weights Llama of this shape, built "
+                   "into --model-dir (4096,32: the 8B shape; speed only)")
+    p.add_argument("--model-dir", default="/tmp/aerie-bench-llama", help="--make-llama: where (reused when there)")
+    p.add_argument("--points", help="capture points (default: aerie's default [2, N//2, N-3])")
+    p.add_argument("--workers", default="", help="also: extraction with N extractor processes against the server, e.g. 1,2,4")
+    p.add_argument("--sglang-python", help="start stock `sglang.launch_server` from this Python (a GPU host; "
+                   "0.5.23 or 0.5.17) instead of the CPU launcher")
+    p.add_argument("--serve-dtype", default=None, help="the server's --dtype (default float32 on the CPU launcher, bfloat16 else)")
+    p.add_argument("--server-arg", action="append", default=[], help="one more argument for launch_server (repeatable; "
+                   "--server-arg=--attention-backend --server-arg=triton)")
+    p.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's environment (repeatable)")
+    p.add_argument("--launcher", default="sglang.launch_server", help="--sglang-python: the module it runs "
+                   "(aerie_sglang.cpu.launch checks this path on a CPU)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--log-dir", help="--sglang-python: keep the server's log here (default: a temporary folder)")
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--sink-only", action="store_true", help="the plugin's sink path alone, no SGLang (see sink_only)")
-    p.add_argument("--device", default="cpu", help="--sink-only: where the captured rows live (cuda on a GPU host)")
-    p.add_argument("--dtype", default="bfloat16", help="--sink-only: bfloat16 | float16 | float32")
+    p.add_argument("--device", default="cpu", help="--sink-only: where the captured rows live; --make-llama: where weights are drawn")
+    p.add_argument("--dtype", default="bfloat16", help="--sink-only: bfloat16 | float16 | float32; --make-llama: the weights'")
     p.add_argument("--layers", type=int, default=3, help="--sink-only: K captured layers")
     p.add_argument("--hidden", type=int, default=576, help="--sink-only: H")
     p.add_argument("--client-threads", type=int, default=4, help="--sink-only: claiming threads")
@@ -213,68 +434,117 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return result
 
+    import tempfile
+
     import httpx
 
+    from aerie.capture import convention_for, default_capture_points, to_engine_ids
+    from aerie.target import describe, smollm2
     from aerie_extractor.engines.sglang_binary import advertised
 
+    names = [n for n in args.passes.split(",") if n]
+    unknown = [n for n in names if n not in PASSES]
+    if unknown or not names:
+        raise SystemExit(f"--passes: unknown {unknown}, choose from {','.join(PASSES)}")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, args.tokens).tolist() for _ in range(args.prompts)]
-    points = [int(p) for p in args.points.split(",")]
+    smol = smollm2(Path("~/.cache/aerie").expanduser()) if not args.model or args.make_llama else None
+    if args.make_llama:
+        hidden, layers = (int(x) for x in args.make_llama.split(","))
+        model = make_llama(Path(args.model_dir), hidden, layers, Path(args.model) if args.model else smol, args.device, args.dtype)
+    else:
+        model = Path(args.model) if args.model else smol
+    target = describe(model)
+    points = [int(x) for x in args.points.split(",")] if args.points else default_capture_points(target.num_layers)
+    layer_ids = to_engine_ids(points, convention_for("sglang", target.architecture), target.num_layers)
+    prompts = [rng.integers(100, min(40000, target.vocab_size), args.tokens).tolist() for _ in range(args.prompts)]
+    server_info: dict = {}
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if args.model:
-            model = Path(args.model)
-        else:
-            from aerie.target import smollm2
-
-            model = smollm2(Path("~/.cache/aerie").expanduser())
+        url, log = args.url, ServerLog(None)
         if url is None:
-            import tempfile
-
-            from tests.sglang_server import capture_server
-
             shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-            env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
-            server = stack.enter_context(capture_server(model, points=points, env=env))
-            url = server.url
-        info = advertised(httpx.get(url + "/server_info", timeout=30).json())
-        if info is None:
+            if args.sglang_python:
+                log_dir = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-log-")))
+                log_dir.mkdir(parents=True, exist_ok=True)
+                server = stack.enter_context(gpu_server(args, model, layer_ids, shm, log_dir))
+            else:
+                from tests.sglang_server import capture_server
+
+                env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
+                server = stack.enter_context(capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env))
+            url, log = server.url, ServerLog(server.log_path)
+            server_info["start_s"] = server.extra.get("start_s")
+        info = httpx.get(url + "/server_info", timeout=30).json()
+        server_info.update(sglang=info.get("version"), model=str(model), hidden=target.hidden_size, layers=target.num_layers,
+                           points=points, layer_ids=layer_ids)  # fmt: skip
+        if advertised(info) is None:
             raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1")
-        passes = {"bare": bare, "json": as_json, "binary": binary,
-                  "extract-json": EnginePass(url, model, points, "json", args.concurrency),
-                  "extract-binary": EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
+        makers = {"bare": lambda: bare, "json": lambda: as_json, "binary": lambda: binary,
+                  "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency),
+                  "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
+        passes = {name: makers[name]() for name in names}
         for fn in passes.values():  # warm-up
             run_pass(fn, url, prompts[: args.concurrency], args.concurrency)
+        log.take()
         # Interleaved batch by batch (`--batch` prompts, pass order rotating): a neighbour's load
         # on a shared machine falls on every pass alike, not on whichever pass ran during it.
-        names = list(passes)
         tokens = {name: 0 for name in names}
         seconds = {name: 0.0 for name in names}
+        server_s = {name: 0.0 for name in names}
         rates: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.rounds):
+        samples: list[dict] = []  # one per (round, batch, pass), in the order they ran
+        batching: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+        for r in range(args.rounds):
             got = {name: [0, 0.0] for name in names}
             for b, start in enumerate(range(0, len(prompts), args.batch)):
-                for name in names[b % len(names) :] + names[: b % len(names)]:
-                    n, t = run_pass(passes[name], url, prompts[start : start + args.batch], args.concurrency)
+                for pos, name in enumerate(names[b % len(names) :] + names[: b % len(names)]):
+                    n, t, srv = run_pass(passes[name], url, prompts[start : start + args.batch], args.concurrency)
                     got[name][0] += n
                     got[name][1] += t
+                    server_s[name] += srv
+                    batches = log.take()
+                    if batches is not None:
+                        batching[name] += batches
+                    samples.append({"round": r, "batch": b, "position": pos, "pass": name, "tokens": n, "seconds": t,
+                                    "server_s": srv, "prefill_batches": batches})  # fmt: skip
             for name, (n, t) in got.items():
                 tokens[name] += n
                 seconds[name] += t
                 rates[name].append(n / t)
-        tps = {name: tokens[name] / seconds[name] for name in names}
+        if args.workers:
+            scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency)
+    tps = {name: tokens[name] / seconds[name] for name in names}
     result = {
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,
-        "batch": args.batch, "tokens_per_s": tps, "per_round": rates,
-        "binary_over_json": tps["binary"] / tps["json"], "binary_over_bare": tps["binary"] / tps["bare"],
-        "extract_binary_over_json": tps["extract-binary"] / tps["extract-json"],
-        "extract_binary_over_bare": tps["extract-binary"] / tps["bare"],
+        "batch": args.batch, "server": server_info, "tokens_per_s": tps, "per_round": rates,
     }  # fmt: skip
-    print(json.dumps(result, indent=1))
+    for a, b in (("binary", "json"), ("binary", "bare"), ("extract-binary", "extract-json"), ("extract-binary", "bare"), ("json", "bare")):
+        if a in tps and b in tps:
+            key = f"{a}_over_{b}".replace("-", "_")
+            result[key] = tps[a] / tps[b]
+            # the same prompts, run back to back: one ratio per (round, batch)
+            per = {(s["round"], s["batch"]): {} for s in samples}
+            for s in samples:
+                per[(s["round"], s["batch"])][s["pass"]] = s["tokens"] / s["seconds"]
+            result[key + "_per_batch"] = _spread([v[a] / v[b] for v in per.values()])
+    by_pos: dict[int, list[float]] = {}
+    for s in samples:
+        by_pos.setdefault(s["position"], []).append(s["tokens"] / s["seconds"] / tps[s["pass"]])
+    result["rate_by_position"] = {str(k): statistics.mean(v) for k, v in sorted(by_pos.items())}  # 1 = the pass's mean
+    result["server_seconds_per_request"] = {name: server_s[name] / (tokens[name] / args.tokens) for name in names if server_s[name]}
+    result["prefill_batches"] = {name: {"count": len(v), "seqs_per_batch": statistics.mean(a for a, _ in v) if v else None,
+                                        "tokens_per_batch": statistics.mean(t for _, t in v) if v else None}
+                                 for name, v in batching.items() if v}  # fmt: skip
+    if args.workers:
+        result["workers"] = scaling
+    result["samples"] = samples
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
+
+PASSES = ("bare", "json", "binary", "extract-json", "extract-binary")
+REPO = Path(__file__).resolve().parents[1]
 
 if __name__ == "__main__":
     main()

@@ -274,7 +274,9 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
     0.5.23, `AERIE_CAPTURE_LAYER_IDS` on 0.5.17 (aerie_sglang.plugin.compat)."""
     from tests.sglang_server import SGLangServer, _wait_healthy, free_port
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV"))}
+    # The client's PYTHONPATH (its own transformers, pydantic, ...) stays out of the server's: SGLang
+    # gets its pins from --server-env PYTHONPATH=... only (the device recipe's /tmp/site).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV")) and k != "PYTHONPATH"}
     env.update(AERIE_SGLANG_BINARY="1", AERIE_CAPTURE_DIR=shm, SGLANG_PLUGINS="aerie_capture")
     for item in args.server_env:
         key, _, value = item.partition("=")

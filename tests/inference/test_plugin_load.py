@@ -239,3 +239,27 @@ def test_the_s3_sink_is_bounded_and_expires_unclaimed_captures(s3_store, tmp_pat
     assert "EXPIRED" in out, out
     assert sorted(s3_store.list("")) == sorted(["capture/notes.txt", "capture/deeper/" + "9" * 32 + ".safetensors",
                                                   "runs/r1/" + "9" * 32 + ".safetensors"])
+
+
+def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_path):
+    """0.5.17 drops the final (post-norm) rows, so the plugin keeps the logits processor's input.
+    Under 0.5.17's default prefill CUDA graph that input is the graph's static output, which the
+    next batch's replay overwrites before this batch's rows are read (overlap scheduling). On the
+    H200 (2026-12-03, benchmarks/plugin_on_device.py) keeping the tensor itself gave wrong final
+    rows (cos < 0.2 against HF) for 23 of 24 concurrent captures and for a 3-chunk prompt; with the
+    copy all were at the bf16 floor."""
+    out = _sink_run("""
+        from aerie_sglang.plugin import compat, hooks
+        rel = compat.RELEASES["0.5.17"]
+        hooks.configure(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60), rel, "test", [1, 5])
+        class Full:
+            def is_full(self): return True
+        class Metadata:
+            capture_hidden_mode = Full()
+        class Output: pass
+        static = torch.ones(6, 8)  # the graph's output buffer, the logits processor's input
+        out = hooks.around_logits_processor_forward(lambda *a, **k: Output(), None, None, static, None, Metadata(), [torch.zeros(6, 8)])
+        static.fill_(7.0)  # the next batch's replay
+        print("KEPT", compat.final_state(rel, out).eq(1).all().item())
+    """, tmp_path)
+    assert "KEPT True" in out

@@ -11,7 +11,7 @@ How the two supported releases differ (their wheels' source, compared):
 | need | 0.5.23 (the images') | 0.5.17 (the H200's: torch 2.11) |
 |---|---|---|
 | capture-only server | `--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids` | no such flags: the plugin switches SGLang's EAGLE-3 aux capture on (`resolve_spec_aux_hidden_state_config`) from `AERIE_CAPTURE_LAYER_IDS` and advertises the two fields in `/server_info` |
-| final (post-norm) state | `LogitsProcessorOutput.last_hidden_states` | not kept: the plugin keeps the logits processor's input (`LogitsProcessor.forward`; `PrefillCudaGraphRunner._trim_logits_output` rebuilds the output) |
+| final (post-norm) state | `LogitsProcessorOutput.last_hidden_states` | not kept: the plugin keeps a copy of the logits processor's input (`LogitsProcessor.forward`; `PrefillCudaGraphRunner._trim_logits_output` rebuilds the output) |
 | one descriptor per request | `SchedulerOutputStreamer.is_request_level_customized_info_key` | values are sliced per output token: one token (`max_new_tokens: 1`), one descriptor, no hook |
 | only the capture's response carries it | `TokenizerManager.update_request_meta_info` | taken out of the batch in `TokenizerManager._handle_batch_output`, put into the request's own response in `RequestLogger.log_finished_request` |
 | `/server_info` | `sglang.srt.utils.common.build_server_info` | `TokenizerManager.resolved_config_dict` |

@@ -312,7 +312,10 @@ def around_logits_processor_forward(original, processor, *args, **kwargs):
     aux = kwargs.get("aux_hidden_states", args[4] if len(args) > 4 else None)
     mode = getattr(metadata, "capture_hidden_mode", None)
     if hidden is not None and aux is not None and mode is not None and mode.is_full():
-        setattr(out, _FINAL, hidden)
+        # A copy, made here on the forward's stream: under a prefill CUDA graph (0.5.17's default)
+        # `hidden` is the graph's static output, which the next batch's replay overwrites, and with
+        # overlap scheduling that replay is launched before this batch's rows are read.
+        setattr(out, _FINAL, hidden.clone())
     return out
 
 

@@ -192,7 +192,7 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
 # --------------------------------------------------------------------------------------
 class _Bad(BaseHTTPRequestHandler):
     replies = {"/garbage": (200, b'{"object": "not a chat completion"}'), "/broken": (500, b"Internal Server Error"),
-               "/refuses": (400, b'{"error": "context too long"}')}
+               "/refuses": (400, b'{"error": "context too long"}'), "/locked": (401, b'{"error": "no key"}')}
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -237,6 +237,14 @@ def test_a_bad_or_missing_server_is_one_line_naming_it(fs_store, smollm2_path, t
     assert fs_store.list(layout.regenerated_prefix("bad")) == []  # nothing stored: the retry asks again
 
 
+def test_a_server_wanting_an_api_key_fails_the_shard_at_once(fs_store, smollm2_path, tmp_path, bad_server):
+    _ingested(fs_store, smollm2_path, tmp_path, "locked")
+    with pytest.raises(EngineError) as e:
+        stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/locked"]),
+                          RegenerateRequest(run="locked", shard="000000"))
+    assert not e.value.retryable and "HTTP 401" in str(e.value) and "AERIE_ENGINE_API_KEY" in str(e.value)
+
+
 def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smollm2_path, tmp_path, bad_server):
     _ingested(fs_store, smollm2_path, tmp_path, "refused")
     result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),
@@ -249,6 +257,35 @@ def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smol
 
     status = run_status(fs_store, "refused")
     assert status.complete and status.regenerated == status.regenerate_total == 1 and status.tokens_done == 0
+
+
+def test_turns_stop_at_the_turn_limit_and_once_the_conversation_fills_max_tokens():
+    """The turn logic alone, on a stand-in answerer that reports the token counts a server would."""
+    import asyncio
+
+    from aerie_extractor.regenerate import RegenerateRefused, regenerate_conversation
+
+    turns = [m for c in CONVERSATIONS[1:2] for m in normalize({"conversations": c})]  # 3 user turns, 3 answers
+    asked = []
+
+    async def answer(history):
+        asked.append(len(history))
+        return Answer(content=f"answer {len(asked)}", prompt_tokens=10 * len(history), completion_tokens=5)
+
+    out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=1000, regenerate=True)))
+    assert n == 3 and [m["content"] for m in out if m["role"] == "assistant"] == ["answer 1", "answer 2", "answer 3"]
+    asked.clear()
+    out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=1000, regenerate=True, regenerate_max_turns=2)))
+    assert n == 2 and out[-1] == {"role": "assistant", "content": "answer 2"} and len(out) == 4  # the rest dropped
+    asked.clear()  # the second answer's prompt (30) + completion (5) reaches max_tokens 35: no third turn
+    out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=35, regenerate=True)))
+    assert n == 2 and asked == [1, 3]
+
+    async def empty(history):
+        return Answer(content="  ")
+
+    with pytest.raises(RegenerateRefused, match="regenerated answer for turn 2 is empty"):
+        asyncio.run(regenerate_conversation(turns, empty, IngestOptions(regenerate=True)))
 
 
 # --------------------------------------------------------------------------------------

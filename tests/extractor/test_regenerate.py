@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -224,14 +225,17 @@ def _ingested(store, smollm2_path, tmp_path, run):
 @pytest.mark.parametrize("where, says", [
     ("/garbage", r"answered without choices\[0\]\.message: .*not a chat completion.*AERIE_REGENERATE_URLS"),
     ("/broken", r"answered HTTP 500: Internal Server Error"),
-    ("unreachable", r"unreachable \(ConnectError: .*\): is the server up\? \(AERIE_REGENERATE_URLS"),
+    ("unreachable", r"unreachable \(ConnectError: .*\): is the server up\? \(AERIE_REGENERATE_URLS.*OUTAGE_WAIT_S 2 s\)"),
 ], ids=["garbage", "http-500", "unreachable"])
 def test_a_bad_or_missing_server_is_one_line_naming_it(fs_store, smollm2_path, tmp_path, bad_server, where, says):
     url = f"http://127.0.0.1:{free_port()}" if where == "unreachable" else bad_server + where
     _ingested(fs_store, smollm2_path, tmp_path, "bad")
-    settings = Settings(engine="hf", regenerate_urls=[url])
+    settings = Settings(engine="hf", regenerate_urls=[url], engine_outage_wait_s=2)  # waits 2 s for a server that is down
+    started = time.monotonic()
     with pytest.raises(EngineError) as e:
         stages.regenerate(fs_store, settings, RegenerateRequest(run="bad", shard="000000"))
+    if where == "unreachable":
+        assert time.monotonic() - started >= 2  # it waited for the server to come back first
     assert "\n" not in str(e.value) and url in str(e.value) and re.search(says, str(e.value)), str(e.value)
     assert e.value.retryable  # the task retries this shard
     assert fs_store.list(layout.regenerated_prefix("bad")) == []  # nothing stored: the retry asks again

@@ -27,6 +27,8 @@ answers one shard and turns it into the token shard of the same name, which extr
 - Errors: a 4xx (other than 401/403) refuses that conversation (rejects, the shard goes on); a
   5xx, a malformed answer or an unreachable server is an EngineError naming the URL and the
   setting: the task retries this shard; 401/403 is EngineMismatch (the configuration: no retry).
+  A refused connection first waits for the server's `/health`, up to AERIE_ENGINE_OUTAGE_WAIT_S
+  (a restarting server), then asks once more.
 - Progress: a ProgressEvent every few seconds (conversations done, completion tokens/s, requests
   in flight now); the result and the record keep the shard's tokens/s and the in-flight figures
   measured from the requests' own start and end times.
@@ -122,14 +124,18 @@ async def regenerate_conversation(messages: Messages, chat: Callable[[Messages],
 class OpenAIChat:
     """Async client of `/v1/chat/completions`; one connection pool for all requests in flight."""
 
+    health_poll_s = 5.0
+
     def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float, concurrency: int,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, outage_wait_s: float = 0.0):
         import httpx
 
         if not urls:
             raise EngineError("regeneration needs a server: set AERIE_REGENERATE_URLS (or AERIE_ENGINE_URLS)")
         self.urls = [u.rstrip("/") for u in urls]
-        self.options = options
+        self.options, self.outage_wait_s = options, outage_wait_s
+        self._outages: dict[str, asyncio.Lock] = {}
+        self._gave_up: set[str] = set()
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=limits)  # headers: SGLang's --api-key
 
@@ -139,10 +145,17 @@ class OpenAIChat:
         body = {"model": "default", "messages": messages, "temperature": self.options.regenerate_temperature,
                 "max_tokens": self.options.regenerate_max_tokens}
         try:
-            r = await self.client.post(f"{url}/v1/chat/completions", json=body)
+            try:
+                r = await self.client.post(f"{url}/v1/chat/completions", json=body)
+            except httpx.ConnectError:
+                if self.outage_wait_s <= 0:
+                    raise
+                await self._wait_healthy(url)  # a restarting server: wait for it, then ask once more
+                r = await self.client.post(f"{url}/v1/chat/completions", json=body)
         except httpx.HTTPError as e:
             raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {' '.join(str(e).split())}): is the "
-                              "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS)") from None
+                              "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S "
+                              f"{self.outage_wait_s:g} s)") from None
         if r.status_code in (401, 403):  # the whole run's configuration, not this record
             raise EngineMismatch(f"regeneration: {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
                                  "set AERIE_ENGINE_API_KEY to that key")
@@ -159,6 +172,32 @@ class OpenAIChat:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise EngineError(f"regeneration: {url} answered without choices[0].message: {_short(r.text)} "
                               "(is it an OpenAI-compatible server? AERIE_REGENERATE_URLS)") from None
+
+    async def _wait_healthy(self, url: str) -> None:
+        """Until `url/health` answers 200, at most `outage_wait_s`; one poller per server, the
+        other requests to it wait on the same lock (a large model reloads for 10-30 min)."""
+        import httpx
+
+        lock = self._outages.setdefault(url, asyncio.Lock())
+        async with lock:
+            if url in self._gave_up:  # another request waited the whole time already
+                return
+            deadline = time.monotonic() + self.outage_wait_s
+            warned = False
+            while True:
+                try:
+                    if (await self.client.get(f"{url}/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() >= deadline:
+                    self._gave_up.add(url)
+                    return  # the request after it fails and says so
+                if not warned:
+                    log.warning("regeneration: %s is down: waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
+                                url, self.outage_wait_s)
+                    warned = True
+                await asyncio.sleep(min(self.health_poll_s, max(deadline - time.monotonic(), 0.0)))
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -215,7 +254,8 @@ def make_chat(settings: Settings, engine: str, model_path: str, options: IngestO
         from aerie_extractor.engines.sglang import auth_headers
 
         concurrency = settings.regenerate_concurrency
-        return OpenAIChat(urls, options, settings.engine_timeout_s, concurrency, auth_headers(settings)), urls, concurrency
+        chat = OpenAIChat(urls, options, settings.engine_timeout_s, concurrency, auth_headers(settings), settings.engine_outage_wait_s)
+        return chat, urls, concurrency
     if engine == "hf":
         key = (model_path, settings.device, options.regenerate_temperature, options.regenerate_max_tokens)
         if key not in _hf_chats:

@@ -254,6 +254,9 @@ def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smol
     result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),
                                RegenerateRequest(run="refused", shard="000000"))
     assert result.rejects == 2 and result.sequences == 0
+    again = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/garbage"]),
+                              RegenerateRequest(run="refused", shard="000000"))
+    assert again.reused_answers and again.rejects == 2  # stored once: not asked again (that server would fail)
     (key,) = fs_store.list(layout.rejects_prefix("refused"))
     assert "HTTP 400" in fs_store.get_bytes(key).decode()
     # nothing to extract, and the run says so: complete, with no token shard to wait for

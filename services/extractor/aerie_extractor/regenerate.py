@@ -37,6 +37,7 @@ answers one shard and turns it into the token shard of the same name, which extr
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -369,11 +370,9 @@ def stored_answers(store: ObjectStore, run: str, shard: str) -> tuple[Regenerate
     """The shard's stored answers when their record matches the object (sha256), else None."""
     try:
         record = store.get_json(layout.regenerated_record(run, shard), RegeneratedRecord)
-        data = store.get_bytes(record.key)
+        data = store.get_bytes(layout.regenerated(run, shard))  # the layout's key, never one a record names
     except NotFound:
         return None
-    import hashlib
-
     if hashlib.sha256(data).hexdigest() != record.sha256:
         log.warning("%s: regenerated shard %s does not match its record: asking again", run, shard)
         return None

@@ -152,7 +152,8 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
     offset = len(chat_server.log_path.read_text(errors="replace"))
     out = celery_cli(env, "enqueue", "--dataset", str(dataset), "--run", "kill-regen", "--model", str(smollm2_path),
                      "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
-                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "2")
+                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "2",
+                     "--train-drafter", "d1")
     assert "enqueued aerie.ingest" in out
     killed = victim.wait_for(r"Task aerie\.regenerate\[([0-9a-f-]+)\] received", 200).group(1)
     # one answer of its shard is back, the shard's others are not: kill it there
@@ -171,7 +172,10 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
 
     client = redis.Redis.from_url(private_redis)
     wait_until(lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")), 120, "queues to drain", poll=1)
+    # the run is complete once every conversation shard is extracted: exactly one aerie.train waits
+    train = [json.loads(m) for m in client.lrange("train", 0, -1)]
     client.close()
+    assert [t["headers"]["task"] for t in train] == ["aerie.train"], train
     shards = ["000000", "000001"]
     assert s3_store.list(layout.regenerated_prefix("kill-regen")) == [
         f"runs/kill-regen/regenerated/{s}.{ext}" for s in shards for ext in ("json", "jsonl")]

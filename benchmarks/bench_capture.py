@@ -253,21 +253,6 @@ def sglang_version(python: str, env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
-def plugin_site(folder: Path) -> Path:
-    """A folder that, on PYTHONPATH beside services/inference, registers aerie's plugin with
-    SGLang's loader (the dist-info `pip install services/inference` would write), for an SGLang
-    unpacked without pip (the device recipe's /tmp/site)."""
-    import tomllib
-
-    project = tomllib.loads((REPO / "services" / "inference" / "pyproject.toml").read_text())["project"]
-    info = folder / f"aerie_sglang-{project['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    eps = "".join(f"{k} = {v}\n" for k, v in project["entry-points"]["sglang.srt.plugins"].items())
-    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{eps}")
-    return folder
-
-
 @contextlib.contextmanager
 def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path):
     """Stock `sglang.launch_server` from `--sglang-python` with the plugin enabled: capture flags on
@@ -293,6 +278,8 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
     seen = subprocess.run([args.sglang_python, "-c", "import importlib.metadata as m; m.version('aerie-sglang')"],
                           env=env, capture_output=True, timeout=120).returncode == 0  # fmt: skip
     if not seen:  # an SGLang unpacked without pip: register the plugin from this checkout
+        from plugin_on_device import plugin_site  # beside this script, stdlib only
+
         site = plugin_site(log_dir / "plugin-site")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO / "services" / "inference"), env.get("PYTHONPATH")) if p)
     log_path = log_dir / f"sglang-{port}.log"

@@ -2,6 +2,9 @@
 
     python benchmarks/bench_fp8.py --out benchmarks/results/cpu-2026-12-03-fp8.json   # `aerie run` default sizes
     python benchmarks/bench_fp8.py --quick                                           # `aerie run --quick` sizes
+    python benchmarks/bench_fp8.py --store /tmp/fp8-store --arms fp8 &   # the trainings in two processes over one
+    python benchmarks/bench_fp8.py --store /tmp/fp8-store --arms bf16    # kept store, then the whole document from it
+    python benchmarks/bench_fp8.py --store /tmp/fp8-store --out ...      # (runs and published drafters are reused)
 
 1. ShareGPT conversations are ingested and extracted once through the pipeline's own stages
    (`hf` engine, SmolLM2-135M-Instruct, states computed and stored in bf16): run `bf16`. Run `fp8`
@@ -16,6 +19,7 @@
 3. The same drafter (same config, seed and data order) is trained on each run with `aerie run`'s
    sizes; reported: acceptance length of the project's real speculative-decoding loop (target in
    the loop, held-out prompts), simulated acceptance and step accuracies on held-out shards, loss.
+   Also: how often the target's top-1 token from the fp8 final state is bf16's (the training target).
 4. Host cost: numpy quantize / dequantize throughput (values/s, one core), the torch dequantize the
    trainer runs on the batch's device.
 
@@ -105,6 +109,32 @@ def state_error(store, run: str, blocks: list[int | None]) -> dict:
             "layouts": out}
 
 
+def target_agreement(store, model: Path, tokens: int = 4096) -> dict:
+    """How much fp8 moves the target signal: the target's top-1 token from the fp8 run's final
+    states against the bf16 run's (lm_head of the target, float32), over the first `tokens` rows."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(next(model.glob("*.safetensors"))))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()  # tied in SmolLM2
+    finals = {}
+    for run in ("bf16", "fp8"):
+        parts, n = [], 0
+        for name in runs.shard_names(store, run, "hidden"):
+            shard = Shard.open(store.local_path(layout.shard(run, "hidden", name)))
+            parts += [shard.sequence(i)["final"] for i in range(shard.num_sequences)]
+            n += shard.num_tokens
+            if n >= tokens:
+                break
+        finals[run] = torch.from_numpy(np.concatenate(parts)[:tokens].astype(np.float32))
+    with torch.no_grad():
+        a, b = (finals[r] @ head.T for r in ("bf16", "fp8"))
+        pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        kl = (pa.exp() * (pa - pb)).sum(-1)
+    return {"tokens": int(a.shape[0]), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99))}
+
+
 def at_hidden_size(H: int, points: int = 3, block: int | None = None) -> dict:
     """Bytes per token of a hidden shard at hidden size H: `points` capture points + the final state,
     plus the token tensors (int32 id, uint8 mask)."""
@@ -135,8 +165,8 @@ def throughput() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def train(store, settings, run: str, model: Path, size, seed: int) -> dict:
-    config = size.train_config().model_copy(update={"seed": seed})
+def train(store, settings, run: str, model: Path, size, seed: int, max_tokens: int, **overrides) -> dict:
+    config = size.train_config(max_tokens=max_tokens).model_copy(update={"seed": seed, **overrides})
     result = stages.train(store, settings, TrainRequest(runs=[run], drafter=f"d-{run}", model=str(model), config=config))
     keep = ("steps", "final_loss", "acceptance_untrained", "acceptance", "simulated_acceptance_untrained",
             "simulated_acceptance", "heldout_loss", "heldout_acc", "draft_vocab_coverage", "evaluated_with")
@@ -149,7 +179,16 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=None, help="conversations (default: the size's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--store", default=None, help="a folder kept as the filesystem store: complete runs and published "
+                    "drafters in it are reused (default: a temporary one)")
+    ap.add_argument("--arms", default="bf16,fp8", help="which runs to train a drafter on")
+    ap.add_argument("--train-size", choices=["quick", "default"], default=None,
+                    help="the training settings of this `aerie run` size on the data (default: the data's size)")
+    ap.add_argument("--eval-new-tokens", type=int, default=None, help="tokens per prompt of the real loop (default: the size's)")
+    ap.add_argument("--vocab-from", choices=["target", "data"], default=None,
+                    help="draft vocabulary from the target's greedy tokens or the data's (default: TrainConfig's, target)")
     a = ap.parse_args()
+    arms = a.arms.split(",")
     size = SIZES["quick" if a.quick else "default"]
     records = a.records or size.records
     model = smollm2(Path(os.environ.get("AERIE_CACHE_DIR", "~/.cache/aerie")).expanduser())
@@ -157,7 +196,7 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     t_start = time.perf_counter()
-    result: dict = {"command": "python benchmarks/bench_fp8.py" + (" --quick" if a.quick else ""),
+    result: dict = {"command": " ".join(["python", *sys.argv]),
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU (shared with other work)",
                     "size": "quick" if a.quick else "default", "records": records, "seconds": {}}
 
@@ -167,30 +206,40 @@ def main() -> None:
         if a.out:
             Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
-    with tempfile.TemporaryDirectory(prefix="bench-fp8-") as d:
+    with tempfile.TemporaryDirectory(prefix="bench-fp8-") as tmp:
+        d = a.store or tmp
+        Path(d).mkdir(parents=True, exist_ok=True)
         dataset = str(sharegpt_path())
         settings = Settings(store=f"file://{d}", engine="hf", device="cpu", ingest_local_dirs=[Path(dataset).parent])
         store = FsStore(Path(d))
         result["target"] = describe(model).model_dump(include={"model", "hidden_size", "num_layers"})
         t0 = time.perf_counter()
-        extract_run(store, settings, "bf16", model, dataset, size, records)
+        if not runs.run_complete(store, "bf16"):
+            extract_run(store, settings, "bf16", model, dataset, size, records)
         phase("extract", t0)
         t0 = time.perf_counter()
-        quantized_copy(store, "bf16", "fp8")
+        if not runs.run_complete(store, "fp8"):
+            quantized_copy(store, "bf16", "fp8")
         result["runs"] = {name: run_bytes(store, name) for name in ("bf16", "fp8")}
         result["bytes_ratio"] = result["runs"]["fp8"]["bytes_per_token"] / result["runs"]["bf16"]["bytes_per_token"]
         result["at_hidden_size"] = [at_hidden_size(576), at_hidden_size(7168), at_hidden_size(7168, block=128)]
         result["state_error"] = state_error(store, "bf16", [None, 64, 32])
         result["throughput"] = throughput()
+        result["target_signal"] = target_agreement(store, model)
         phase("quantize + state error", t0)
         result["training"] = {}
-        for name in ("bf16", "fp8"):
+        for name in arms:
             t0 = time.perf_counter()
-            result["training"][name] = train(store, settings, name, model, size, a.seed)
+            overrides = {k: v for k, v in (("eval_new_tokens", a.eval_new_tokens), ("draft_vocab_from", a.vocab_from),
+                                             ("eval_prompts", 8 if a.train_size else None)) if v is not None}
+            result["training"][name] = train(store, settings, name, model, SIZES[a.train_size or result["size"]], a.seed,
+                                             size.max_tokens, **overrides)
+            result["train_config"] = {"size": a.train_size or result["size"], **overrides}
             phase(f"train {name}", t0)
         tr = result["training"]
-        result["acceptance_difference"] = {k: tr["fp8"][k] - tr["bf16"][k] for k in ("acceptance", "simulated_acceptance")
-                                           if tr["fp8"][k] is not None and tr["bf16"][k] is not None}
+        if {"bf16", "fp8"} <= set(tr):
+            result["acceptance_difference"] = {k: tr["fp8"][k] - tr["bf16"][k] for k in ("acceptance", "simulated_acceptance")
+                                               if tr["fp8"][k] is not None and tr["bf16"][k] is not None}
     phase("total", t_start)
     print(json.dumps(result, indent=1))
 

@@ -99,8 +99,7 @@ def conversations_prefix(run: str) -> str:
 
 def conversation_names(keys: list[str]) -> list[str]:
     """Shard names of the `<name>.jsonl` conversation objects among `keys`, sorted."""
-    return sorted({k.rsplit("/", 1)[-1][: -len(".jsonl")] for k in keys
-                   if k.endswith(".jsonl") and _SHARD_NAME.fullmatch(k.rsplit("/", 1)[-1][: -len(".jsonl")])})
+    return sorted(_shard_keys(keys, ".jsonl"))
 
 
 def regenerated(run: str, name: str) -> str:
@@ -135,17 +134,22 @@ def record_names(keys: list[str]) -> list[str]:
     """Shard names of the `<name>.json` records among `keys` (a listing of one shard folder), sorted.
 
     Objects (`.safetensors`), temporary files and anything not named like a shard are left out."""
-    names = set()
-    for key in keys:
-        base = key.rsplit("/", 1)[-1]
-        if base.endswith(".json") and _SHARD_NAME.fullmatch(base[: -len(".json")]):
-            names.add(base[: -len(".json")])
-    return sorted(names)
+    return sorted(_shard_keys(keys, ".json"))
 
 
 def shard_objects(keys: list[str]) -> list[str]:
     """The shard objects (`<name>.safetensors`) among `keys`."""
-    return [k for k in keys if k.endswith(".safetensors") and _SHARD_NAME.fullmatch(k.rsplit("/", 1)[-1][: -len(".safetensors")])]
+    return list(_shard_keys(keys, ".safetensors").values())
+
+
+def _shard_keys(keys: list[str], suffix: str) -> dict[str, str]:
+    """{shard name: key} for the keys whose last part is `<six digits><suffix>`, in listing order."""
+    found = {}
+    for key in keys:
+        base = key.rsplit("/", 1)[-1]
+        if base.endswith(suffix) and _SHARD_NAME.fullmatch(base[: -len(suffix)]):
+            found.setdefault(base[: -len(suffix)], key)
+    return found
 
 
 def rejects(run: str, part: str) -> str:

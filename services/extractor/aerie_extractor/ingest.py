@@ -446,12 +446,7 @@ class ChatTokenizer:
             if not text.startswith(prompt):
                 raise Rejected(f"chat template is not prefix-stable at turn {j + 1} even on its own: the prompt rendered "
                                "with the generation prompt is not a prefix of the turn's rendering")
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = np.asarray(enc["input_ids"], dtype=np.int32)
-            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-            a, b = len(prompt), len(text.rstrip())
-            mask = ((offsets[:, 0] >= a) & (offsets[:, 0] < b) & (offsets[:, 1] > offsets[:, 0])).astype(np.uint8)
-            out.append((ids, mask))
+            out.append(self._tokenize(text, [(len(prompt), len(text.rstrip()))]))
         return out
 
     def encode(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
@@ -462,8 +457,10 @@ class ChatTokenizer:
         except Exception as e:  # jinja raises for conversations the template refuses
             raise Rejected(f"chat template refused the conversation: {e}") from None
         spans = self.assistant_spans(messages, text)
-        if loss_on == "last":
-            spans = spans[-1:]
+        return self._tokenize(text, spans[-1:] if loss_on == "last" else spans)
+
+    def _tokenize(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, loss_mask) of `text`, the loss on the tokens inside the character spans."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
         mask = np.zeros(len(ids), dtype=np.uint8)
@@ -490,18 +487,17 @@ class ChatTokenizer:
 # --------------------------------------------------------------------------------------
 # The ingest job
 # --------------------------------------------------------------------------------------
-def fit(ids: np.ndarray, mask: np.ndarray, opts: IngestOptions) -> tuple[np.ndarray, np.ndarray, bool]:
-    """A sequence within `max_tokens` (truncated or refused by `overlong`): (ids, mask, truncated)."""
-    truncated = False
+def fit(ids: np.ndarray, mask: np.ndarray, opts: IngestOptions) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence within `max_tokens` (truncated or refused by `overlong`)."""
     if len(ids) > opts.max_tokens:
         if opts.overlong == "reject":
             raise Rejected(f"over-long: {len(ids)} tokens > max {opts.max_tokens}")
-        ids, mask, truncated = ids[: opts.max_tokens], mask[: opts.max_tokens], True
+        ids, mask = ids[: opts.max_tokens], mask[: opts.max_tokens]
         if not mask.any():
             raise Rejected(f"over-long: no assistant token within the first {opts.max_tokens} tokens (truncated)")
     if not mask.any():
         raise Rejected("no assistant token after templating (empty assistant turns?)")
-    return ids, mask, truncated
+    return ids, mask
 
 
 def write_token_shard(store: ObjectStore, run: str, name: str, sequences: list[dict[str, np.ndarray]]) -> ShardRecord:
@@ -642,7 +638,7 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
         except Rejected as e:
             rejects.append(RejectRecord(source=source, line=line, reason=str(e)))
             continue
-        for ids, mask, _ in fitted:
+        for ids, mask in fitted:
             if pending and pending_tokens + len(ids) > opts.shard_tokens:
                 flush_shard()
             pending.append({"input_ids": ids, "loss_mask": mask})

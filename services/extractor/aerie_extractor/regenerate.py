@@ -430,7 +430,7 @@ def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRe
             if "reject" in row:
                 raise Rejected(row["reject"])
             for ids, mask in chat_tokenizer.sequences(row["messages"], options.loss_on):
-                ids, mask, _ = fit(ids, mask, options)
+                ids, mask = fit(ids, mask, options)
                 sequences.append({"input_ids": ids, "loss_mask": mask})
         except Rejected as e:
             rejects.append(RejectRecord(source=row["source"], line=row["line"], reason=str(e)))

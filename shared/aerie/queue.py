@@ -4,6 +4,10 @@
   where tasks run eagerly in-process: the same task code, no second implementation.
 - JSON serializer only; pickle is refused on both ends.
 - `acks_late` + `reject_on_worker_lost`: a killed worker's task goes back to the queue.
+- `KeepVisible` (a worker step, Redis brokers): a live worker keeps the messages of the tasks it
+  holds from being handed out again, however long they run; the visibility timeout
+  (`AERIE_BROKER_VISIBILITY_TIMEOUT_S`) then counts only for a worker that is gone (killed, host
+  lost), whose tasks go to another worker once it has passed.
 - Prefetch 1: a long extract or train task never hides behind another in a worker's buffer.
 - `run_task`: every service's tasks retry and give up the same way — transient errors (the store,
   an engine that says so) are retried with exponential backoff, at most MAX_RETRIES times; a
@@ -17,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from celery import Celery, Task, current_app
+from celery import Celery, Task, bootsteps, current_app
 from pydantic import BaseModel, ValidationError
 
 from aerie.contracts import ProgressEvent
@@ -87,8 +92,66 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
         task_eager_propagates=True,
         task_track_started=True,
     )
+    if settings.broker.startswith(("redis://", "rediss://")):
+        app.steps["consumer"].add(KeepVisible)
     app.aerie_settings = settings  # type: ignore[attr-defined]
     return app
+
+
+class KeepVisible(bootsteps.StartStopStep):
+    """A live worker's tasks are never handed to another worker, however long they run.
+
+    Redis has no acknowledgement of its own: kombu keeps each unacknowledged message in a sorted
+    set scored by its delivery time, and any consumer hands out again those older than the
+    visibility timeout, whether their worker is dead or only slow. A regeneration or a training
+    longer than the timeout was then run twice at once (work done twice; follow-ups still once).
+    This step re-scores, every quarter of the timeout, the messages of every task this worker holds
+    (running, waiting for a slot, or for its retry countdown), from a thread of its own, so a task
+    that blocks the worker's loop (solo pool) is kept too. The timeout then counts from the last
+    renewal: a killed worker (or a lost host) stops renewing and its tasks come back once it has
+    passed, as before."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    MAX_INTERVAL_S = 60.0
+
+    def __init__(self, parent, **kwargs):
+        super().__init__(parent, **kwargs)
+        self._stop: threading.Event | None = None
+
+    def start(self, c) -> None:
+        channel = c.task_consumer.channel
+        interval = min(self.MAX_INTERVAL_S, channel.visibility_timeout / 4)
+        self._stop = stop = threading.Event()
+        threading.Thread(target=self._renew_until, args=(channel, interval, stop), name="aerie-keep-visible", daemon=True).start()
+
+    def stop(self, c) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+
+    shutdown = stop
+
+    @staticmethod
+    def _renew_until(channel, interval: float, stop: threading.Event) -> None:
+        while not stop.wait(interval):
+            try:
+                renew_visibility(channel)
+            except Exception as e:  # the broker away for a moment: the next round renews
+                log.warning("could not renew the visibility of this worker's tasks (%s: %s)", type(e).__name__, e)
+
+
+def renew_visibility(channel) -> int:
+    """Re-score the unacknowledged messages of the tasks this worker holds (only those still
+    unacknowledged: `ZADD XX`); how many were held."""
+    from celery.worker import state
+
+    tags = [tag for request in list(state.requests.values())
+            if (tag := getattr(getattr(request, "message", None), "delivery_tag", None)) is not None]
+    if tags:
+        now = time.time()
+        with channel.conn_or_acquire() as client:
+            client.zadd(channel.unacked_index_key, dict.fromkeys(tags, now), xx=True)
+    return len(tags)
 
 
 # --------------------------------------------------------------------------------------
@@ -202,7 +265,8 @@ def claim_once(settings: Settings, name: str, owner: str) -> bool:
     task whose first attempt died between claiming and sending, until `mark_done`). Redis SET NX
     on the broker; in-process for the embedded broker.
 
-    Two deliveries of one task can run at once (a visibility timeout shorter than the task): the
+    Two deliveries of one task can still run at once (a worker's broker connection lost and its
+    unacknowledged tasks requeued while they run; KeepVisible covers the visibility timeout): the
     owner's claim is then taken again only after the other's `sending` mark expires
     (SENDING_TTL_S), so the two never both send."""
     key = f"aerie:once:{name}"

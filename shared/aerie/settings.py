@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     worker_concurrency: int = Field(default=1, ge=1)
     broker_visibility_timeout_s: int = Field(
-        default=3600, ge=1, description="seconds before Redis hands a lost worker's unacknowledged task to another"
+        default=3600, ge=1, description="seconds before Redis hands a lost worker's unacknowledged task to another "
+                                         "(a live worker keeps its own however long they run: aerie.queue.KeepVisible)"
     )
 
     # --- datasets -----------------------------------------------------------------------

@@ -192,6 +192,76 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
     assert deliveries >= 3 and 4 <= answers <= 4 + 2 * (deliveries - 2), (answers, deliveries)
 
 
+class Forwarder:
+    """A TCP port that refuses connections until `open()`, then forwards each to the real server
+    (a server restarting: the regenerate stage waits for its /health, AERIE_ENGINE_OUTAGE_WAIT_S)."""
+
+    def __init__(self, target_port: int):
+        self.port, self.target_port = free_port(), target_port
+
+    def open(self) -> None:
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            client, _ = self.listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_a_shard_longer_than_the_visibility_timeout_is_delivered_and_answered_once(s3_store, private_redis, smollm2_path,
+                                                                                   chat_server, workers, tmp_path):
+    """Visibility timeout 1 s; the shard's server restarts as the shard starts (its port refuses
+    for a few seconds), so the shard waits for its /health several times that long; a second worker
+    idles beside the first. The live worker keeps its tasks (aerie.queue.KeepVisible): every task is
+    delivered once and every turn asked once. Before, Redis handed each running task to the idle
+    worker after ~1 s and both did it (ingest, regenerate and extract, each twice)."""
+    server = Forwarder(int(chat_server.url.rsplit(":", 1)[1]))
+    env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="1",
+                     AERIE_REGENERATE_URLS=json.dumps([f"http://127.0.0.1:{server.port}"]), AERIE_ENGINE_OUTAGE_WAIT_S="120")
+    for name in ("first", "second"):
+        workers.append(Worker(env, name, tmp_path))
+    for w in workers:
+        w.wait_for(r"ready\.", 120)
+    offset = len(chat_server.log_path.read_text(errors="replace"))
+    celery_cli(env, "enqueue", "--dataset", str(write_dataset(tmp_path, CONVERSATIONS[3:4])), "--run", "long-regen",
+               "--model", str(smollm2_path), "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32",
+               "--max-tokens", "64", "--regenerate", "--regenerate-max-tokens", str(MAX_NEW))
+    wait_until(lambda: "is down: waiting up to" in "".join(w.log() for w in workers), 120, "the shard to wait for its server")
+    time.sleep(2)
+    server.open()
+    status = wait_complete(s3_store, "long-regen", workers, 300, private_redis)
+    assert status.regenerated == status.hidden_done == 1 and status.failed == 0, status
+    record = s3_store.get_json(layout.regenerated_record("long-regen", "000000"), RegeneratedRecord)
+    assert record.seconds >= 3, record  # the shard outlived the visibility timeout, three times over
+    logs = "".join(w.log() for w in workers)
+    for task in ("ingest", "regenerate", "extract"):
+        assert len(re.findall(rf"Task aerie\.{task}\[[0-9a-f-]+\] received", logs)) == 1, (task, logs[-4000:])
+    assert server_log_since(chat_server, offset).count("POST /v1/chat/completions") == record.turns == 1
+
+
 # --------------------------------------------------------------------------------------
 # A server that misbehaves: one line naming it and the setting
 # --------------------------------------------------------------------------------------

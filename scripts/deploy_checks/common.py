@@ -6,6 +6,7 @@ written once (CONTAINER_RULES)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -74,6 +75,43 @@ def soft_shutdown_missing(c: Container) -> bool:
         soft and c.env.get("REMAP_SIGTERM") == "SIGQUIT" and c.grace_s > float(soft.group(1)))
 
 
+CAPTURE_FLAGS = ("--disable-radix-cache", "--enable-return-aux-hidden-states")  # an SGLang started in capture mode
+
+
+def url_list(value) -> list[str] | None:
+    """A JSON list of URLs as aerie's settings read it (None: not one)."""
+    try:
+        urls = json.loads(value or "[]")
+    except ValueError:
+        return None
+    return urls if isinstance(urls, list) and all(isinstance(u, str) for u in urls) else None
+
+
+def regeneration_problems(c: Container) -> list[str]:
+    """An extractor on the sglang engine sends `enqueue --regenerate`'s requests to AERIE_REGENERATE_URLS,
+    else to AERIE_ENGINE_URLS: the capture server, whose radix cache is off and which captures."""
+    if c.env.get("AERIE_ENGINE") != "sglang":
+        return []
+    urls = url_list(c.env.get("AERIE_REGENERATE_URLS"))
+    if urls is None:
+        return [f"env AERIE_REGENERATE_URLS={c.env['AERIE_REGENERATE_URLS']!r} is not a JSON list of URLs"]
+    if not urls:
+        return ["AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask AERIE_ENGINE_URLS, "
+                "the capture server (radix cache off, capturing): set it to the generation server's URL"]
+    capture = set(url_list(c.env.get("AERIE_ENGINE_URLS")) or [])
+    return [f"AERIE_REGENERATE_URLS names {u}, the capture server of AERIE_ENGINE_URLS: point it at the generation server"
+            for u in urls if u in capture]
+
+
+def regeneration_hosts(c: Container) -> list[tuple[str, str]]:
+    """(url, host) of each AERIE_REGENERATE_URLS entry of an sglang-engine container."""
+    from urllib.parse import urlsplit
+
+    if c.env.get("AERIE_ENGINE") != "sglang":
+        return []
+    return [(u, urlsplit(u).hostname or "") for u in url_list(c.env.get("AERIE_REGENERATE_URLS")) or []]
+
+
 CONTAINER_RULES = [  # (message, test(Container))
     (": {0}", lambda c: [] if c.image is None else image_problems(c.image)),
     (": env {0} is not an aerie setting (aerie refuses unknown AERIE_*): rename it", lambda c: unknown_aerie_names(c.env)),
@@ -82,6 +120,7 @@ CONTAINER_RULES = [  # (message, test(Container))
                 if (pinged := celery_apps(check)) and pinged != celery_apps(c.command)]),
     (": a Celery worker that keeps its task on SIGTERM: set REMAP_SIGTERM=SIGQUIT, `-- worker.soft_shutdown_timeout=N`"
      " and a grace period above N", soft_shutdown_missing),
+    (": {0}", regeneration_problems),
 ]
 
 

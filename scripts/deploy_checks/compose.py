@@ -20,7 +20,7 @@ from functools import cache, cached_property
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from .common import CONTAINER_RULES, REPO, SECRET_NAME, Container, apply, dig, embedded_scripts
+from .common import CAPTURE_FLAGS, CONTAINER_RULES, REPO, SECRET_NAME, Container, apply, dig, embedded_scripts, regeneration_hosts
 from .dockerfiles import dockerfile_args
 
 SHELL_BUILTIN_VARS = {"HOSTNAME", "HOME", "PATH", "PWD", "USER"}
@@ -134,6 +134,18 @@ def _shared_binds(declared: dict) -> list[str]:
     return sorted({b for b in binds if binds.count(b) > 1})
 
 
+def _regeneration_servers(s: dict, every: dict) -> list[tuple[str, str]]:
+    """(url, why) for each AERIE_REGENERATE_URLS entry naming no service, or an SGLang in capture mode."""
+    found = []
+    for url, host in regeneration_hosts(container(s)):
+        servers = [n for n, o in every.items() if n == host or any(
+            host in ((net or {}).get("aliases") or []) for net in (o.get("networks") or {}).values())]
+        found += [] if servers else [(url, f"host {host!r} is no service or network alias of this file")]
+        found += [(url, f"service {n} runs SGLang in capture mode ({', '.join(flags)})") for n in servers
+                  if (flags := [f for f in CAPTURE_FLAGS if f in unescape(" ".join(every[n].get("command") or []))])]
+    return found
+
+
 SERVICE_RULES = [  # (message, test(service, every service, compose folder))
     (".depends_on.{0}: waits for service_healthy, {0} has no healthcheck: add one",
      lambda s, every, _: [d for d, spec in (s.get("depends_on") or {}).items()
@@ -146,6 +158,8 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
     (": image {0} is built here: set `pull_policy: build` (else `up` may pull that name from a registry)",
      lambda s, *_: [s.get("image")] if s.get("build") and s.get("pull_policy") != "build" else []),
     (".build: {0}", lambda s, *_: _build_problems(s)),
+    (".environment.AERIE_REGENERATE_URLS: {0}: {1}: point it at a plain SGLang server (radix cache on, no capture: "
+     "inference-generate)", lambda s, every, _: _regeneration_servers(s, every)),
     (".{0}: the container shell reads ${1}, the service's environment does not set it", lambda s, *_: _shell_vars_unset(s)),
     (": no log limit: add `logging: *logging` (json-file, max-size)",
      lambda s, *_: not dig(s, "logging", "options", "max-size")),

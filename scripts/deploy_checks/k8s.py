@@ -16,13 +16,13 @@ from pathlib import Path
 
 import yaml
 
-from .common import CONTAINER_RULES, REPO, Container, apply, dig
+from .common import CAPTURE_FLAGS, CONTAINER_RULES, REPO, Container, apply, dig, regeneration_hosts
 from .docs import documented_secrets
 
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-PROTECTED = {"inference"}  # components only some pods may reach (a NetworkPolicy must select them)
+PROTECTED = {"inference", "generate"}  # components only some pods may reach (a NetworkPolicy must select them)
 GENERATING_PATHS = {"/health", "/health_generate"}  # SGLang generates a token there: readiness, not liveness
 # field -> (kind it names, its name field, its key field): wherever it appears in a resource
 REFERENCES = {
@@ -108,6 +108,24 @@ def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
     return [", ".join(w["metadata"]["name"] for w in users)] if len(users) > 1 and not all(together) else []
 
 
+def _regeneration_servers(r: dict, objects: dict, every: list[dict]) -> list[tuple[str, str, str]]:
+    """(container, url, why) for each AERIE_REGENERATE_URLS entry of a workload's containers naming no
+    Service of the render, or one selecting an SGLang in capture mode."""
+    found = []
+    for c in _pod(r).get("containers") or []:
+        for url, host in regeneration_hosts(container(c, _pod(r), objects)):
+            name = host.split(".")[0]
+            if (service := objects.get(("Service", name))) is None:
+                found.append((c.get("name"), url, f"no Service {name!r} in this render"))
+                continue
+            found += [(c.get("name"), url, f"Service {name} selects {w['kind']}/{w['metadata']['name']}, SGLang in capture "
+                                           f"mode ({', '.join(flags)})")
+                      for w in every if w.get("kind") in WORKLOADS and _matches(dig(service, "spec", "selector"), _labels(w))
+                      for wc in _pod(w).get("containers") or []
+                      if (flags := [f for f in CAPTURE_FLAGS if f in " ".join((wc.get("command") or []) + (wc.get("args") or []))])]
+    return found
+
+
 RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), documented secrets, every resource))
     (": {0}", lambda r, *_: [] if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r)),
     (": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)", lambda r, *_: r["kind"] == "Secret"),
@@ -137,6 +155,8 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
          for o in every)]),
     (": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
      lambda r, _, __, every: _rwo_users_apart(r, every)),
+    (": container {0}: AERIE_REGENERATE_URLS names {1}: {2}: point it at a plain SGLang server (radix cache on, no "
+     "capture: generate.yaml)", lambda r, objects, _, every: _regeneration_servers(r, objects, every)),
 ]
 POD_RULES = [  # (message, test(container, its group, pod spec, workload))
     (": volumeMount {0!r} names no volume of the pod",

@@ -172,7 +172,7 @@ def _launch_args(script: str, env: dict[str, str]) -> list[str]:
 
 @pytest.mark.slow  # importing SGLang's server_args takes 25-35 s on 2 cores
 def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_services):
-    """The capture and serve command lines of compose and k8s, expanded as their shells would,
+    """The capture, serve and generate command lines of compose and k8s, expanded as their shells would,
     are accepted by SGLang 0.5.23's ServerArgs parser (flags exist, values have the right types)."""
     if not SGLANG_PY.exists():
         if os.environ.get("AERIE_REQUIRE_SGLANG"):
@@ -189,12 +189,16 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
         "SPEC_EAGLE_TOPK": "1",
         "SPEC_NUM_DRAFT_TOKENS": "4",
         "SGLANG_API_KEY": "a-key",
+        "GENERATE_TP_SIZE": "4",
+        "GENERATE_EXTRA_ARGS": "--mem-fraction-static 0.85",
     }
     s = compose_services
     base = yaml.safe_load_all((REPO / "k8s" / "base" / "inference.yaml").read_text())
     k8s_capture = next(d for d in base if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
         "command"
     ][2]
+    k8s_generate = next(d for d in yaml.safe_load_all((REPO / "k8s" / "base" / "generate.yaml").read_text())
+                        if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"][2]
     k8s_serve = yaml.safe_load((REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text())["spec"]["template"][
         "spec"
     ]["containers"][0]["command"][2]
@@ -203,6 +207,8 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
         "compose serve": _launch_args(_sh_script(s["inference-serve"]), env),
         "k8s capture": _launch_args(k8s_capture, env),
         "k8s serve": _launch_args(k8s_serve, env),
+        "compose generate": _launch_args(_sh_script(s["inference-generate"]), env),
+        "k8s generate": _launch_args(k8s_generate, env),
     }
     assert lines["compose capture"][lines["compose capture"].index("--return-aux-hidden-state-layer-ids") + 1 :][
         :3

@@ -24,6 +24,13 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
         assert flag in serve
     assert '--tp "${TP_SIZE}"' in capture and '--tp "${TP_SIZE}"' in serve
     assert "--disable-radix-cache" not in serve
+    # regeneration: a plain server of its own profile, reached by the extractors at its alias
+    generate = unescape(s["inference-generate"]["command"][2])
+    assert s["inference-generate"]["profiles"] == ["regenerate"] and "--enable-metrics" in generate
+    assert not any(flag in generate for flag in ("--disable-radix-cache", "--enable-return-aux-hidden-states", "--speculative"))
+    assert s["inference-generate"]["networks"]["aerie"]["aliases"] == ["generate"] and not s["inference-generate"].get("ports")
+    assert s["extractor"]["environment"]["AERIE_REGENERATE_URLS"] == '["http://generate:30000"]'
+    assert s["extractor"]["environment"]["AERIE_REGENERATE_CONCURRENCY"] == "64"
     for name in ("inference-capture", "inference-serve", "trainer"):
         devices = s[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
@@ -57,7 +64,7 @@ def test_minio_data_goes_to_a_data_disk_when_minio_data_dir_names_one():
 
 def test_compose_refuses_to_start_without_secrets():
     """With .env copied from .env.example and nothing filled in, Compose stops on an empty secret."""
-    refusal = r"required variable (REDIS_PASSWORD|AERIE_S3_|MINIO_ROOT_|MODEL_DIR|FLOWER_)\w* is missing a value"
+    refusal = r"required variable (REDIS_PASSWORD|AERIE_S3_|MINIO_ROOT_|MODEL_DIR|FLOWER_|SGLANG_API_KEY)\w* is missing a value"
     with pytest.raises(ComposeError, match=refusal):
         Project().run("config", "--quiet", env_file=REPO / ".env.example")
 
@@ -81,6 +88,8 @@ def test_every_aerie_name_the_plugin_reads_is_in_its_env_vars():
 # "Compose:" marks what Docker Compose itself refuses (its own message; each stops the check, so each
 # gets a copy of its own). The batch "services" breaks one service (or anchor) per edit, "variables"
 # one variable of .env.example or one port line; each expected message names its service or variable.
+REGENERATE_URLS = """AERIE_REGENERATE_URLS: '["http://generate:30000"]'"""
+GENERATE_FLAGS = '--enable-metrics --api-key "$${SGLANG_API_KEY}" $${SGLANG_EXTRA_ARGS}\n\n  # Celery workers'
 SERVE_TP = "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      DRAFTER_NAME"
 COMPOSE_BREAKS = [
     Break("Compose: a depends_on target that is no service", "docker-compose.yml",
@@ -104,7 +113,7 @@ COMPOSE_BREAKS = [
           "celery@${HOSTNAME", "invalid interpolation format"),
     Break("Compose: a service waiting on a profiled service it cannot require", "docker-compose.yml",
           "        required: false   # absent", "        # absent",
-          '(no profile, profile monitoring, profile serve, profile tools, profile train): docker compose config: '
+          '(no profile, profile monitoring, profile regenerate, profile serve, profile tools, profile train): docker compose config: '
           'service "extractor" depends on undefined service "inference-capture"'),
     Break("an env reference missing from .env.example", "docker-compose.yml", "${AERIE_BUCKET:-aerie}",
           "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example", batch="variables"),
@@ -166,6 +175,20 @@ COMPOSE_BREAKS = [
           "celery -A aerie_extractor.worker inspect ping", "services.trainer: healthcheck pings Celery app ['aerie_extractor.worker']", batch="services"),
     Break("a top-level volume no service uses", "docker-compose.yml", "volumes:\n  redis-data: {}",
           "volumes:\n  spare-data: {}\n  redis-data: {}", "top-level volumes.spare-data is used by no service", batch="services"),
+    # regeneration: never through the capture server (radix cache off, capturing), always through one
+    Break("regeneration sent to the capture server", "docker-compose.yml", REGENERATE_URLS,
+          REGENERATE_URLS.replace("generate:", "inference:"), "services.extractor.environment.AERIE_REGENERATE_URLS: "
+          "http://inference:30000: service inference-capture runs SGLang in capture mode (--disable-radix-cache, "
+          "--enable-return-aux-hidden-states)", batch="variables"),
+    Break("a generation server started in capture mode", "docker-compose.yml", GENERATE_FLAGS,
+          "--disable-radix-cache " + GENERATE_FLAGS,
+          "http://generate:30000: service inference-generate runs SGLang in capture mode (--disable-radix-cache)"),
+    Break("regeneration at a host that is no service", "docker-compose.yml", REGENERATE_URLS,
+          REGENERATE_URLS.replace("generate:", "generator:"), "services.extractor.environment.AERIE_REGENERATE_URLS: "
+          "http://generator:30000: host 'generator' is no service or network alias of this file"),
+    Break("an sglang extractor with no generation server", "docker-compose.yml", f"      {REGENERATE_URLS}\n", "",
+          "services.extractor: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask "
+          "AERIE_ENGINE_URLS, the capture server"),
 ]
 
 

@@ -38,7 +38,7 @@ def test_k8s_overlays_render_the_whole_system():
                 if r["kind"] == "Deployment"}
         keys = {(name, e["name"]) for name, pod in pods.items() for e in pod["containers"][0].get("env") or []
                 if (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") == "SGLANG_API_KEY"}
-        assert keys == {("inference", "SGLANG_API_KEY"), ("extractor", "AERIE_ENGINE_API_KEY"),
+        assert keys == {("inference", "SGLANG_API_KEY"), ("generate", "SGLANG_API_KEY"), ("extractor", "AERIE_ENGINE_API_KEY"),
                         ("trainer", "AERIE_ENGINE_API_KEY")}, keys
         # extractors run in other pods than SGLang: captures travel through the bucket (the s3 sink),
         # so the server's plugin gets the store and its key
@@ -97,6 +97,7 @@ def test_k8s_check_reports_two_autoscalers_on_one_deployment(tmp_path):
     assert any("Deployment/extractor: has more than one autoscaler" in p for p in check_rendered(both, "both"))
 
 
+K8S_REGENERATE_URLS = 'AERIE_REGENERATE_URLS=["http://generate:30000"]'
 WORKER_ENV = "          env:\n            - name: REDIS_PASSWORD"
 # Breaks of one batch ("a", "b", "c") edit different resources, or different fields of one whose
 # expected message names the field; a resource gets at most one schema error per batch (the schema
@@ -171,9 +172,22 @@ K8S_BREAKS = [b._replace(file=f"k8s/{b.file}") for b in [
           "            - name: REMAP_SIGTERN\n", "container worker: a Celery worker that keeps its task on SIGTERM", batch="c"),
     Break("pods of a ReadWriteOnce claim free to spread", "overlays/single-host/kustomization.yaml",
           "  - ../../components/models-rwo", "  # - ../../components/models-rwo",
-          "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, inference, trainer without a podAffinity"),
+          "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, generate, inference, trainer without a podAffinity"),
     Break("a KEDA address in another namespace", "overlays/multi-node/kustomization.yaml", "namespace: aerie\n",
           "namespace: llm\n", "is not <service>.llm.svc"),
+    # regeneration: never through the capture server (radix cache off, capturing), always through one
+    Break("regeneration sent to the capture server", "base/kustomization.yaml", K8S_REGENERATE_URLS,
+          K8S_REGENERATE_URLS.replace("generate:", "inference:"), "Deployment/extractor: container worker: AERIE_REGENERATE_URLS "
+          "names http://inference:30000: Service inference selects Deployment/inference, SGLang in capture mode", batch="c"),
+    Break("a generation server started in capture mode", "base/generate.yaml", "--enable-metrics --api-key",
+          "--disable-radix-cache --enable-metrics --api-key", "names http://generate:30000: Service generate selects "
+          "Deployment/generate, SGLang in capture mode (--disable-radix-cache)"),
+    Break("regeneration at a Service that is not there", "base/kustomization.yaml", K8S_REGENERATE_URLS,
+          K8S_REGENERATE_URLS.replace("generate:", "generator:"), "names http://generator:30000: no Service 'generator' in this render"),
+    Break("an sglang extractor with no generation server", "base/kustomization.yaml", f"      - {K8S_REGENERATE_URLS}\n", "",
+          "Deployment/extractor: container worker: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS"),
+    Break("the generation server reachable from any pod", "base/network-policy.yaml", "      app.kubernetes.io/component: generate\n",
+          "      app.kubernetes.io/component: nothing\n", "pods of component 'generate' are reachable from any pod", batch="a"),
 ]]
 
 

@@ -12,11 +12,13 @@
 
 - The server runs `python -m aerie_sglang.cpu.launch` (shim, CPU engine, `--serve-eagle` for a
   drafter) in its own process group, on a free port, logging to a file; `/health` is waited for
-  with a timeout (failing with the log's tail if the server dies first); on exit SIGTERM goes to
-  the whole group, SIGKILL after a grace period.
+  with a timeout (failing with the log's tail if the server dies first); on exit SIGKILL goes to
+  the whole group (`graceful=True`: SIGTERM first, SIGKILL after a grace period).
 - Without `.venv-sglang` the tests skip (run scripts/sglang_env.sh), unless
   `AERIE_REQUIRE_SGLANG` is set (the test command sets it): then they fail.
-- Each server takes ~25 s to start and 3-4 GB: share one per module (`scope="module"`).
+- Each server takes ~25 s to start and 3-4 GB: share one per module (`scope="module"`). A start
+  is mostly one core importing SGLang, so two servers a module needs start side by side
+  (`together`), or one starts while another is in use (`start_soon`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +110,7 @@ class SGLangServer:
     layer_ids: list[int] | None = None
     model_path: str | None = None
     extra: dict = field(default_factory=dict)
+    graceful: bool = False  # stop with SIGTERM (SGLang's own shutdown), as a deployment restarts it
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -115,9 +119,12 @@ class SGLangServer:
             return "(no log)"
 
     def stop(self) -> None:
-        """SIGTERM to the process group (launcher, scheduler, detokenizer), SIGKILL if it lingers."""
+        """SIGKILL to the process group (launcher, scheduler, detokenizer). A test's server holds
+        nothing to save, and SGLang's own shutdown costs ~6 s a stop (measured: it drains requests
+        for 4-6 s, or, when its scheduler gets the signal first, sleeps 5 s "to let GPU activity
+        settle"). `graceful`: SIGTERM to the group first, SIGKILL if it lingers."""
         proc = self.process
-        if proc.poll() is None:
+        if self.graceful and proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -162,8 +169,10 @@ def sglang_server(
     timeout_s: float = START_TIMEOUT_S,
     log_dir: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
+    graceful: bool = False,
 ) -> Iterator[SGLangServer]:
-    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags, host, port); yield when healthy."""
+    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags, host, port); yield when healthy.
+    `graceful`: stopped by SIGTERM (SGLang's own shutdown) rather than SIGKILL (SGLangServer.stop)."""
     python = sglang_python()
     port = free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
@@ -175,7 +184,7 @@ def sglang_server(
     child_env.update(env or {})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=child_env, start_new_session=True)
-    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=full, log_path=log_path, process=proc)
+    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=full, log_path=log_path, process=proc, graceful=graceful)
     try:
         started = time.monotonic()
         _wait_healthy(server, timeout_s)
@@ -257,3 +266,31 @@ def serve_server_fixture(draft_fixture: str, *, model_fixture: str = "smollm2_pa
             yield server
 
     return _serve_server
+
+
+@contextmanager
+def together(*servers: AbstractContextManager[SGLangServer]) -> Iterator[list[SGLangServer]]:
+    """Enter several server context managers at once and yield their servers in order; all are
+    stopped on exit (and the started ones if another fails to start). Measured on the 2-core
+    machine: one start 39 s (35 CPU-s, nearly all on one core), two side by side 58 s."""
+    with ExitStack() as stack:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            futures = [pool.submit(stack.enter_context, cm) for cm in servers]
+        yield [f.result() for f in futures]
+
+
+class start_soon:  # noqa: N801 (used like the context managers it wraps)
+    """A server context manager entered now in a background thread: `ready()` waits for its
+    server (raising what the start raised), `stop()` stops it (after waiting for the start)."""
+
+    def __init__(self, server: AbstractContextManager[SGLangServer]):
+        self._stack = ExitStack()
+        self._pool = ThreadPoolExecutor(1)
+        self._future = self._pool.submit(self._stack.enter_context, server)
+
+    def ready(self) -> SGLangServer:
+        return self._future.result()
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._stack.close()

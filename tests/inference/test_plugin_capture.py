@@ -11,9 +11,9 @@ binary transport and stores the final state; its shards equal the JSON path's an
 a run over JSON stays JSON; a full sink makes the engine wait, then fail with the server's reason;
 an extractor killed mid-way leaves at most the bound behind.
 
-Two server starts: stock SGLang (the plugin excluded through SGLANG_PLUGINS) records reference
-responses and what the engine makes of a stock server, and stops; then the plugin server
-(`AERIE_SGLANG_BINARY=1`) serves every test of the module. Both prefill in chunks of 32 tokens,
+Two server starts, side by side: stock SGLang (the plugin excluded through SGLANG_PLUGINS)
+records reference responses and what the engine makes of a stock server, and stops; the plugin
+server (`AERIE_SGLANG_BINARY=1`) serves every test of the module. Both prefill in chunks of 32 tokens,
 so that captures spanning several chunks are tested too.
 """
 
@@ -53,7 +53,7 @@ from aerie_extractor.engines.sglang_binary import (
 from aerie_extractor.extract import run_extract
 from aerie.contracts import CaptureDescriptor
 from tests.services import clean_env, wait_settled, wait_until
-from tests.sglang_server import REPO, capture_args, sglang_server
+from tests.sglang_server import REPO, capture_args, sglang_server, start_soon
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -123,10 +123,11 @@ API_KEY = "aerie-test-" + secrets.token_hex(8)  # the stock server runs with SGL
 
 
 @pytest.fixture(scope="module")
-def stock(smollm2_path, tmp_path_factory) -> dict:
+def stock(smollm2_path, plugin_starting, tmp_path_factory) -> dict:
     """Stock SGLang (aerie's plugin excluded, SGLang's own kept) started with `--api-key`: its
     answers to `_plain_requests()`, what the extractor's engine makes of such a server, and what
-    the engine and `aerie bench` do with the key (AERIE_ENGINE_API_KEY) and without it."""
+    the engine and `aerie bench` do with the key (AERIE_ENGINE_API_KEY) and without it. (The
+    plugin server is already starting beside it: `plugin_starting`.)"""
     args = [*_args(smollm2_path), "--api-key", API_KEY]
     env = {"SGLANG_PLUGINS": "smg-servicer,smg-zmq"}
     with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("stock")) as server:
@@ -195,7 +196,9 @@ def bucket(s3_server):
 
 
 @pytest.fixture(scope="module")
-def server(stock_responses, smollm2_path, bucket, s3_server, tmp_path_factory):
+def plugin_starting(smollm2_path, bucket, s3_server, tmp_path_factory):
+    """The plugin server, started in the background as the module's first server fixture is set
+    up (its start overlaps the stock server's; `server` waits for it)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
     shm_dir = shm / f"aerie-test-{secrets.token_hex(4)}"
     env = {
@@ -208,13 +211,24 @@ def server(stock_responses, smollm2_path, bucket, s3_server, tmp_path_factory):
         "AERIE_S3_SECRET_KEY": s3_server.secret_key,
     }
     args = _args(smollm2_path)
-    with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("plugin")) as s:
-        s.extra["shm_dir"] = shm_dir
-        yield s
+    starting = start_soon(sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("plugin")))
+    try:
+        yield starting, shm_dir
+    finally:
+        starting.stop()
     for f in shm_dir.glob("*"):
         f.unlink()
     if shm_dir.exists():
         shm_dir.rmdir()
+
+
+@pytest.fixture(scope="module")
+def server(stock_responses, plugin_starting):
+    """The plugin server, once the stock server has answered and stopped."""
+    starting, shm_dir = plugin_starting
+    s = starting.ready()
+    s.extra["shm_dir"] = shm_dir
+    return s
 
 
 @pytest.fixture(scope="module")

@@ -54,9 +54,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-chars", type=int, default=4000, help="each ShareGPT turn cut to this many characters")
     ap.add_argument("--tasks", type=int, default=8, help="shards regenerated at once")
     ap.add_argument("--concurrency", type=int, default=128, help="requests in flight per shard task")
-    ap.add_argument("--baseline-records", type=int, default=24)
+    ap.add_argument("--baseline-records", type=int, default=24, help="0: no one-at-a-time baseline")
     ap.add_argument("--sglang-python", default="python3")
     ap.add_argument("--sglang-module", default="sglang.launch_server")
     ap.add_argument("--sglang-eagle-module", default=None, help="the EAGLE-3 server's module (default: --sglang-module)")
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--serve-tokens", type=int, default=256)
     ap.add_argument("--eval-concurrency", type=int, default=16)
-    ap.add_argument("--speed-prompts", type=int, default=8)
+    ap.add_argument("--speed-prompts", type=int, default=8, help="0: no plain server, no decode speed")
     a = ap.parse_args(argv)
     a.stage_list = [s for s in a.stages.split(",") if s]
     bad = sorted(set(a.stage_list) - set(STAGES)) + sorted(set(a.arms.split(",")) - set(ARMS))
@@ -196,7 +196,7 @@ class Bench:
         from gpu_pipeline import sglang_server
 
         from aerie import stages
-        from aerie.contracts import IngestOptions, IngestRequest, RegenerateRequest
+        from aerie.contracts import IngestOptions, IngestRequest
         from aerie.runs import shard_names
 
         a = self.a
@@ -215,21 +215,19 @@ class Bench:
             return
         args = [*a.server_args.split(), *a.regen_args.split(), "--model-path", str(self.model_dir)]
         with sglang_server(a.sglang_python, a.sglang_module, args, self.out / "sglang_regen.log") as url:
-            if "regen_baseline" not in self.figures:
+            if "regen_baseline" not in self.figures and a.baseline_records:
                 self.figures["regen_baseline"] = self.baseline(url, files[0])
                 self.save()
             settings = self.settings.model_copy(update={"regenerate_urls": [url], "regenerate_concurrency": a.concurrency})
-            started, results, lock = time.monotonic(), [], threading.Lock()
-
-            def one(job):
-                r = stages.regenerate(self.store, settings, RegenerateRequest(run=job[0], shard=job[1], fan_out=False))
-                with lock:
-                    results.append(r.model_dump())
+            started, results = time.monotonic(), []
+            # one process per task, as Celery's prefork workers run them (threads would share one GIL
+            # between the tasks' event loops and their tokenizing)
+            with ProcessPoolExecutor(a.tasks, mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = [pool.submit(regen_task, a.store, settings.model_dump_json(), run, shard) for run, shard in todo]
+                for future in as_completed(futures):
+                    results.append(future.result())
                     tokens = sum(x["completion_tokens"] for x in results)
                     log(f"regen {len(results)}/{len(todo)} shards, {tokens} tokens, {tokens / (time.monotonic() - started):.0f} tok/s")
-
-            with ThreadPoolExecutor(a.tasks) as pool:
-                list(pool.map(one, todo))
             seconds = time.monotonic() - started
         prev = self.figures.get("regen") or {"shards": 0, "seconds": 0.0, "completion_tokens": 0, "conversations": 0, "rejects": 0}
         prev["shards"] += len(results)
@@ -399,7 +397,7 @@ class Bench:
         common = [*a.server_args.split(), *a.serve_mem.split(), "--model-path", str(self.model_dir)]
         served = self.figures.setdefault("served", {})
         speed = sets["mtbench"][: a.speed_prompts]
-        if "plain" not in served:
+        if "plain" not in served and a.speed_prompts:
             with sglang_server(a.sglang_python, a.sglang_module, common, self.out / "sglang_plain.log") as url:
                 plain = sglang_generate(url, speed, a.serve_tokens)
             served["plain"] = {"tok_per_s": plain["tok_per_s"], "texts": plain["texts"]}
@@ -413,12 +411,13 @@ class Bench:
             with sglang_server(a.sglang_python, a.sglang_eagle_module or a.sglang_module, [*common, *SPEC, "--speculative-draft-model-path", str(folder)],
                                self.out / f"sglang_eagle_{name.replace('/', 'of')}.log") as url:
                 row = {k: self.accept(url, v) for k, v in sets.items()}
-                one = sglang_generate(url, speed, a.serve_tokens)
-            texts = one.pop("texts")
-            row["speed"] = {"tok_per_s": one["tok_per_s"], "plain_tok_per_s": served["plain"]["tok_per_s"],
-                            "speedup": one["tok_per_s"] / served["plain"]["tok_per_s"], "prompts": len(speed),
-                            "identical_to_plain": sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
-                            "spec_accept_length": one["spec_accept_length"]}
+                one = sglang_generate(url, speed, a.serve_tokens) if "plain" in served else None
+            if one is not None:
+                texts = one.pop("texts")
+                row["speed"] = {"tok_per_s": one["tok_per_s"], "plain_tok_per_s": served["plain"]["tok_per_s"],
+                                "speedup": one["tok_per_s"] / served["plain"]["tok_per_s"], "prompts": len(speed),
+                                "identical_to_plain": sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
+                                "spec_accept_length": one["spec_accept_length"]}
             served[name] = row
             log("served", name, json.dumps(row))
             self.save()
@@ -442,6 +441,17 @@ class Bench:
         return {"prompts": len(prompts), "completion_tokens": tokens, "verify_steps": verify,
                 "spec_accept_length": tokens / verify if verify else None, "per_prompt_min": min(per, default=None),
                 "per_prompt_max": max(per, default=None), "seconds": time.monotonic() - t0, "max_new_tokens": self.a.serve_tokens}
+
+
+def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dict:
+    """One shard through the regenerate stage, in a worker process."""
+    from aerie import stages
+    from aerie.contracts import RegenerateRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+
+    settings = Settings.model_validate_json(settings_json)
+    return stages.regenerate(FsStore(store_root), settings, RegenerateRequest(run=run, shard=shard, fan_out=False)).model_dump()
 
 
 def main() -> None:

@@ -267,10 +267,21 @@ def test_a_shard_longer_than_the_visibility_timeout_is_delivered_and_answered_on
 # --------------------------------------------------------------------------------------
 class _Bad(BaseHTTPRequestHandler):
     replies = {"/garbage": (200, b'{"object": "not a chat completion"}'), "/broken": (500, b"Internal Server Error"),
-               "/refuses": (400, b'{"error": "context too long"}'), "/locked": (401, b'{"error": "no key"}')}
+               "/refuses": (400, b'{"error": "context too long"}'), "/locked": (401, b'{"error": "no key"}'),
+               "/drops": (200, b'{"choices": [{"message": {"content": "an answer"}}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}')}
+
+    drops = 0  # /drops: every other request is read and its connection closed without an answer
+    lock = threading.Lock()
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path.startswith("/drops/"):
+            with _Bad.lock:
+                _Bad.drops += 1
+                drop = _Bad.drops % 2 == 1
+            if drop:  # a kept-alive connection the server closes as the request arrives
+                self.close_connection = True
+                return
         status, body = self.replies[self.path.split("/v1/")[0]]
         self.send_response(status)
         self.send_header("content-type", "application/json")
@@ -321,6 +332,17 @@ def test_a_server_wanting_an_api_key_fails_the_shard_at_once(fs_store, smollm2_p
         stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/locked"]),
                           RegenerateRequest(run="locked", shard="000000"))
     assert not e.value.retryable and "HTTP 401" in str(e.value) and "AERIE_ENGINE_API_KEY" in str(e.value)
+
+
+def test_a_connection_the_server_closes_unanswered_is_asked_again_not_a_failed_shard(fs_store, smollm2_path, tmp_path, bad_server):
+    """Seen on an H200 with ~600 requests in flight: a dropped kept-alive connection ("ReadError")
+    failed the whole shard. A request the server closed unanswered is sent again."""
+    _ingested(fs_store, smollm2_path, tmp_path, "drops")
+    _Bad.drops = 0
+    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
+                               RegenerateRequest(run="drops", shard="000000"))
+    assert result.conversations == 2 and result.rejects == 0 and result.completion_tokens == 4
+    assert _Bad.drops == 4  # each conversation: dropped once, then answered
 
 
 def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smollm2_path, tmp_path, bad_server):

@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 PROGRESS_EVERY_S = 2.0
+# A pooled connection idle this long is not reused: below uvicorn's (SGLang's) 5 s keep-alive, so
+# the client never sends on a connection the server is closing. Seen on an H200: ~600 requests in
+# flight, a task's tokenizing holding the GIL for seconds, "ReadError" aborting the shard.
+KEEPALIVE_S = 2.0
+RESET_RETRIES = 2  # a request on a connection the server closed (no answer read) is sent again
 _THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.S)
 
 
@@ -137,7 +142,7 @@ class OpenAIChat:
         self.options, self.outage_wait_s = options, outage_wait_s
         self._outages: dict[str, asyncio.Lock] = {}
         self._gave_up: set[str] = set()
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=limits)  # headers: SGLang's --api-key
 
     async def __call__(self, url: str, messages: Messages) -> Answer:
@@ -147,12 +152,12 @@ class OpenAIChat:
                 "max_tokens": self.options.regenerate_max_tokens}
         try:
             try:
-                r = await self.client.post(f"{url}/v1/chat/completions", json=body)
+                r = await self._post(url, body)
             except httpx.ConnectError:
                 if self.outage_wait_s <= 0:
                     raise
                 await self._wait_healthy(url)  # a restarting server: wait for it, then ask once more
-                r = await self.client.post(f"{url}/v1/chat/completions", json=body)
+                r = await self._post(url, body)
         except httpx.HTTPError as e:
             raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {' '.join(str(e).split())}): is the "
                               "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S "
@@ -173,6 +178,19 @@ class OpenAIChat:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise EngineError(f"regeneration: {url} answered without choices[0].message: {_short(r.text)} "
                               "(is it an OpenAI-compatible server? AERIE_REGENERATE_URLS)") from None
+
+    async def _post(self, url: str, body: dict):
+        """POST, sent again (on a new connection) when the server closed the connection before
+        answering: a kept-alive connection it dropped, not a server that is down (ConnectError)."""
+        import httpx
+
+        for attempt in range(RESET_RETRIES + 1):
+            try:
+                return await self.client.post(f"{url}/v1/chat/completions", json=body)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                if attempt == RESET_RETRIES:
+                    raise
+                log.info("regeneration: %s closed the connection (%s): asking again", url, type(e).__name__)
 
     async def _wait_healthy(self, url: str) -> None:
         """Until `url/health` answers 200, at most `outage_wait_s`; one poller per server, the

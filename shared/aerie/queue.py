@@ -15,6 +15,8 @@
 - `parse_message`: a task's kwargs against its contract; a message that does not match (a refused
   name, a typo) is a permanent failure, raised once with every problem named.
 - `claim_once`: exactly-once follow-up work across racing workers (Redis SET NX on the broker).
+- `held`: one live holder of a piece of work (a regenerate shard) across deliveries of its task: a
+  second delivery waits while the holder lives, and takes over once it is gone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from celery import Celery, Task, bootsteps, current_app
@@ -283,6 +286,73 @@ def claim_once(settings: Settings, name: str, owner: str) -> bool:
             if (client.get(key) or b"").decode() != owner or client.exists(key + ":done"):
                 return False
         return bool(client.set(key + ":sending", owner, nx=True, ex=SENDING_TTL_S))
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------------------
+# One live holder of a piece of work across deliveries of its task
+# --------------------------------------------------------------------------------------
+LEASE_MIN_S, LEASE_MAX_S = 5.0, 30.0
+
+
+def lease_ttl(settings: Settings) -> float:
+    """A holder's lease: renewed every third of it, so it lapses that long after its holder dies;
+    never longer than the visibility timeout (the dead holder's task comes back after it and should
+    find the lease gone), at least LEASE_MIN_S (a loaded host may be late to renew)."""
+    return max(LEASE_MIN_S, min(LEASE_MAX_S, float(settings.broker_visibility_timeout_s)))
+
+
+@contextmanager
+def held(settings: Settings, name: str, ttl_s: float | None = None) -> Iterator[None]:
+    """Run the block as the one live holder of `name` (a redis-py Lock on the broker, renewed from a
+    thread of its own every third of `ttl_s`). A second live delivery of the same task (the broker
+    connection lost and the unacknowledged task requeued while it runs; see KeepVisible for the
+    visibility timeout) waits here until the holder releases (then the work is found done) or dies
+    (its lease lapses within `ttl_s`: the waiter takes it over), so the work is never done twice
+    at once. In-process (the embedded broker): no lease."""
+    if settings.embedded:
+        yield
+        return
+    if not settings.broker.startswith(("redis://", "rediss://")):
+        raise QueueError(f"a lease needs a Redis broker, AERIE_BROKER={settings.broker!r}")
+    import redis
+    from redis.exceptions import LockError
+
+    ttl_s = ttl_s or lease_ttl(settings)
+    client = redis.Redis.from_url(settings.broker)
+    lock = client.lock(f"aerie:lease:{name}", timeout=ttl_s, sleep=min(1.0, ttl_s / 5), thread_local=False)
+    try:
+        if not lock.acquire(blocking=False):
+            log.warning("%s is held by another live delivery of its task: waiting until it finishes, or takes over once it "
+                        "is gone (its lease lapses within %.0f s)", name, ttl_s)
+            started = time.monotonic()
+            lock.acquire(blocking=True)
+            log.warning("%s: the lease is ours after %.1f s", name, time.monotonic() - started)
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(ttl_s / 3):
+                try:
+                    lock.reacquire()
+                except LockError:  # it lapsed (a late renewal, the broker away): ours again if nobody took it
+                    if not lock.acquire(blocking=False):
+                        log.error("%s: the lease lapsed and another delivery holds it now (this one was late to renew)", name)
+                        return
+                except redis.RedisError as e:  # the broker away for a moment: the next round renews
+                    log.warning("%s: could not renew the lease (%s: %s)", name, type(e).__name__, e)
+
+        renewer = threading.Thread(target=renew, name=f"aerie-lease-{name}", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join(timeout=5)
+            try:
+                lock.release()
+            except (LockError, redis.RedisError):  # lapsed or unreachable: it expires by itself
+                pass
     finally:
         client.close()
 

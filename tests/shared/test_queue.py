@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from aerie.queue import claim_once, mark_done, retryable
+import subprocess
+import sys
+import threading
+import time
+
+from aerie.queue import claim_once, held, mark_done, retryable
 from aerie.settings import Settings
 from aerie.store import InvalidKey, StoreError, _check_key
 
@@ -27,6 +32,48 @@ def test_a_claimant_that_died_before_sending_is_replaced_after_its_sending_mark_
     assert claim_once(settings, "train:r2", "task-1")
     redis.Redis.from_url(redis_url).delete("aerie:once:train:r2:sending")  # its SENDING_TTL_S ran out
     assert claim_once(settings, "train:r2", "task-1")  # the redelivered task sends it
+
+
+HOLDER = """
+import sys, time
+from aerie.queue import held
+from aerie.settings import Settings
+with held(Settings(broker=sys.argv[1]), "regenerate:r1:000000", ttl_s=1.0):
+    print("holding", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_delivery_waits_for_the_live_holder_and_takes_over_once_it_is_killed(redis_url):
+    """Two live deliveries of one regenerate task (its broker connection lost, the task requeued while
+    it runs): the second waits while the first lives, renewing its 1 s lease, and takes the shard
+    over within about that second once the first is SIGKILLed; a released lease is taken at once."""
+    from tests.services import clean_env
+
+    settings = Settings(broker=redis_url)
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, redis_url], stdout=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert first.stdout.readline().strip() == "holding"
+        second = threading.Event()
+
+        def deliver_again():
+            with held(settings, "regenerate:r1:000000", ttl_s=1.0):
+                second.set()
+
+        threading.Thread(target=deliver_again, daemon=True).start()
+        assert not second.wait(4), "the second delivery ran while the first was alive"
+    finally:
+        first.kill()
+        first.wait(10)
+    killed = time.monotonic()
+    assert second.wait(10), "the second delivery never took over from the killed one"
+    assert time.monotonic() - killed < 3  # the lease lapsed (1 s) and the waiter polls every 0.2 s
+
+    with held(settings, "regenerate:r1:000000", ttl_s=30):
+        pass
+    started = time.monotonic()
+    with held(settings, "regenerate:r1:000000", ttl_s=30):  # released: not waited for
+        assert time.monotonic() - started < 1
 
 
 def test_a_refused_key_is_not_retried_but_store_errors_are():

@@ -5,7 +5,8 @@
 - A run with `regenerate`: ingest enqueues one `aerie.regenerate` per conversation shard, and each
   enqueues its shard's `aerie.extract` as soon as the shard's tokens are stored; each follow-up is
   sent once (`claim_once`, keyed by the run's creation time and the shard), also when a task is
-  redelivered after it sent. Kwargs are JSON, validated by IngestRequest / ExtractRequest
+  redelivered after it sent. A shard is answered by one live delivery at a time (`held`): a second
+  one waits for it, then finds the shard done, or takes over if the first died. Kwargs are JSON, validated by IngestRequest / ExtractRequest
   (`aerie.queue.parse_message`: a message that does not match, e.g. a refused name, fails once).
 - Retries and failures follow `aerie.queue.run_task` (the same in every service): store errors
   and retryable engine errors are retried with backoff; a refused engine (EngineMismatch) or a
@@ -30,8 +31,8 @@ from celery import Task, shared_task
 from aerie import layout, runs, stages
 from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest, RegenerateRequest
 from aerie.queue import (
-    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, REGENERATE_TASK, TRAIN_TASK, claim_once, enqueue, mark_done, parse_message,
-    run_task, task_progress, task_settings, task_store,
+    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, REGENERATE_TASK, TRAIN_TASK, claim_once, enqueue, held, mark_done,
+    parse_message, run_task, task_progress, task_settings, task_store,
 )
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -71,7 +72,8 @@ def regenerate(self: Task, **kwargs) -> dict:
     def give_up(error: BaseException, attempts: int) -> None:
         runs.record_failure(store, request.run, request.shard, error, attempts)
 
-    result = run_task(self, lambda: stages.regenerate(store, settings, request, task_progress(self)), give_up)
+    with held(settings, f"regenerate:{request.run}:{request.shard}"):  # one live delivery answers a shard
+        result = run_task(self, lambda: stages.regenerate(store, settings, request, task_progress(self)), give_up)
     owner = self.request.id or "local"
     if request.fan_out and store.exists(layout.shard_record(request.run, "tokens", request.shard)):
         created = runs.load_run(store, request.run).created_at

@@ -179,6 +179,8 @@ class Bench:
             for line in f:
                 rec = json.loads(line)
                 conv = [t for t in rec.get("conversations") or [] if isinstance(t.get("value"), str) and t["value"].strip()]
+                while conv and conv[0].get("from") == "gpt":  # a conversation split mid-way: from its first user turn
+                    conv = conv[1:]
                 roles = [t.get("from") for t in conv]
                 if "gpt" not in roles or "human" not in roles[: roles.index("gpt")]:
                     continue

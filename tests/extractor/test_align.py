@@ -33,7 +33,7 @@ from aerie.store import FsStore
 from aerie_extractor.align import neighbour_layer_ids
 from tests.runs import hidden_run_folder, upload_run
 from tests.services import clean_env, store_env
-from tests.sglang_server import capture_server
+from tests.sglang_server import capture_server, together
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -61,12 +61,6 @@ def server_ids() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def smol_server(smollm2_path, server_ids, tmp_path_factory):
-    with capture_server(smollm2_path, layer_ids=server_ids, log_dir=tmp_path_factory.mktemp("sglang-smol")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def int4_folder(cache_dir, smollm2_path) -> Path:
     from tests.quantized import smollm2_int4
 
@@ -74,11 +68,23 @@ def int4_folder(cache_dir, smollm2_path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def int4_server(int4_folder, server_ids, tmp_path_factory):
+def servers(smollm2_path, int4_folder, server_ids, tmp_path_factory):
+    """Both servers, started side by side (a start is mostly one core importing SGLang)."""
     shm = tmp_path_factory.mktemp("capture-shm")
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(shm)}
-    with capture_server(int4_folder, layer_ids=server_ids, env=env, log_dir=tmp_path_factory.mktemp("sglang-int4")) as server:
-        yield server
+    with together(capture_server(smollm2_path, layer_ids=server_ids, log_dir=tmp_path_factory.mktemp("sglang-smol")),
+                  capture_server(int4_folder, layer_ids=server_ids, env=env, log_dir=tmp_path_factory.mktemp("sglang-int4"))) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def smol_server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def int4_server(servers):
+    return servers[1]
 
 
 def figures(report: AlignmentReport) -> dict:

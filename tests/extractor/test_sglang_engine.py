@@ -1,7 +1,7 @@
 """The `sglang` engine against a real SGLang 0.5.23 server on the CPU, checked against transformers.
 
-One capture server at a time (module-scoped, parametrized over capture-point choices: the
-default [2, 15, 27] and the edges [1, 5, 9, 29]):
+A capture server per capture-point choice (module-scoped, parametrized: the default [2, 15, 27]
+and the edges [1, 5, 9, 29]; both start together, each stops after its tests):
 - every aux tensor the engine returns equals transformers' `output_hidden_states[point]` in
   float32, and the top-k signal equals transformers' log-softmax top-k row for row;
 - the same through the user's path: `celery enqueue` -> a real worker -> SGLang -> S3;
@@ -27,7 +27,7 @@ from aerie.shard import Shard
 from aerie.target import describe
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
-from tests.sglang_server import capture_server, free_port
+from tests.sglang_server import capture_server, free_port, start_soon
 from tests.runs import DATA
 from tests.services import wait_settled
 from tests.workers import ExtractorWorker as Worker
@@ -94,11 +94,26 @@ def assert_matches_transformers(aux, topk_ids, topk_logprobs, hs, logp, points, 
 
 
 # Default points [2, N//2, N-3] and the edges SGLang's Llama convention can name (1 and N-1).
-@pytest.fixture(scope="module", params=[[2, 15, 27], [1, 5, 9, 29]], ids=["default", "edges"])
-def server(request, smollm2_path, tmp_path_factory):
-    with capture_server(smollm2_path, points=request.param, log_dir=tmp_path_factory.mktemp("sglang")) as srv:
-        srv.extra["points"] = request.param
-        yield srv
+POINT_SETS = {"default": [2, 15, 27], "edges": [1, 5, 9, 29]}
+
+
+@pytest.fixture(scope="module")
+def starting(smollm2_path, tmp_path_factory) -> dict:
+    """Both servers, started in the background together when the first is asked for (a start is
+    mostly one core importing SGLang): the second is ready by the time the first's tests end."""
+    started = {name: start_soon(capture_server(smollm2_path, points=points, log_dir=tmp_path_factory.mktemp("sglang")))
+               for name, points in POINT_SETS.items()}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module", params=list(POINT_SETS), ids=list(POINT_SETS))
+def server(request, starting):
+    srv = starting[request.param].ready()
+    srv.extra["points"] = POINT_SETS[request.param]
+    yield srv
+    starting[request.param].stop()
 
 
 def make_run(target, points, version="0.5.23", dtype="float32", **changes) -> RunSpec:

@@ -282,8 +282,8 @@ class Bench:
             if not answers.is_file():  # the regenerated answers, as a dataset of their own
                 rows = []
                 for shard in shard_names(self.store, fp8_run, "tokens"):
-                    for line in self.store.get_bytes(layout.regenerated(fp8_run, shard)).decode().splitlines():
-                        row = json.loads(line)
+                    for line in self.store.get_bytes(layout.regenerated(fp8_run, shard)).decode().split("\n"):
+                        row = json.loads(line) if line.strip() else {}
                         if "messages" in row:
                             rows.append(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n")
                 answers.write_text("".join(rows))

@@ -114,7 +114,8 @@ def default_prompts_path() -> Path:
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
     path = Path(path) if path is not None else default_prompts_path()
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    # lines end at "\n" only: str.splitlines would also cut at U+2028 and U+0085, which JSON strings hold raw
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         try:

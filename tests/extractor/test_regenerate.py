@@ -346,6 +346,25 @@ def test_a_connection_the_server_closes_unanswered_is_asked_again_not_a_failed_s
     assert _Bad.drops == 4  # each conversation: dropped once, then answered
 
 
+def test_raw_line_separators_inside_a_conversation_are_text_not_line_ends(fs_store, smollm2_path, tmp_path, bad_server):
+    """Seen on an H200 with ShareGPT: a turn holding a raw U+2028 cut the stored conversation shard
+    in two (str.splitlines) and failed the task. JSON writes it raw (ensure_ascii=False)."""
+    text = "first\u2028second\x85third\u2029end"
+    path = tmp_path / "seps.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]},
+                               ensure_ascii=False) + "\n", encoding="utf-8")
+    stages.ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
+        run="seps", dataset=str(path), model=str(smollm2_path), capture_points=POINTS,
+        options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4)))
+    _Bad.drops = 1  # the next request is answered
+    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
+                               RegenerateRequest(run="seps", shard="000000"))
+    assert result.conversations == 1 and result.rejects == 0
+    (answers,) = [k for k in fs_store.list(layout.regenerated_prefix("seps")) if k.endswith(".jsonl")]
+    (row,) = [json.loads(x) for x in fs_store.get_bytes(answers).decode().split("\n") if x]
+    assert row["messages"][0]["content"] == text
+
+
 def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smollm2_path, tmp_path, bad_server):
     _ingested(fs_store, smollm2_path, tmp_path, "refused")
     result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),

@@ -30,8 +30,9 @@ def test_default_prompt_set_is_mt_bench_found_without_importing_it():
 
 def test_prompt_files_and_the_line_that_is_wrong(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text('{"prompt": "hi"}\n\n{"question_id": 7, "category": "x", "turns": ["a", "b"]}\n')
-    assert [(p.id, p.turns) for p in load_prompts(good)] == [("1", ["hi"]), ("7", ["a", "b"])]
+    good.write_text('{"prompt": "hi"}\n\n{"question_id": 7, "category": "x", "turns": ["a", "b"]}\n'
+                    '{"prompt": "one\u2028line\x85still"}\n', encoding="utf-8")  # raw separators inside a string
+    assert [(p.id, p.turns) for p in load_prompts(good)] == [("1", ["hi"]), ("7", ["a", "b"]), ("4", ["one\u2028line\x85still"])]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"messages": []}\n')
     with pytest.raises(BenchError, match=r"line 2 of .*bad.jsonl: needs \"turns\""):

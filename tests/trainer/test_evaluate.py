@@ -3,8 +3,11 @@ and SGLang's acceptance-length arithmetic (completion tokens / verify forwards).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from aerie_trainer.evaluate import acceptance_length, greedy_generate, load_target, speculative_generate
 from aerie_trainer.model import build_drafter
@@ -78,3 +81,12 @@ def test_a_drafter_that_copies_the_target_is_accepted_and_still_greedy(target, s
     got, verifies = speculative_generate(target, Oracle(drafter), prompt, POINTS, 24, 3)
     assert got == want
     assert verifies == (24 - 1 + 3) // 4  # 1 from prefill, then 3 accepted drafts + 1 bonus per verify
+
+
+def test_eval_prompts_keep_raw_line_separators_inside_their_strings(smollm2_path):
+    from aerie_trainer.evaluate import prompts_from_file
+
+    text = json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False) + "\n" + json.dumps({"prompt": "four"}) + "\n"
+    got = prompts_from_file(text, smollm2_path)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    assert len(got) == 2 and "one\u2028two\x85three" in tok.decode(got[0])

@@ -381,7 +381,7 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def _rows(data: bytes) -> list[dict]:
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    return [json.loads(line) for line in data.decode().split("\n") if line.strip()]  # not splitlines: U+2028 is inside strings
 
 
 def stored_answers(store: ObjectStore, run: str, shard: str) -> tuple[RegeneratedRecord, list[dict]] | None:

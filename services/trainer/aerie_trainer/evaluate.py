@@ -309,7 +309,7 @@ def prompts_from_file(path_or_text: str, model_dir: str | os.PathLike) -> list[l
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = []
-    for n, line in enumerate(path_or_text.splitlines(), 1):
+    for n, line in enumerate(path_or_text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         rec = json.loads(line)

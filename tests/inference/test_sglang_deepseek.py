@@ -20,7 +20,8 @@ Measured (2026-12-03, `bash scripts/test.sh tests/inference/test_sglang_deepseek
 them): max abs difference to transformers, float32, 3 prompts (5, 40 and 60 tokens): aux at
 points 2/4/5 at most 1.1e-8 / 2.2e-8 / 3.0e-8 by either path, final state 1.2e-6; the
 Llama-rule capture is 3.6e-2 .. 4.9e-2 from point k and at most 3.0e-8 from point k-1. Two
-servers, one after the other (~25-35 s each to start; the module took ~95 s on a loaded machine).
+servers, started side by side (~25-35 s each to start one after the other; the module took ~95 s
+on a loaded machine that way).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import pytest
 import torch
 
 from aerie.capture import convention_for, default_capture_points, from_engine_ids, to_engine_ids
-from tests.sglang_server import REPO, capture_args, sglang_python, sglang_server
+from tests.sglang_server import REPO, capture_args, sglang_python, sglang_server, start_soon
 from tests.targets import NUM_LAYERS, load_reference
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -74,18 +75,28 @@ def layer_ids(deepseek_tiny) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(deepseek_tiny, layer_ids, tmp_path_factory):
-    """A capture server with aerie's binary plugin on (stock requests are answered as by stock SGLang)."""
+def server_starting(deepseek_tiny, layer_ids, tmp_path_factory):
+    """A capture server with aerie's binary plugin on (stock requests are answered as by stock
+    SGLang), started in the background: the first test asks for it, so that its start overlaps
+    that test's own server's; `server` waits for it."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
     shm_dir = shm / f"aerie-test-{secrets.token_hex(4)}"
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(shm_dir)}
     args = [*capture_args(deepseek_tiny, layer_ids), "--chunked-prefill-size", str(CHUNK)]
-    with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("deepseek")) as s:
-        yield s
+    starting = start_soon(sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("deepseek")))
+    try:
+        yield starting
+    finally:
+        starting.stop()
     for f in shm_dir.glob("*"):
         f.unlink()
     if shm_dir.exists():
         shm_dir.rmdir()
+
+
+@pytest.fixture(scope="module")
+def server(server_starting):
+    return server_starting.ready()
 
 
 def generate(server, body: dict) -> dict:
@@ -99,9 +110,9 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-def test_the_llama_rule_ids_capture_the_layer_before_each_point(deepseek_tiny, prompts, reference, tmp_path):
+def test_the_llama_rule_ids_capture_the_layer_before_each_point(server_starting, deepseek_tiny, prompts, reference, tmp_path):
     """The seed's failure reproduced: ids computed by the Llama rule are off by one on DeepSeek.
-    First in the module, with its own server: stopped before the module's server starts."""
+    First in the module, with its own server, started beside the module's (`server_starting`)."""
     points = [3, 4, 6]  # a first point != 2: here the two rules give different ids
     llama_ids = to_engine_ids(points, "sglang-llama", NUM_LAYERS)
     assert llama_ids == [2, 3, 5] != to_engine_ids(points, "sglang-deepseek", NUM_LAYERS)

@@ -13,7 +13,8 @@ proof an export works is SGLang serving it. Here
   anyway, loads without complaint and its acceptance collapses.
 
 Servers: one plain (baseline) server for the module, one target+drafter server per drafter
-(SGLang's intel_amx path with aerie's plain-torch CPU ops, `aerie_sglang.cpu.ops`).
+(SGLang's intel_amx path with aerie's plain-torch CPU ops, `aerie_sglang.cpu.ops`); the random
+drafter's starts beside the plain one (a start is mostly one core importing SGLang).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from aerie.capture import convention_for, default_capture_points, to_engine_ids
 from aerie.target import describe
-from tests.sglang_server import serve_server, sglang_server
+from tests.sglang_server import serve_server, sglang_server, start_soon
 
 pytestmark = [pytest.mark.sglang]
 
@@ -108,6 +109,16 @@ def random_drafter(smollm2_path, layer_ids, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def random_starting(smollm2_path, random_drafter, tmp_path_factory):
+    """The random drafter's server, started in the background (its start overlaps the plain
+    server's: the random drafter's test asks for this fixture before `plain_outputs`)."""
+    starting = start_soon(serve_server(smollm2_path, random_drafter, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
+                                       log_dir=tmp_path_factory.mktemp("sglang-random"), env=EAGLE_ENV))
+    yield starting
+    starting.stop()
+
+
+@pytest.fixture(scope="module")
 def trained_drafter(trained_smol) -> tuple[Path, dict]:
     """The small drafter trained in the pipeline (ShareGPT hidden states -> run_train -> published
     -> pulled), shared with trainer/test_train.py (tests/trained.py)."""
@@ -156,11 +167,11 @@ def report(name: str, values: dict) -> None:
 
 
 @pytest.mark.slow
-def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(smollm2_path, random_drafter, plain_outputs, prompt_ids, tmp_path):
-    with serve_server(smollm2_path, random_drafter, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
-                      log_dir=tmp_path, env=EAGLE_ENV) as server:
-        outputs = generate(server.url, prompt_ids[:1])  # one prompt: each token costs a full verify here
-        start_s = server.extra["start_s"]
+def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(random_starting, plain_outputs, prompt_ids):
+    server = random_starting.ready()
+    outputs = generate(server.url, prompt_ids[:1])  # one prompt: each token costs a full verify here
+    start_s = server.extra["start_s"]
+    random_starting.stop()
     assert_same_text(outputs, plain_outputs[:1])
     per_prompt = [o["meta_info"]["spec_accept_length"] for o in outputs]
     n = [o["meta_info"]["completion_tokens"] for o in outputs]

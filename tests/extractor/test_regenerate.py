@@ -391,7 +391,7 @@ def test_turns_stop_at_the_turn_limit_and_once_the_conversation_fills_max_tokens
     turns = [m for c in CONVERSATIONS[1:2] for m in normalize({"conversations": c})]  # 3 user turns, 3 answers
     asked = []
 
-    async def answer(history):
+    async def answer(history, max_new):
         asked.append(len(history))
         return Answer(content=f"answer {len(asked)}", prompt_tokens=10 * len(history), completion_tokens=5)
 
@@ -404,11 +404,49 @@ def test_turns_stop_at_the_turn_limit_and_once_the_conversation_fills_max_tokens
     out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=35, regenerate=True)))
     assert n == 2 and asked == [1, 3]
 
-    async def empty(history):
+    async def empty(history, max_new):
         return Answer(content="  ")
 
     with pytest.raises(RegenerateRefused, match="regenerated answer for turn 2 is empty"):
         asyncio.run(regenerate_conversation(turns, empty, IngestOptions(regenerate=True)))
+
+
+def test_no_answer_asks_for_more_new_tokens_than_fit_before_max_tokens():
+    """What lies beyond max_tokens is truncated away at tokenization: it is never generated. The
+    first prompt's length comes from ingest, later ones from the previous answer's usage."""
+    import asyncio
+
+    from aerie_extractor.regenerate import regenerate_conversation
+
+    turns = [m for c in CONVERSATIONS[1:2] for m in normalize({"conversations": c})]  # 3 user turns, 3 answers
+    asked = []
+
+    async def answer(history, max_new):
+        asked.append(max_new)
+        return Answer(content="an answer", prompt_tokens=40 * len(history), completion_tokens=min(max_new, 30))
+
+    options = IngestOptions(max_tokens=200, regenerate=True, regenerate_max_tokens=64)
+    out, n = asyncio.run(regenerate_conversation(turns, answer, options, prompt_tokens=150))
+    # 200 - 150 = 50 for the first; then 200 - (40 + 30) = 130, capped at 64; then 200 - (120 + 30) = 50
+    assert asked == [50, 64, 50] and n == 3
+    asked.clear()
+    asyncio.run(regenerate_conversation(turns, answer, options))  # no count from ingest: the cap alone
+    assert asked[0] == 64
+
+
+def test_ingest_records_each_conversations_first_prompt_tokens(fs_store, smollm2_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
+    stages.ingest(fs_store, settings, IngestRequest(
+        run="counted", dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])), model=str(smollm2_path), capture_points=POINTS,
+        options=IngestOptions(max_tokens=256, regenerate=True)))
+    rows = [json.loads(x) for x in fs_store.get_bytes(layout.conversations("counted", "000000")).decode().split("\n") if x]
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    for row in rows:
+        first = row["messages"][: next(j for j, m in enumerate(row["messages"]) if m["role"] == "assistant")]
+        rendered = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+        assert row["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"]) > 0
 
 
 # --------------------------------------------------------------------------------------

@@ -406,9 +406,10 @@ class ChatTokenizer:
                 spans.append((start, end))
         return spans
 
-    def answerable(self, messages: list[dict[str, str]], max_tokens: int) -> list[dict[str, str]]:
-        """A conversation worth answering again: a user turn before its first assistant turn, and a
-        first prompt shorter than `max_tokens` (else no answer token would be kept: not asked)."""
+    def answerable(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[dict[str, str]], int]:
+        """(a conversation worth answering again, its first prompt's tokens): a user turn before its
+        first assistant turn, and a first prompt shorter than `max_tokens` (else no answer token would
+        be kept: not asked). The regenerate stage asks for no more new tokens than fit after it."""
         first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
         if not any(m["role"] == "user" for m in messages[:first]):
             raise Rejected(f"turn {first + 1} is an assistant turn with no user turn before it: nothing to answer")
@@ -419,7 +420,7 @@ class ChatTokenizer:
         if len(prompt) >= max_tokens:
             raise Rejected(f"over-long: no assistant token within the first {max_tokens} tokens (the first prompt alone "
                            f"is {len(prompt)} tokens): not regenerated")
-        return messages
+        return messages, len(prompt)
 
     def sequences(self, messages: list[dict[str, str]], loss_on: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """The conversation as one sequence, or, when the template rewrites earlier turns, one
@@ -624,7 +625,8 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
                 raise record
             messages = normalize(record)
             if opts.regenerate:  # answered by the regenerate stage, tokenized there
-                conversations.append({"line": line, "source": source, "messages": chat.answerable(messages, opts.max_tokens)})
+                answerable, prompt_tokens = chat.answerable(messages, opts.max_tokens)
+                conversations.append({"line": line, "source": source, "messages": answerable, "prompt_tokens": prompt_tokens})
                 if len(conversations) >= opts.regenerate_shard_records:
                     flush_conversations()
                 accepted += 1

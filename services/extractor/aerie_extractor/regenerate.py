@@ -96,13 +96,16 @@ def assistant_turn(answer: Answer, reasoning: str) -> str:
     return answer.content.strip()
 
 
-async def regenerate_conversation(messages: Messages, chat: Callable[[Messages], Awaitable[Answer]],
-                                  options: IngestOptions) -> tuple[Messages, int]:
+async def regenerate_conversation(messages: Messages, chat: Callable[[Messages, int], Awaitable[Answer]],
+                                  options: IngestOptions, prompt_tokens: int = 0) -> tuple[Messages, int]:
     """(the conversation with its assistant turns answered again, turns answered). Each answer
     is asked on the regenerated history; stops at the turn limit or once the conversation
-    reaches `options.max_tokens`."""
+    reaches `options.max_tokens`. No answer asks for more new tokens than fit before
+    `max_tokens` (`prompt_tokens`: the first prompt's, as ingest counted them; then the previous
+    turn's prompt and answer): what would be truncated away is never generated."""
     out: Messages = []
     turns = 0
+    used = prompt_tokens  # tokens the next prompt holds at least
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             out.append(dict(m))
@@ -111,13 +114,14 @@ async def regenerate_conversation(messages: Messages, chat: Callable[[Messages],
             break
         if not any(turn["role"] == "user" for turn in out):
             raise RegenerateRefused(f"turn {j + 1} is an assistant turn with no user turn before it: nothing to answer")
-        answer = await chat(out)
+        answer = await chat(out, max(1, min(options.regenerate_max_tokens, options.max_tokens - used)))
+        used = answer.prompt_tokens + answer.completion_tokens
         text = assistant_turn(answer, options.regenerate_reasoning)
         if not text:
             raise RegenerateRefused(f"regenerated answer for turn {j + 1} is empty")
         out.append({"role": "assistant", "content": text})
         turns += 1
-        if answer.prompt_tokens + answer.completion_tokens >= options.max_tokens:
+        if used >= options.max_tokens:
             break  # later turns would lie beyond max_tokens
     while out and out[-1]["role"] != "assistant":
         out.pop()
@@ -145,11 +149,11 @@ class OpenAIChat:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=limits)  # headers: SGLang's --api-key
 
-    async def __call__(self, url: str, messages: Messages) -> Answer:
+    async def __call__(self, url: str, messages: Messages, max_new: int | None = None) -> Answer:
         import httpx
 
         body = {"model": "default", "messages": messages, "temperature": self.options.regenerate_temperature,
-                "max_tokens": self.options.regenerate_max_tokens}
+                "max_tokens": max_new or self.options.regenerate_max_tokens}
         try:
             try:
                 r = await self._post(url, body)
@@ -242,22 +246,22 @@ class HFChat:
         self.model.to(device).eval()
         self.lock = threading.Lock()
 
-    def answer(self, messages: Messages) -> Answer:
+    def answer(self, messages: Messages, max_new: int | None = None) -> Answer:
         torch = self.torch
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
         sample = self.options.regenerate_temperature > 0
         with self.lock, torch.inference_mode():
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.options.regenerate_max_tokens,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new or self.options.regenerate_max_tokens,
                 do_sample=sample, temperature=self.options.regenerate_temperature if sample else None,
                 top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
         new = out[0, ids.shape[1]:]
         return Answer(self.tokenizer.decode(new, skip_special_tokens=True), None, int(ids.shape[1]), int(new.shape[0]))
 
-    async def __call__(self, url: str, messages: Messages) -> Answer:
-        return await asyncio.to_thread(self.answer, messages)
+    async def __call__(self, url: str, messages: Messages, max_new: int | None = None) -> Answer:
+        return await asyncio.to_thread(self.answer, messages, max_new)
 
     async def close(self) -> None:
         pass
@@ -300,13 +304,13 @@ class Meter:
     completion_tokens: int = 0
     done: int = 0
 
-    def wrap(self, chat, url: str) -> Callable[[Messages], Awaitable[Answer]]:
-        async def ask(messages: Messages) -> Answer:
+    def wrap(self, chat, url: str) -> Callable[[Messages, int], Awaitable[Answer]]:
+        async def ask(messages: Messages, max_new: int) -> Answer:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             t0 = time.monotonic()
             try:
-                answer = await chat(url, messages)
+                answer = await chat(url, messages, max_new)
             finally:
                 self.in_flight -= 1
                 self.busy_s += time.monotonic() - t0
@@ -337,7 +341,8 @@ async def answer_all(records: list[dict], chat, urls: list[str], concurrency: in
         async with gate:
             base = {"line": record["line"], "source": record["source"]}
             try:
-                messages, turns = await regenerate_conversation(record["messages"], meter.wrap(chat, urls[i % len(urls)]), options)
+                messages, turns = await regenerate_conversation(record["messages"], meter.wrap(chat, urls[i % len(urls)]), options,
+                                                                record.get("prompt_tokens") or 0)
                 out[i] = {**base, "messages": messages, "turns": turns}
             except RegenerateRefused as e:
                 out[i] = {**base, "reject": str(e)}

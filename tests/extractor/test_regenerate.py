@@ -139,6 +139,31 @@ def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_
     assert "/v1/chat/completions" not in server_log_since(chat_server, offset)
 
 
+def test_a_generation_server_is_refused_for_capture_naming_the_flags_of_both_sglang_generations(chat_server, smollm2_path):
+    """The regenerate stage's plain server is not a capture server: the extract engine says how
+    to start one, with 0.5.23's flags and, for releases without them (0.5.17), the plugin's variables."""
+    from aerie.capture import convention_for, to_engine_ids
+    from aerie.contracts import EngineSpec, RunSpec
+    from aerie.target import describe
+    from aerie_extractor.engines.base import EngineMismatch
+    from aerie_extractor.engines.sglang import SGLangEngine
+
+    target = describe(smollm2_path)
+    convention = convention_for("sglang", target.architecture)
+    ids = to_engine_ids(POINTS, convention, target.num_layers)
+    version = httpx.get(f"{chat_server.url}/server_info", timeout=30).json()["version"]
+    run = RunSpec(run="capture-on-plain", dataset="inline", target=target, capture_points=list(POINTS), ingest=IngestOptions(),
+                  target_signal="topk", topk=4,
+                  engine=EngineSpec(name="sglang", version=version, convention=convention, layer_ids=ids, transport="json"))
+    engine = SGLangEngine(Settings(engine="sglang", engine_urls=[chat_server.url], engine_timeout_s=60), run)
+    with pytest.raises(EngineMismatch) as e:
+        engine.capture([np.asarray([1, 2, 3], dtype=np.int32)])
+    message = str(e.value)
+    assert "\n" not in message and chat_server.url in message and "not in capture mode" in message, message
+    assert f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))}" in message, message
+    assert f"AERIE_CAPTURE_LAYER_IDS={','.join(map(str, ids))}" in message and "AERIE_SGLANG_BINARY=1" in message, message
+
+
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path):

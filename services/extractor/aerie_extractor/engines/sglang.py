@@ -348,7 +348,9 @@ class SGLangEngine(Engine):
         if not info.get("enable_return_aux_hidden_states"):
             raise EngineMismatch(
                 f"SGLang server {url} is not in capture mode: start it with --enable-return-aux-hidden-states "
-                f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+                f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))} "
+                f"(SGLang releases without these flags, e.g. 0.5.17: the aerie plugin with AERIE_SGLANG_BINARY=1 "
+                f"AERIE_CAPTURE_LAYER_IDS={','.join(map(str, self.layer_ids))} and --enable-return-hidden-states)"
             )
         served_ids = [int(i) for i in info.get("return_aux_hidden_state_layer_ids") or []]
         if served_ids != self.layer_ids:
@@ -359,7 +361,8 @@ class SGLangEngine(Engine):
             raise EngineMismatch(
                 f"SGLang server {url} captures layer ids {served_ids} ({self.convention}: {served_points}), "
                 f"but run {run.run!r} needs capture points {run.capture_points} = layer ids {self.layer_ids}: "
-                f"restart the server with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+                f"restart the server with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))} "
+                f"(AERIE_CAPTURE_LAYER_IDS={','.join(map(str, self.layer_ids))} on releases without that flag)"
             )
         if not info.get("disable_radix_cache"):
             raise EngineMismatch(

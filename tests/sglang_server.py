@@ -272,7 +272,8 @@ def serve_server_fixture(draft_fixture: str, *, model_fixture: str = "smollm2_pa
 def together(*servers: AbstractContextManager[SGLangServer]) -> Iterator[list[SGLangServer]]:
     """Enter several server context managers at once and yield their servers in order; all are
     stopped on exit (and the started ones if another fails to start). Measured on the 2-core
-    machine: one start 39 s (35 CPU-s, nearly all on one core), two side by side 58 s."""
+    machine with other jobs at load ~4: one start 39 s (35 CPU-s, nearly all on one core), two side
+    by side 58 s."""
     with ExitStack() as stack:
         with ThreadPoolExecutor(len(servers)) as pool:
             futures = [pool.submit(stack.enter_context, cm) for cm in servers]

@@ -258,17 +258,15 @@ class Bench:
 
     def answers(self, p: int) -> Path:
         """Part p's regenerated conversations as a dataset of their own (`{"messages": [...]}` lines)."""
-        from aerie import layout
         from aerie.runs import shard_names
+        from aerie_extractor.regenerate import stored_answers
 
         path = self.work / f"answers-p{p}.jsonl"
         if not path.is_file():
             run, rows = self.part_runs()[p], []
             for shard in shard_names(self.store, run, "tokens"):
-                for line in self.store.get_bytes(layout.regenerated(run, shard)).decode().split("\n"):
-                    row = json.loads(line) if line.strip() else {}
-                    if "messages" in row:
-                        rows.append(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n")
+                _, answered = stored_answers(self.store, run, shard)  # the stage's reader: sha256 checked
+                rows += [json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n" for row in answered if "messages" in row]
             path.write_text("".join(rows))
         return path
 

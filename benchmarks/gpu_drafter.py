@@ -2,7 +2,7 @@
 several drafters side by side, measure acceptance served by SGLang. One GPU, the project's stages.
 
     python benchmarks/gpu_drafter.py --data DIR --out OUT [--stages regen,extract,train,serve]
-        [--budget-s S] [--epochs E] [--arms main,steps-1/2,...] [--serve-arms main]
+        [--budget-s S] [--epochs E] [--arms main,steps-1/2,...] [--serve-arms main,...]
 
 DIR holds `sharegpt.jsonl[.xz]` (ShareGPT records, one per line), `mtbench_question.jsonl` (MT-bench,
 held out) and `gsm8k_test.jsonl` (GSM8K, held out); `bash benchmarks/gpu_carry.sh --all` writes
@@ -33,7 +33,9 @@ limit loses only its unfinished work; figures go to OUT/figures.json as each par
 - serve: each of `--serve-arms` served by real SGLang EAGLE-3 (steps 3, topk 1, draft tokens 4):
   acceptance as SGLang counts it (completion tokens / `spec_verify_ct`) on all MT-bench first turns
   and `--gsm8k` GSM8K questions, `--eval-concurrency` requests in flight, greedy; and decode speed
-  one request at a time against a plain server on `--speed-prompts` MT-bench prompts.
+  one request at a time against a plain server on `--speed-prompts` MT-bench prompts. The servers
+  (every arm's and the plain one) run `--serve-parallel` at a time on the one GPU: acceptance on
+  all at once, then the speeds one server at a time while the others idle.
 
 On the CPU, tiny (the check before a device call; SGLang 0.5.23's CPU launcher):
 
@@ -110,7 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="flags of every server")
     ap.add_argument("--regen-args", default="--mem-fraction-static 0.5 --max-running-requests 512 --cuda-graph-max-bs-decode 512",
                     help="extra flags of the regeneration server")
-    ap.add_argument("--serve-mem", default="--mem-fraction-static 0.3")
+    # servers run side by side: SGLang 0.5.17 sizes its KV pool as the memory free now minus
+    # (1 - fraction) x the memory free before its weights, so a high fraction and a token cap
+    ap.add_argument("--serve-mem", default="--mem-fraction-static 0.9 --max-total-tokens 131072 --max-running-requests 64 "
+                    "--cuda-graph-max-bs-decode 64", help="memory flags of each serving server")
+    ap.add_argument("--serve-parallel", type=int, default=8, help="servers at once (the plain one and the arms')")
     # train
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--epochs", type=float, default=6.0, help="main's passes over all parts")
@@ -123,11 +129,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--train-arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child process
     # serve
-    ap.add_argument("--serve-arms", default="main")
+    ap.add_argument("--serve-arms", default=",".join(ARMS))
     ap.add_argument("--gsm8k", type=int, default=200)
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--serve-tokens", type=int, default=256)
-    ap.add_argument("--eval-concurrency", type=int, default=16)
+    ap.add_argument("--eval-concurrency", type=int, default=32)
     ap.add_argument("--speed-prompts", type=int, default=8, help="0: no plain server, no decode speed")
     a = ap.parse_args(argv)
     a.stage_list = [s for s in a.stages.split(",") if s]
@@ -446,7 +452,10 @@ class Bench:
         return files
 
     def serve(self) -> None:
-        from gpu_pipeline import sglang_generate, sglang_server
+        """The plain server and every served arm's EAGLE-3 server, `--serve-parallel` at a time on
+        the one GPU: acceptance on all of them at once (it depends on the tokens, not on the
+        timing), then decode speed one server at a time while the others idle."""
+        from gpu_pipeline import sglang_generate, sglang_servers
 
         from aerie import stages
         from aerie_trainer.evaluate import prompts_from_file
@@ -456,29 +465,40 @@ class Bench:
         common = [*a.server_args.split(), *a.serve_mem.split(), "--model-path", str(self.model_dir)]
         served = self.figures.setdefault("served", {})
         speed = sets["mtbench"][: a.speed_prompts]
+        todo = []  # (name, python module, args)
         if "plain" not in served and a.speed_prompts:
-            with sglang_server(a.sglang_python, a.sglang_module, common, self.out / "sglang_plain.log") as url:
-                plain = sglang_generate(url, speed, a.serve_tokens)
-            served["plain"] = {"tok_per_s": plain["tok_per_s"], "texts": plain["texts"]}
-            self.save()
+            todo.append(("plain", a.sglang_module, common))
         for name in a.serve_arms.split(","):
             f = self.work / f"arm-{name.replace('/', 'of')}.json"
             if name in served or not f.is_file():
                 continue
             arm = json.loads(f.read_text())
             folder = stages.pull(self.store, f"{arm['drafter']}:{arm['version']}", self.work / f"pulled-{name.replace('/', 'of')}")
-            with sglang_server(a.sglang_python, a.sglang_eagle_module or a.sglang_module, [*common, *SPEC, "--speculative-draft-model-path", str(folder)],
-                               self.out / f"sglang_eagle_{name.replace('/', 'of')}.log") as url:
-                row = {k: self.accept(url, v) for k, v in sets.items()}
-                one = sglang_generate(url, speed, a.serve_tokens) if "plain" in served else None
-            if one is not None:
-                texts = one.pop("texts")
-                row["speed"] = {"tok_per_s": one["tok_per_s"], "plain_tok_per_s": served["plain"]["tok_per_s"],
-                                "speedup": one["tok_per_s"] / served["plain"]["tok_per_s"], "prompts": len(speed),
-                                "identical_to_plain": sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
-                                "spec_accept_length": one["spec_accept_length"]}
-            served[name] = row
-            log("served", name, json.dumps(row))
+            todo.append((name, a.sglang_eagle_module or a.sglang_module, [*common, *SPEC, "--speculative-draft-model-path", str(folder)]))
+        for i in range(0, len(todo), a.serve_parallel):
+            wave = todo[i : i + a.serve_parallel]
+            log("serve: servers", [n for n, _, _ in wave])
+            specs = [(a.sglang_python, module, args, self.out / f"sglang_{'plain' if n == 'plain' else 'eagle_' + n.replace('/', 'of')}.log")
+                     for n, module, args in wave]
+            with sglang_servers(specs) as urls:
+                arms = [(n, url) for (n, _, _), url in zip(wave, urls) if n != "plain"]
+                with ThreadPoolExecutor(max(1, len(arms))) as pool:  # every arm's acceptance at once
+                    rows = dict(zip([n for n, _ in arms], pool.map(lambda arm: {k: self.accept(arm[1], v) for k, v in sets.items()}, arms)))
+                for (n, _, _), url in zip(wave, urls):  # speed: one server at a time, the plain one first
+                    if not speed:
+                        continue
+                    one = sglang_generate(url, speed, a.serve_tokens)
+                    if n == "plain":
+                        served["plain"] = {"tok_per_s": one["tok_per_s"], "texts": one["texts"]}
+                        continue
+                    texts = one.pop("texts")
+                    rows[n]["speed"] = {"tok_per_s": one["tok_per_s"], "prompts": len(speed), "spec_accept_length": one["spec_accept_length"]}
+                    if "plain" in served:
+                        rows[n]["speed"].update(plain_tok_per_s=served["plain"]["tok_per_s"], speedup=one["tok_per_s"] / served["plain"]["tok_per_s"],
+                                                identical_to_plain=sum(x == y for x, y in zip(texts, served["plain"]["texts"])))
+            for n, row in rows.items():
+                served[n] = row
+                log("served", n, json.dumps(row))
             self.save()
 
     def accept(self, url: str, prompts: list[list[int]]) -> dict:

@@ -116,8 +116,9 @@ class HFEngine(Engine):
                     "(point the worker at the same model folder the run was ingested with)"
                 )
 
-    def forward(self, batch: list[np.ndarray]):
-        """One padded forward -> the hidden_states tuple (B, L, H) each; no conversion."""
+    def forward(self, batch: list[np.ndarray], hidden_states: bool = True):
+        """One padded forward -> the hidden_states tuple (B, L, H) each; no conversion.
+        hidden_states=False: the last state alone (B, L, H), the others not kept (a bare forward)."""
         import torch
 
         longest = max(len(s) for s in batch)
@@ -132,9 +133,9 @@ class HFEngine(Engine):
         with torch.inference_mode():
             out = self.base(
                 input_ids=ids.to(self.device, non_blocking=cuda), attention_mask=mask.to(self.device, non_blocking=cuda),
-                output_hidden_states=True, use_cache=False,
+                output_hidden_states=hidden_states, use_cache=False,
             )
-        return out.hidden_states
+        return out.hidden_states if hidden_states else out.last_hidden_state
 
     def _checked_forward(self, batch: list[np.ndarray]):
         try:
@@ -152,17 +153,12 @@ class HFEngine(Engine):
         (False: something is not finite; the caller's validation says where)."""
         import torch
 
-        N, K, H = self.run.target.num_layers, len(self.indices), aux.shape[2]
-        dtype = getattr(torch, self.run.dtype)
-        cuda = self.device.startswith("cuda")
+        K = len(self.indices)
         batches = length_batches([len(s) for s in sequences], self.settings.tokens_per_batch)
-        most = max(sum(len(sequences[i]) for i in idx) for idx in batches)
-        if cuda and (self._pinned is None or self._pinned[0].shape[0] < most or self._pinned[0].shape[1:] != (K + 1, H) or self._pinned[0].dtype != dtype):
-            # two pinned buffers: the device fills one while the host empties the other
-            self._pinned = [torch.empty((most, K + 1, H), dtype=dtype, pin_memory=True) for _ in range(2)]
+        self._host_buffers(max(sum(len(sequences[i]) for i in idx) for idx in batches), aux.shape[2])
 
         # bf16 is copied as int16 (a numpy dtype: the copies run without the GIL, beside the writers)
-        bits = dtype == torch.bfloat16
+        bits = self.run.dtype == "bfloat16"
         aux_out, final_out = (aux.view(np.int16), final.view(np.int16)) if bits else (aux, final)
 
         def place(rows, idx: list[int]) -> None:  # rows: host (n, K+1, H), the sequences of idx in order
@@ -179,29 +175,50 @@ class HFEngine(Engine):
             pending = None  # (event, host rows, idx): the batch the host places while the device runs the next
             for j, idx in enumerate(batches):
                 batch = [sequences[i] for i in idx]
-                hs = self._checked_forward(batch)
-                B, L = hs[0].shape[:2]
-                # flat positions of the real tokens, sequence after sequence: no padding crosses the bus
-                flat = torch.from_numpy(np.concatenate([b * L + np.arange(len(s)) for b, s in enumerate(batch)]))
-                if cuda:
-                    flat = flat.pin_memory().to(self.device, non_blocking=True)
-                rows = torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(dtype)
+                rows = self._gather(self._checked_forward(batch), batch)  # the hidden states are freed here
                 bad |= ~torch.isfinite(rows).all()
-                del hs
-                event = None
-                if cuda:
-                    host = self._pinned[j % 2][: rows.shape[0]]
-                    host.copy_(rows, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                else:
-                    host = rows
+                host, event = self._stage(rows, j % 2)
                 if pending is not None:
                     self._place_when_ready(place, *pending)
                 pending = (event, host, idx)
             if pending is not None:
                 self._place_when_ready(place, *pending)
             return not bool(bad)
+
+    def _host_buffers(self, rows: int, H: int) -> None:
+        """CUDA: two pinned buffers of at least `rows` x (K+1) x H in the run's dtype (the device
+        fills one while the host empties the other), grown on demand."""
+        import torch
+
+        dtype, K1 = getattr(torch, self.run.dtype), len(self.indices) + 1
+        if self.device.startswith("cuda") and (
+            self._pinned is None or self._pinned[0].shape[0] < rows or self._pinned[0].shape[1:] != (K1, H) or self._pinned[0].dtype != dtype
+        ):
+            self._pinned = [torch.empty((rows, K1, H), dtype=dtype, pin_memory=True) for _ in range(2)]
+
+    def _gather(self, hs, batch: list[np.ndarray]):
+        """One forward's capture rows on the device: the real tokens only, sequence after sequence
+        (no padding crosses the bus), (n, K+1, H) in the run's dtype (capture points, then final)."""
+        import torch
+
+        N, (B, L, H) = self.run.target.num_layers, hs[0].shape
+        flat = torch.from_numpy(np.concatenate([b * L + np.arange(len(s)) for b, s in enumerate(batch)]))
+        if self.device.startswith("cuda"):
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(getattr(torch, self.run.dtype))
+
+    def _stage(self, rows, slot: int):
+        """CUDA: start copying the device rows into pinned buffer `slot` -> (host view, event
+        recorded after the copy). CPU: (rows, None)."""
+        import torch
+
+        if not self.device.startswith("cuda"):
+            return rows, None
+        host = self._pinned[slot][: rows.shape[0]]
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     @staticmethod
     def _place_when_ready(place, event, host, idx: list[int]) -> None:

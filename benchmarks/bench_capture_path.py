@@ -1,12 +1,13 @@
 """What limits capture (issue 15): the hf engine's capture path taken apart, stage by stage, beside a
 bare forward of the same batches, in one process.
 
-On the device, one call (the model converted first; ~5 min on an H200 at these sizes):
+On the device, one call (the model converted first; estimated 5-7 min on an H200 at these sizes,
+not yet run there: give it the whole 600 s):
 
     python3 -c "from aerie.target import smollm2; smollm2('/tmp/aerie-cache')" && \\
     PYTHONPATH=shared:services/extractor:services/trainer:/tmp/site python3 benchmarks/bench_capture_path.py \\
         --device cuda --cache /tmp/aerie-cache --tokens 2000000 --tokens-per-batch 65536 --shard-tokens 250000 \\
-        --storage-dtype fp8 --writers 1,4,8 --repeat 2 --out $OUT/capture-path.json
+        --storage-dtype fp8 --writers 1,4,8 --repeat 2 --writer-repeat 1 --out $OUT/capture-path.json
 
 Here (CPU smoke, checks that every pass runs; its figures mean nothing for a GPU):
 
@@ -18,8 +19,9 @@ One engine object (`make_engine`, checked), one run of token shards in a filesys
 ids, lengths uniform in [--min-len, --max-len]; or `--data sharegpt|FILE` through the ingest
 stage), the engine's own length batches per shard. One untimed capture pass first (every batch
 shape once). Each pass is timed --repeat times (the passes alternate), the device synchronized
-before and after, best kept; every sample and the
-launching thread's CPU seconds (`time.thread_time`) are in the JSON. Ratios are tok/s over `bare`.
+before and after, best kept; every sample and the launching thread's CPU seconds
+(`time.thread_time`) are in the JSON. Ratios are tok/s over `bare` (for "writers N": > 1 means
+the writers alone outrun the bare forward).
 
 - bare:      `HFEngine.forward(batch, hidden_states=False)`: the model alone
 - hidden:    `HFEngine.forward(batch)`: all N+1 hidden states kept (what bench_extract and
@@ -27,19 +29,25 @@ launching thread's CPU seconds (`time.thread_time`) are in the JSON. Ratios are 
 - gather:    + `HFEngine._gather` (real rows of the capture points and the final state, stacked in
              the run's dtype, on the device)
 - finite:    + the finite check capture_into makes (one flag per shard, read at its end)
-- d2h:       + `HFEngine._stage` (async copy into the pinned double buffer), each batch's copy
-             waited for after the next batch is launched, as capture_into does; nothing placed
-- capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls)
+- d2h:       + `HFEngine._stage` (async copy into the pinned double buffer, on the copy stream),
+             each batch's copy waited for after the next batch is launched; nothing placed
+- d2h same stream: the same with the copy on the compute stream (HFEngine.copy_stream False)
+- capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls):
+             copy on its own stream, rows placed by a helper thread (the defaults), then its
+             switches one at a time ("same stream": copy_stream False, "inline place":
+             place_thread False) and both ("before": the path before those two)
 - writer steps (one thread, summed over the shards): `Shard.validate`, `Shard.quantize` (fp8),
   `store.put_stream` of the shard's parts (sha256 + write), and sha256 alone over the parts
 - writers N: `extract._store_hidden` (validation, quantization, sha256, write, record) over the
   already-captured shards by N threads, no engine
 - bare + N writers: the bare pass while N threads run `_store_hidden` in a loop (contention
   for the GIL, cores and memory bandwidth, without any capture)
-- extract N: `extract_shards(..., writers=N)` end to end, with its summed capture and store seconds
+- extract N: `extract_shards(..., writers=N)` end to end, with its summed capture and store
+  seconds; for the largest N also "before" (capture_into's switches both off)
 
-Checks (in the JSON): capture_into's arrays equal `HFEngine.capture`'s (the reference path) for
-the first shard.
+Checks (printed, in the JSON): capture_into's arrays, with every switch setting, equal
+`HFEngine.capture`'s (the reference path, plain to_numpy) bit for bit on the first shard.
+--out is rewritten after each section: a call stopped by its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the run's (capture) dtype")
     p.add_argument("--storage-dtype", default="fp8", choices=["bf16", "fp8"], help="fp8: e4m3 + float32 scales (the writers quantize)")
     p.add_argument("--writers", default="1,4,8", help="writer thread counts, comma-separated")
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=2, help="timings of each engine pass")
+    p.add_argument("--writer-repeat", type=int, default=1, help="timings of each writer/extract pass")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.store import FsStore
     from aerie.target import smollm2
     from aerie_extractor.engines import make_engine
-    from aerie_extractor.engines.hf import length_batches
+    from aerie_extractor.engines.hf import HFEngine, length_batches
     from aerie_extractor.extract import _capture, _PartsReader, _store_hidden, extract_shards, load_tokens
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
@@ -222,26 +231,59 @@ def main(argv: list[str] | None = None) -> dict:
         finite = all(engine.capture_into(seqs[n], shards[n].offsets, *arrays[n]) for n in names)
         return {"finite": finite}
 
+    def switched(fn, copy_stream: bool, place_thread: bool):
+        """fn with the engine's capture_into switches set (HFEngine.copy_stream, .place_thread)."""
+
+        def run():
+            engine.copy_stream, engine.place_thread = copy_stream, place_thread
+            try:
+                return fn()
+            finally:
+                del engine.copy_stream, engine.place_thread  # the class's defaults again
+
+        return run
+
     passes = {name: (lambda s=name: forward_passes(s)) for name in ("bare", "hidden", "gather", "finite", "d2h")}
+    passes["d2h same stream"] = switched(passes["d2h"], False, True)
     passes["capture"] = capture_pass
+    for name, switches in VARIANTS.items():
+        passes[f"capture {name}"] = switched(capture_pass, *switches)
     warm = timed(dev, capture_pass)  # every batch shape once (kernel choice, allocator, pinned buffers), untimed
     print(f"warm-up (capture, every batch shape) {warm['seconds']:.3f} s", flush=True)
     samples: dict[str, list[dict]] = {name: [] for name in passes}
+    def save(samples: dict, checks: dict, steps: dict | None) -> dict:
+        """The figures so far (best of each pass, tok/s, ratio to bare), written to --out at once:
+        a call stopped by its time limit still returns what it measured."""
+        best = {name: min(s, key=lambda x: x["seconds"]) for name, s in samples.items() if s}
+        bare_s = best["bare"]["seconds"]
+        figures = {name: {"tok_per_s": tokens / b["seconds"], "ratio_to_bare": bare_s / b["seconds"], "best": b, "samples": samples[name]}
+                   for name, b in best.items()}  # fmt: skip
+        result = {"config": config, "warm_up": warm, "passes": figures, "writer_steps_1_thread_s": steps, "checks": checks,
+                  "command": " ".join(sys.argv)}  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return result
+
     for r in range(args.repeat):
         for name, fn in passes.items():
             samples[name].append(timed(dev, fn))
-            print(f"repeat {r} {name:8s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+        save(samples, {}, None)
 
     checks = {}
     n0 = names[0]
     reference = engine.capture(seqs[n0])
-    a0, f0 = arrays[n0]
     off = shards[n0].offsets
-    checks["capture_into_equals_capture"] = all(
-        np.array_equal(a0[off[i] : off[i + 1]].view(np.uint8), c.aux.view(np.uint8))
-        and np.array_equal(f0[off[i] : off[i + 1]].view(np.uint8), c.final.view(np.uint8))
-        for i, c in enumerate(reference)
-    )
+    for name, switches in {"default": (HFEngine.copy_stream, HFEngine.place_thread), **VARIANTS}.items():
+        a0, f0 = (np.full_like(x, 0) for x in arrays[n0])
+        switched(lambda: engine.capture_into(seqs[n0], off, a0, f0), *switches)()
+        checks[f"capture_into {name} == capture(), first shard"] = all(
+            np.array_equal(a0[off[i] : off[i + 1]].view(np.uint8), c.aux.view(np.uint8))
+            and np.array_equal(f0[off[i] : off[i + 1]].view(np.uint8), c.final.view(np.uint8))
+            for i, c in enumerate(reference)
+        )
+    print("checks:", checks, flush=True)
+    save(samples, checks, None)
 
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
@@ -299,35 +341,34 @@ def main(argv: list[str] | None = None) -> dict:
         done = extract_shards(store, settings, requests, engine=engine, writers=n_threads)
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
-    for r in range(args.repeat):
+    before = switched(lambda: extract_all(max(writer_counts)), False, False)
+    for r in range(args.writer_repeat):
         for n in writer_counts:
-            for name, fn in ((f"writers {n}", lambda n=n: store_all(n)), (f"extract {n}", lambda n=n: extract_all(n))):
-                samples.setdefault(name, []).append(timed(dev, fn))
-                print(f"repeat {r} {name:10s} {samples[name][-1]['seconds']:.3f} s", flush=True)
-            name = f"bare + {n} writers"
-            samples.setdefault(name, []).append(bare_under(n))
-            print(f"repeat {r} {name:10s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            todo = [(f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))), (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
+                    (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
+            if n == max(writer_counts):
+                todo.append((f"extract {n} before", lambda: timed(dev, before)))
+            for name, fn in todo:
+                samples.setdefault(name, []).append(fn())
+                print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            save(samples, checks, steps)
 
-    # --- figures -------------------------------------------------------------------------------
-    best = {name: min(s, key=lambda x: x["seconds"]) for name, s in samples.items()}
-    bare_s = best["bare"]["seconds"]
-    figures = {name: {"tok_per_s": tokens / b["seconds"], "ratio_to_bare": bare_s / b["seconds"], "best": b, "samples": samples[name]}
-               for name, b in best.items()}  # fmt: skip
-    result = {"config": config, "warm_up": warm, "passes": figures, "writer_steps_1_thread_s": steps, "checks": checks,
-              "command": " ".join(sys.argv)}  # fmt: skip
-    print(f"\n{'pass':18s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
-    for name, f in figures.items():
+    result = save(samples, checks, steps)
+    print(f"\n{'pass':24s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
+    for name, f in result["passes"].items():
         b = f["best"]
         extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k not in ("seconds", "thread_cpu_s")}
-        print(f"{name:18s} {f['tok_per_s']:12.1f} {f['ratio_to_bare']:7.3f} {b['seconds']:8.3f} {b['thread_cpu_s']:12.3f}  {extra or ''}")
+        print(f"{name:24s} {f['tok_per_s']:12.1f} {f['ratio_to_bare']:7.3f} {b['seconds']:8.3f} {b['thread_cpu_s']:12.3f}  {extra or ''}")
     print("writer steps, 1 thread, all shards (s):", {k: round(v, 3) for k, v in steps.items()})
     print("checks:", checks)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
     store.delete_prefix(layout.run_prefix(run))
     tmp.cleanup()
     return result
 
+
+# capture_into's switches (HFEngine.copy_stream, HFEngine.place_thread) beside its defaults;
+# "before": the path before the copy stream and the helper thread
+VARIANTS = {"same stream": (False, True), "inline place": (True, False), "before": (False, False)}
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,8 @@
 - `capture_into` (signal "final", what `run_extract` uses) writes straight into the shard's
   arrays and overlaps the host with the device: each batch's real rows are gathered on the
   device (no padding crosses the bus), checked finite there, copied into a pinned buffer without
-  blocking, and copied into place on the host while the device runs the next batch.
+  blocking (on a stream of its own: beside the next batch's forward, not after it), and copied
+  into place on the host by a helper thread while the launching thread goes on to the next batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -58,6 +60,14 @@ def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
 
 
 class HFEngine(Engine):
+    # capture_into's overlap (issue 15; not measured on a GPU yet): the device->host copy on a stream
+    # of its own, and the rows placed into the shard's arrays by a helper thread instead of the thread
+    # that launches the forwards. Both False: the path before (the copy on the compute stream, placed
+    # by the launching thread one batch behind), kept for benchmarks/bench_capture_path.py's
+    # side-by-side until the GPU figures are in.
+    copy_stream = True
+    place_thread = True
+
     def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
@@ -79,6 +89,7 @@ class HFEngine(Engine):
         self.model = model.to(self.device).eval()
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
+        self._copy_stream = None  # capture_into's device->host copies (CUDA, copy_stream)
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
 
     @classmethod
@@ -161,8 +172,7 @@ class HFEngine(Engine):
         bits = self.run.dtype == "bfloat16"
         aux_out, final_out = (aux.view(np.int16), final.view(np.int16)) if bits else (aux, final)
 
-        def place(rows, idx: list[int]) -> None:  # rows: host (n, K+1, H), the sequences of idx in order
-            host = rows.view(torch.int16).numpy() if bits else rows.numpy()
+        def place(host: np.ndarray, idx: list[int]) -> None:  # host (n, K+1, H): the sequences of idx in order
             p = 0
             for i in idx:
                 a, b = int(offsets[i]), int(offsets[i + 1])
@@ -170,19 +180,32 @@ class HFEngine(Engine):
                 final_out[a:b] = host[p : p + b - a, K]
                 p += b - a
 
-        with torch.inference_mode():
+        # leaving the block waits for the helper's places, also on an error: nothing writes into the
+        # arrays or the pinned buffers after this call
+        with torch.inference_mode(), ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place") as helper:
             bad = torch.zeros((), dtype=torch.bool, device=self.device)
-            pending = None  # (event, host rows, idx): the batch the host places while the device runs the next
+            placing: list[Future | None] = [None, None]  # per pinned buffer: the helper placing the batch in it
+            pending = None  # without the helper: (event, host rows, idx) placed after the next batch is launched
             for j, idx in enumerate(batches):
                 batch = [sequences[i] for i in idx]
                 rows = self._gather(self._checked_forward(batch), batch)  # the hidden states are freed here
                 bad |= ~torch.isfinite(rows).all()
-                host, event = self._stage(rows, j % 2)
+                slot = j % 2
+                if placing[slot] is not None:
+                    placing[slot].result()  # buffer `slot` is free again (its batch placed, or the helper's error)
+                host, event = self._stage(rows, slot)
+                job = (event, host.view(torch.int16).numpy() if bits else host.numpy(), idx)
+                if self.place_thread:
+                    placing[slot] = helper.submit(self._place_when_ready, place, *job)
+                    continue
                 if pending is not None:
                     self._place_when_ready(place, *pending)
-                pending = (event, host, idx)
+                pending = job
             if pending is not None:
                 self._place_when_ready(place, *pending)
+            for future in placing:
+                if future is not None:
+                    future.result()
             return not bool(bad)
 
     def _host_buffers(self, rows: int, H: int) -> None:
@@ -209,15 +232,25 @@ class HFEngine(Engine):
 
     def _stage(self, rows, slot: int):
         """CUDA: start copying the device rows into pinned buffer `slot` -> (host view, event
-        recorded after the copy). CPU: (rows, None)."""
+        recorded after the copy); with `copy_stream`, on the copy stream, after the work queued so
+        far on the compute stream. CPU: (rows, None)."""
         import torch
 
         if not self.device.startswith("cuda"):
             return rows, None
         host = self._pinned[slot][: rows.shape[0]]
-        host.copy_(rows, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        compute = torch.cuda.current_stream(rows.device)
+        stream = compute
+        if self.copy_stream:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=rows.device)
+            stream = self._copy_stream
+            stream.wait_stream(compute)  # the rows are computed before they are read
+            rows.record_stream(stream)  # their memory is not handed out again before the copy has read them
+        with torch.cuda.stream(stream):
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
         return host, event
 
     @staticmethod
@@ -254,4 +287,4 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        self.model = self.base = self._pinned = None  # type: ignore[assignment]
+        self.model = self.base = self._pinned = self._copy_stream = None  # type: ignore[assignment]

@@ -32,10 +32,11 @@ the writers alone outrun the bare forward).
 - d2h:       + `HFEngine._stage` (async copy into the pinned double buffer, on the copy stream),
              each batch's copy waited for after the next batch is launched; nothing placed
 - d2h same stream: the same with the copy on the compute stream (HFEngine.copy_stream False)
-- capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls):
-             copy on its own stream, rows placed by a helper thread (the defaults), then its
-             switches one at a time ("same stream": copy_stream False, "inline place":
-             place_thread False) and both ("before": the path before those two)
+- capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls)
+             with the engine's defaults (rows placed by a helper thread; the copy stream off until
+             this run has checked it), then each switch setting: "copy stream" (both on), "same
+             stream" (copy_stream False), "inline place" (place_thread False) and "before"
+             (both off: the path before those two)
 - writer steps (one thread, summed over the shards): `Shard.validate`, `Shard.quantize` (fp8),
   `store.put_stream` of the shard's parts (sha256 + write), and sha256 alone over the parts
 - writers N: `extract._store_hidden` (validation, quantization, sha256, write, record) over the
@@ -244,7 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
         return run
 
     passes = {name: (lambda s=name: forward_passes(s)) for name in ("bare", "hidden", "gather", "finite", "d2h")}
-    passes["d2h same stream"] = switched(passes["d2h"], False, True)
+    d2h = passes["d2h"]
+    passes["d2h"] = switched(d2h, True, True)  # the copy on its own stream, whatever the default
+    passes["d2h same stream"] = switched(d2h, False, True)
     passes["capture"] = capture_pass
     for name, switches in VARIANTS.items():
         passes[f"capture {name}"] = switched(capture_pass, *switches)
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # capture_into's switches (HFEngine.copy_stream, HFEngine.place_thread) beside its defaults;
 # "before": the path before the copy stream and the helper thread
-VARIANTS = {"same stream": (False, True), "inline place": (True, False), "before": (False, False)}
+VARIANTS = {"copy stream": (True, True), "same stream": (False, True), "inline place": (True, False), "before": (False, False)}
 
 if __name__ == "__main__":
     main()

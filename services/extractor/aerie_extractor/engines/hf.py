@@ -64,8 +64,10 @@ class HFEngine(Engine):
     # of its own, and the rows placed into the shard's arrays by a helper thread instead of the thread
     # that launches the forwards. Both False: the path before (the copy on the compute stream, placed
     # by the launching thread one batch behind), kept for benchmarks/bench_capture_path.py's
-    # side-by-side until the GPU figures are in.
-    copy_stream = True
+    # side-by-side until the GPU figures are in. The copy stream stays off until that run has checked
+    # its states bit for bit against capture() on a GPU (the CPU never takes that path); the helper
+    # thread's places are checked on the CPU (tests/extractor/test_extract_hf.py).
+    copy_stream = False
     place_thread = True
 
     def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):

@@ -125,7 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--draft-vocab", type=int, default=16384)
-    ap.add_argument("--eval-prompts", type=int, default=16, help="the trainer's own evaluation (project loop)")
+    ap.add_argument("--eval-prompts", type=int, default=8,
+                    help="main's own evaluation in the project loop, before and after training (the other arms: held-out figures only; SGLang serves them all)")
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--train-arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child process
     # serve
@@ -386,7 +387,7 @@ class Bench:
         eval_file = self.eval_files()["mtbench"]
         cfg = TrainConfig(draft_vocab_size=a.draft_vocab, steps=steps, batch_tokens=a.batch_tokens, max_seq_tokens=a.max_seq,
                           lr=a.lr, checkpoint_every=max(50, min(400, steps // 10)), holdout_fraction=0.02,
-                          eval_prompts=a.eval_prompts, eval_new_tokens=a.eval_tokens, eval_draft_tokens=3)
+                          eval_prompts=a.eval_prompts if name == "main" else 0, eval_new_tokens=a.eval_tokens, eval_draft_tokens=3)
         drafter = "smollm2-" + name.replace("/", "of")
         return TrainRequest(runs=runs, drafter=drafter, model=str(self.model_dir), config=cfg, eval_prompts_file=str(eval_file))
 
@@ -407,16 +408,40 @@ class Bench:
         (self.work / f"arm-{name.replace('/', 'of')}.json").write_text(json.dumps(result))
 
     def train(self) -> None:
+        """Every arm not finished yet, as a child process each, all at once; an arm that dies (a
+        CUDA OOM while seven share the GPU, say) is started again once, from its checkpoint, when
+        another arm has ended. Arms still running at the deadline are stopped (a later call resumes them)."""
         arms = [n for n in self.a.arms.split(",") if not (self.work / f"arm-{n.replace('/', 'of')}.json").is_file()]
-        procs, logs = {}, {}
-        for name in arms:
+        procs, logs, retried, ended = {}, {}, set(), 0
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # seven trainers' caches share one GPU
+
+        def start(name: str) -> None:
             logs[name] = self.work / f"train-{name.replace('/', 'of')}.log"
-            logf = open(logs[name], "ab")
-            cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--train-arm", name]
-            procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            with open(logs[name], "ab") as logf:
+                cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--train-arm", name]
+                procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+        for name in arms:
+            start(name)
         log("train: arms", arms)
         deadline = time.monotonic() + min(self.left() - 15, self.a.train_budget_s or float("inf"))
-        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+        failed: list[tuple[str, int]] = []  # (arm, arms ended when it died)
+        while time.monotonic() < deadline:
+            for name, p in list(procs.items()):
+                if p.returncode is None and p.poll() is not None:
+                    ended += 1
+                    if p.returncode != 0 and name not in retried:
+                        log("train:", name, "exited", p.returncode, "(started again from its checkpoint once another arm ends)")
+                        failed.append((name, ended))
+            for item in list(failed):
+                name, at = item
+                if ended > at or all(q.poll() is not None for q in procs.values()):
+                    failed.remove(item)
+                    retried.add(name)
+                    log("train: starting", name, "again")
+                    start(name)
+            if not failed and all(p.poll() is not None for p in procs.values()):
+                break
             time.sleep(2)
         for name, p in procs.items():
             if p.poll() is None:

@@ -68,7 +68,7 @@ run)
   set -o pipefail
   status=0
   python3 benchmarks/gpu_drafter.py --data /tmp/aerie-carry/data --out "$OUT" --stages "$stages" "$@" 2>&1 \
-    | grep -v "Decode batch\|Prefill batch" | tee "$OUT/driver.log" || status=$?
+    | grep --line-buffered -v "Decode batch\|Prefill batch" | tee "$OUT/driver.log" || status=$?
   # SGLang's server logs: the regeneration server's log stays whole but for its per-batch lines,
   # the serving servers' logs go into one file (a call returns at most 8 files)
   for f in "$OUT"/sglang_*.log; do

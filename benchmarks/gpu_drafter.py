@@ -28,8 +28,10 @@ limit loses only its unfinished work; figures go to OUT/figures.json as each par
   `steps-1/2`, `steps-1/4` all parts for 1/2 and 1/4 of main's steps (the curve against steps);
   `data-1/2`, `data-1/4`, `data-1/8` the first parts, same epochs (the curve against tokens;
   `data-1/2` against `steps-1/2` is more data at the same steps); `bf16-1/4` = `data-1/4` on bf16
-  states. Each ends with the trainer's own evaluation (project loop on MT-bench prompts, simulated
-  acceptance on held-out data, held-out accuracy per TTT step).
+  states. Each ends with the trainer's own evaluation (simulated acceptance on held-out data,
+  held-out accuracy per TTT step; main also the project loop on `--eval-prompts` MT-bench prompts,
+  before and after training). An arm that dies is started again once, from its checkpoint, when
+  another arm has ended.
 - serve: each of `--serve-arms` served by real SGLang EAGLE-3 (steps 3, topk 1, draft tokens 4):
   acceptance as SGLang counts it (completion tokens / `spec_verify_ct`) on all MT-bench first turns
   and `--gsm8k` GSM8K questions, `--eval-concurrency` requests in flight, greedy; and decode speed

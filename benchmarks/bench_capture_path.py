@@ -1,8 +1,10 @@
 """What limits capture (issue 15): the hf engine's capture path taken apart, stage by stage, beside a
 bare forward of the same batches, in one process.
 
-On the device, one call (the model converted first; estimated 5-7 min on an H200 at these sizes,
-not yet run there: give it the whole 600 s):
+On the device, after the two calls that bring the project's dependencies and the target
+(`benchmarks/gpu_drafter_device.sh deps`, then `target`, each with the carry its header names; no
+SGLang is needed here), one call (estimated 5-7 min on an H200 at these sizes, not yet run there:
+give it the whole 600 s):
 
     python3 -c "from aerie.target import smollm2; smollm2('/tmp/aerie-cache')" && \\
     PYTHONPATH=shared:services/extractor:services/trainer:/tmp/site python3 benchmarks/bench_capture_path.py \\

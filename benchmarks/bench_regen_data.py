@@ -35,23 +35,22 @@ from aerie.settings import Settings
 from aerie.store import FsStore
 from aerie.target import default_cache_dir, smollm2
 from aerie_extractor.ingest import Rejected, iter_records, normalize
+from gpu_drafter import part_record
 
 HERE = Path(__file__).resolve().parent
-MAX_CHARS = 4000  # gpu_drafter.py's cut of each turn
+MAX_CHARS = 4000  # gpu_drafter.py's --max-chars default
 
 
 def first_turns(record) -> list[dict] | None:
-    """A ShareGPT record as gpu_drafter.py wrote it into a part (leading assistant turns dropped,
-    turns cut), normalized, up to its first assistant turn; None when it has none."""
-    conv = [t for t in record.get("conversations") or [] if isinstance(t.get("value"), str) and t["value"].strip()]
-    while conv and conv[0].get("from") == "gpt":
-        conv = conv[1:]
+    """A ShareGPT record as gpu_drafter.py wrote it into a part (`part_record`), normalized, up to
+    its first assistant turn; None when the part would not hold it."""
+    part = part_record(record, MAX_CHARS)
     try:
-        messages = normalize({"conversations": [{"from": t["from"], "value": t["value"][:MAX_CHARS]} for t in conv]})
+        messages = normalize(part) if part else None
     except Rejected:
         return None
-    roles = [m["role"] for m in messages]
-    if "assistant" not in roles or "user" not in roles[: roles.index("assistant")]:
+    roles = [m["role"] for m in messages or []]
+    if "assistant" not in roles:
         return None
     return messages[: roles.index("assistant") + 1]
 

@@ -192,14 +192,10 @@ class Bench:
         keep, src = [], Path(self.a.data) / "sharegpt.jsonl"
         with (open(src, encoding="utf-8") if src.is_file() else lzma.open(src.with_suffix(".jsonl.xz"), "rt", encoding="utf-8")) as f:
             for line in f:
-                rec = json.loads(line)
-                conv = [t for t in rec.get("conversations") or [] if isinstance(t.get("value"), str) and t["value"].strip()]
-                while conv and conv[0].get("from") == "gpt":  # a conversation split mid-way: from its first user turn
-                    conv = conv[1:]
-                roles = [t.get("from") for t in conv]
-                if "gpt" not in roles or "human" not in roles[: roles.index("gpt")]:
+                rec = part_record(json.loads(line), self.a.max_chars)
+                if rec is None:
                     continue
-                keep.append({"id": rec.get("id"), "conversations": [{"from": t["from"], "value": t["value"][: self.a.max_chars]} for t in conv]})
+                keep.append(rec)
                 if self.a.records and len(keep) >= self.a.records:
                     break
         per = -(-len(keep) // self.a.parts)
@@ -547,6 +543,19 @@ class Bench:
         return {"prompts": len(prompts), "completion_tokens": tokens, "verify_steps": verify,
                 "spec_accept_length": tokens / verify if verify else None, "per_prompt_min": min(per, default=None),
                 "per_prompt_max": max(per, default=None), "seconds": time.monotonic() - t0, "max_new_tokens": self.a.serve_tokens}
+
+
+def part_record(record: dict, max_chars: int) -> dict | None:
+    """A ShareGPT record as a part holds it: from its first user turn (a conversation split mid-way
+    opens with the assistant), each turn cut to `max_chars`; None without a user turn before an
+    assistant turn."""
+    conv = [t for t in record.get("conversations") or [] if isinstance(t.get("value"), str) and t["value"].strip()]
+    while conv and conv[0].get("from") == "gpt":
+        conv = conv[1:]
+    roles = [t.get("from") for t in conv]
+    if "gpt" not in roles or "human" not in roles[: roles.index("gpt")]:
+        return None
+    return {"id": record.get("id"), "conversations": [{"from": t["from"], "value": t["value"][:max_chars]} for t in conv]}
 
 
 def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dict:

@@ -33,7 +33,6 @@ def main() -> None:
 
     from aerie.shard import Shard, np_dtype, pack
     from aerie.store import FsStore
-    from aerie_extractor.extract import _PartsReader
 
     K, H, bf16 = 3, 576, np_dtype("bfloat16")
     rng = np.random.default_rng(0)
@@ -65,8 +64,7 @@ def main() -> None:
             aux[a:b] = src[a:b, :K]
             final[a:b] = src[a:b, K]
         hidden.validate(check_finite=False)
-        parts = hidden.parts()
-        store.put_stream("runs/bench/hidden/000000.safetensors", _PartsReader(parts), sum(x.nbytes for x in parts))
+        store.put_parts("runs/bench/hidden/000000.safetensors", hidden.parts())
 
     times: dict[str, list[float]] = {"before": [], "now": []}
     for _ in range(args.repeat):

@@ -92,8 +92,8 @@ def _nonfinite(arr: np.ndarray) -> np.ndarray:
 
 
 def np_dtype(name: str) -> np.dtype:
-    """'bfloat16' | 'float16' | 'float32' -> numpy dtype."""
-    return _DTYPES[FLOAT_DTYPES[name]]
+    """'bfloat16' | 'float16' | 'float32' | 'float8_e4m3fn' (a storage dtype) -> numpy dtype."""
+    return _DTYPES[FLOAT_DTYPES.get(name) or STORAGE_DTYPES[name]]
 
 
 # --------------------------------------------------------------------------------------

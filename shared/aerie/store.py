@@ -10,6 +10,7 @@ the data they describe, so a reader that finds a record finds its object.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -56,6 +57,29 @@ class _HashingReader(io.RawIOBase):
         return data
 
 
+class PartsReader(io.RawIOBase):
+    """A readable stream over a list of buffers (a shard's header and tensors), read in order."""
+
+    def __init__(self, parts: list[memoryview]):
+        super().__init__()
+        self.parts, self.part, self.pos = parts, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        out = []
+        while self.part < len(self.parts) and n != 0:
+            part = self.parts[self.part]
+            take = part.nbytes - self.pos if n < 0 else min(n, part.nbytes - self.pos)
+            out.append(part[self.pos : self.pos + take].tobytes())
+            self.pos += take
+            n = n - take if n > 0 else n
+            if self.pos == part.nbytes:
+                self.part, self.pos = self.part + 1, 0
+        return b"".join(out) if len(out) != 1 else out[0]
+
+
 class ObjectStore(ABC):
     url: str
 
@@ -86,6 +110,10 @@ class ObjectStore(ABC):
         return None
 
     # --- conveniences built on the primitives ------------------------------------------
+    def put_parts(self, key: str, parts: list[memoryview]) -> str:
+        """Write an object made of buffers, in order (a shard's header and tensors); return its sha256."""
+        return self.put_stream(key, PartsReader(parts), sum(p.nbytes for p in parts))
+
     def put_bytes(self, key: str, data: bytes) -> str:
         return self.put_stream(key, io.BytesIO(data), len(data))
 
@@ -160,18 +188,37 @@ class FsStore(ObjectStore):
         return self.root / _check_key(key)
 
     def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
+        reader = _HashingReader(stream)
+        with self._writing(key) as f:
+            shutil.copyfileobj(reader, f, CHUNK)
+        return reader.sha.hexdigest()
+
+    def put_parts(self, key: str, parts: list[memoryview]) -> str:
+        """No copy: each CHUNK of the buffers is hashed, then written while it is still in cache
+        (both without the GIL)."""
+        sha = hashlib.sha256()
+        with self._writing(key) as f:
+            for part in parts:
+                for a in range(0, part.nbytes, CHUNK):
+                    piece = part[a : a + CHUNK]
+                    sha.update(piece)
+                    f.write(piece)
+        return sha.hexdigest()
+
+    @contextlib.contextmanager
+    def _writing(self, key: str) -> Iterator[BinaryIO]:
+        """A file that becomes the object `key` when the block ends without an error (a temporary
+        file renamed), and is removed otherwise."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        reader = _HashingReader(stream)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as f:
-                shutil.copyfileobj(reader, f, CHUNK)
+                yield f
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return reader.sha.hexdigest()
 
     def open(self, key: str) -> Iterator[bytes]:
         path = self._path(key)

@@ -13,19 +13,19 @@ import torch
 from aerie import layout
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
 from aerie.settings import Settings
-from aerie.shard import Shard, np_dtype, pack
+from aerie.shard import Shard, np_dtype, pack, quantize_e4m3
 from aerie_extractor.engines import EngineMismatch, make_engine
-from aerie_extractor.engines.hf import length_batches
+from aerie_extractor.engines.hf import length_batches, quantize_e4m3 as quantize_on_device
 from aerie.runs import run_status
 from aerie_extractor.extract import ExtractError, extract_shards, run_extract
 from aerie_extractor.ingest import run_ingest
 from tests.conftest import POINTS
 from tests.runs import DATA
 
-def ingest(store, smollm2_path, run: str, dtype: str = "float32", signal: str = "final") -> RunSpec:
+def ingest(store, smollm2_path, run: str, dtype: str = "float32", signal: str = "final", **fp8) -> RunSpec:
     run_ingest(store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
         run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=POINTS,
-        dtype=dtype, target_signal=signal, topk=5, options=IngestOptions(max_tokens=96, shard_tokens=80),
+        dtype=dtype, target_signal=signal, topk=5, options=IngestOptions(max_tokens=96, shard_tokens=80), **fp8,
     ))
     return store.get_json(layout.run_spec(run), RunSpec)
 
@@ -153,3 +153,52 @@ def test_capture_into_places_on_its_helper_thread_what_the_launching_thread_plac
     for i, cap in enumerate(engine.capture(seqs)):
         a, b = offsets[i], offsets[i + 1]
         assert np.array_equal(aux[a:b], cap.aux.view(np.uint16)) and np.array_equal(final[a:b], cap.final.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("block", [None, 64])
+def test_device_quantization_gives_the_writers_bits(dtype, block):
+    """The hf engine's fp8 quantization (torch, here on the CPU; bench_capture_path checks it on a
+    GPU) gives the bits of the writers' numpy `quantize_e4m3`: values over nine orders of
+    magnitude, rows whose small values fall into e4m3's subnormals, zero rows and blocks, and
+    values a hair below a rounding tie; a NaN gives a NaN scale."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((300, 4, 576)) * 10.0 ** rng.integers(-6, 4, (300, 4, 1))
+    x[5, 1] = 0.0
+    x[6, 2, :64] = 0.0
+    x[7, 0, 1:] *= 1e-5  # one large value: the rest land in the subnormals
+    x[8, 3] = np.linspace(-448, 448, 576) * (1 + 2.0**-20)
+    x = x.astype(np_dtype(dtype))
+    q, scale = quantize_e4m3(x, block)
+    xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(x)
+    qt, st = quantize_on_device(xt, block or 576)
+    assert np.array_equal(qt.view(torch.uint8).numpy(), q.view(np.uint8))
+    assert np.array_equal(st.numpy().view(np.uint32), scale.view(np.uint32))
+    x32 = x.astype(np.float32)
+    x32[9, 0, 3] = np.nan
+    _, st = quantize_on_device(torch.from_numpy(x32), block or 576)
+    assert torch.isnan(st[9, 0, 0]) and not torch.isnan(st[9, 1:]).any()
+
+
+def test_fp8_run_stores_the_same_bytes_quantized_on_the_device_or_by_the_writer(fs_store, smollm2_path):
+    """An fp8 run (scale per 64 values) extracted with the hf engine quantizing on the device (the
+    default) stores byte for byte what the writers' quantization stores, by `run_extract` (one
+    task after another, the arrays reused) and by `extract_shards`."""
+    ingest(fs_store, smollm2_path, "fp8", dtype="bfloat16", storage_dtype="float8_e4m3fn", scale_block=64)
+    settings = Settings(engine="hf", tokens_per_batch=48)
+    names = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("fp8", "tokens")) if k.endswith(".json")]
+    requests = [ExtractRequest(run="fp8", shard=n) for n in names]
+    stored = {}
+    for on_device in (True, False):
+        for how in ("tasks", "pipelined"):
+            fs_store.delete_prefix(layout.shards_prefix("fp8", "hidden"))
+            engine = make_engine(settings, fs_store.get_json(layout.run_spec("fp8"), RunSpec))
+            engine.quantize_on_device = on_device
+            if how == "tasks":
+                assert not any(run_extract(fs_store, settings, r, engine=engine).skipped for r in requests)
+            else:
+                extract_shards(fs_store, settings, requests, engine=engine, writers=2)
+            stored[on_device, how] = [fs_store.get_bytes(layout.shard("fp8", "hidden", n)) for n in names]
+    assert len(set(map(tuple, stored.values()))) == 1
+    shard = Shard.from_buffer(stored[True, "tasks"][0])
+    assert shard.quantized and shard.scale_block == 64 and str(shard.states_dtype) == "BF16"

@@ -43,6 +43,29 @@ def test_bad_keys_are_refused(store):
             store.put_bytes(key, b"")
 
 
+def test_put_parts_writes_the_buffers_in_order(store):
+    """A shard's parts (header, then each tensor, some larger than a write chunk, some empty)
+    make the object, and its sha256, of their bytes joined; a failed write leaves nothing."""
+    rng = np.random.default_rng(2)
+    parts = [memoryview(b"head"), memoryview(rng.integers(0, 256, (9 << 20) + 3, dtype=np.uint8)),
+             memoryview(b""), memoryview(rng.standard_normal(1000).astype(np.float32).view(np.uint8))]
+    joined = b"".join(p.tobytes() for p in parts)
+    assert store.put_parts("runs/r/parts.bin", parts) == hashlib.sha256(joined).hexdigest()
+    assert store.get_bytes("runs/r/parts.bin") == joined
+    with pytest.raises((OSError, StoreError), match="disk gone"):  # S3: wrapped by the store
+        store.put_parts("runs/r/broken.bin", [memoryview(b"x" * 100), _Unreadable()])
+    assert not store.exists("runs/r/broken.bin") and store.list("runs/r/") == ["runs/r/parts.bin"]
+
+
+class _Unreadable:
+    """A part whose bytes cannot be read (the disk under a mapped array went away)."""
+
+    nbytes = 100
+
+    def __getitem__(self, index):
+        raise OSError("disk gone")
+
+
 class _Pattern(io.RawIOBase):
     """A 200 MB stream generated on the fly: the test never holds it in memory."""
 

@@ -10,14 +10,17 @@
   it; a Celery task extracts one shard with `run_extract`).
 - An engine with `capture_into` (the `hf` engine, signal "final") writes straight into the
   shard's arrays, and may report them checked finite on the device (no host pass over them).
-- A run with `storage_dtype` (fp8) is quantized by the writer (aerie.shard.Shard.quantize) after
-  the finite check: the store holds e4m3 states with float32 scales, about half of bf16's bytes.
+- A run with `storage_dtype` (fp8) is stored as e4m3 states with float32 scales, about half of
+  bf16's bytes: quantized on the device by an engine that can (`quantize_on_device`, the hf
+  engine), else by the writer (aerie.shard.Shard.quantize) after the finite check.
+- The shard arrays an engine fills are reused from shard to shard within a process (`_spare`),
+  by `extract_shards` and by one task after another (`run_extract`): fresh memory costs a page
+  fault per 4 KB.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -29,7 +32,7 @@ from aerie import layout
 from aerie.contracts import ExtractRequest, ExtractResult, RunSpec, ShardRecord
 from aerie.runs import RunError, load_run
 from aerie.settings import Settings
-from aerie.shard import Shard, ShardError, np_dtype, pack
+from aerie.shard import FLOAT_DTYPES, Shard, ShardError, np_dtype, pack
 from aerie.store import NotFound, ObjectStore
 from aerie_extractor.engines import Engine, EngineMismatch, make_engine
 
@@ -105,11 +108,14 @@ def run_extract(
     engine: Engine | None = None,
 ) -> ExtractResult:
     """Extract one shard of a run; skip it when a valid hidden shard already exists."""
-    started = time.monotonic()
-    captured = _capture(store, settings, request, engine)
-    if captured is None:
-        return ExtractResult(run=request.run, shard=request.shard, skipped=True)
-    return _store_hidden(store, started, *captured)
+    started, taken = time.monotonic(), []
+    try:
+        captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))
+        if captured is None:
+            return ExtractResult(run=request.run, shard=request.shard, skipped=True)
+        return _store_hidden(store, started, *captured)
+    finally:
+        _spare.give(taken)
 
 
 def extract_shards(
@@ -128,13 +134,6 @@ def extract_shards(
     summaries: list[ExtractResult | None] = [None] * len(requests)
     in_flight: list[tuple[int, Future, list[np.ndarray]]] = []
     error: BaseException | None = None
-    spare: list[np.ndarray] = []  # flat arrays of stored shards, reused: fresh memory costs a page fault per 4 KB
-
-    def empty(shape: tuple[int, ...], dtype: np.dtype, taken: list[np.ndarray]) -> np.ndarray:
-        n = int(np.prod(shape))
-        fits = [k for k, flat in enumerate(spare) if flat.dtype == dtype and flat.size >= n]
-        taken.append(spare.pop(min(fits, key=lambda k: spare[k].size)) if fits else np.empty(n, dtype=dtype))
-        return taken[-1][:n].reshape(shape)
 
     def collect(wait_for: int) -> None:  # take finished writes until at most `wait_for` remain
         nonlocal error
@@ -144,7 +143,7 @@ def extract_shards(
                 summaries[j] = future.result()
             except BaseException as e:  # noqa: BLE001 - raised below, after the other writes end
                 error = error or e
-            spare.extend(taken)  # written (or failed): the writer holds them no more
+            _spare.give(taken)  # written (or failed): the writer holds them no more
 
     with ThreadPoolExecutor(max_workers=max(1, writers), thread_name_prefix="aerie-shard-writer") as pool:
         for j, request in enumerate(requests):
@@ -153,11 +152,13 @@ def extract_shards(
                 break
             started, taken = time.monotonic(), []
             try:
-                captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: empty(shape, dtype, taken))
+                captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))
             except BaseException as e:  # noqa: BLE001
+                _spare.give(taken)
                 error = e
                 break
             if captured is None:
+                _spare.give(taken)
                 summaries[j] = ExtractResult(run=request.run, shard=request.shard, skipped=True)
                 continue
             in_flight.append((j, pool.submit(_store_hidden, store, started, *captured), taken))
@@ -188,9 +189,16 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
         T, dtype = tokens.num_tokens, np_dtype(spec.dtype)
         hidden = Shard(
             input_ids=tokens.input_ids, loss_mask=tokens.loss_mask, offsets=tokens.offsets, capture_points=list(spec.capture_points),
-            aux=empty((T, K, H), dtype), final=empty((T, H), dtype), extra_metadata=meta,
+            extra_metadata=meta,
         )
-        finite = capture_into(sequences, tokens.offsets, hidden.aux, hidden.final)
+        if spec.storage_dtype is not None and getattr(engine, "quantize_on_device", False):  # fp8 from the device
+            G, fp8 = H // (spec.scale_block or H), np_dtype(spec.storage_dtype)
+            hidden.aux, hidden.final = empty((T, K, H), fp8), empty((T, H), fp8)
+            hidden.aux_scale, hidden.final_scale = empty((T, K, G), np.float32), empty((T, G), np.float32)
+            hidden.states_dtype = FLOAT_DTYPES[spec.dtype]
+        else:
+            hidden.aux, hidden.final = empty((T, K, H), dtype), empty((T, H), dtype)
+        finite = capture_into(sequences, tokens.offsets, hidden.aux, hidden.final, hidden.aux_scale, hidden.final_scale)
         return request, spec, hidden, time.monotonic() - t0, finite
     captured = engine.capture(sequences)
     capture_seconds = time.monotonic() - t0
@@ -221,14 +229,14 @@ def _store_hidden(
     stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
-        if spec.storage_dtype is not None:  # fp8: numpy only, in this writer thread (no torch on the SGLang path)
+        if spec.storage_dtype is not None and not hidden.quantized:  # fp8: numpy only, in this writer thread (no torch on the SGLang path)
             hidden = hidden.quantize(spec.storage_dtype, spec.scale_block).validate()
     except ShardError as e:
         raise EngineMismatch(f"shard {name}: the engine's output is not a valid hidden shard: {e}") from e
     parts = hidden.parts()
     size = sum(p.nbytes for p in parts)
     key = layout.shard(run, "hidden", name)
-    sha = store.put_stream(key, _PartsReader(parts), size)
+    sha = store.put_parts(key, parts)
     seconds = time.monotonic() - started
     record = ShardRecord(
         run=run, shard=name, kind="hidden", key=key, sha256=sha, bytes=size,
@@ -243,27 +251,30 @@ def _store_hidden(
     )
 
 
-class _PartsReader(io.RawIOBase):
-    """A readable stream over a list of buffers (a shard's header and tensors), read in order."""
+class _Spare:
+    """Flat arrays of stored shards, kept for the next shards of this process (at most `keep`; the
+    largest stay): `take` hands out the smallest that fits, else a new one."""
 
-    def __init__(self, parts: list[memoryview]):
-        super().__init__()
-        self.parts, self.part, self.pos = parts, 0, 0
+    def __init__(self, keep: int = 16):
+        self.keep, self.arrays, self.lock = keep, [], threading.Lock()
 
-    def readable(self) -> bool:
-        return True
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, taken: list[np.ndarray]) -> np.ndarray:
+        n = int(np.prod(shape))
+        with self.lock:
+            fits = [k for k, flat in enumerate(self.arrays) if flat.dtype == dtype and flat.size >= n]
+            flat = self.arrays.pop(min(fits, key=lambda k: self.arrays[k].size)) if fits else None
+        taken.append(np.empty(n, dtype=dtype) if flat is None else flat)
+        return taken[-1][:n].reshape(shape)
 
-    def read(self, n: int = -1) -> bytes:
-        out = []
-        while self.part < len(self.parts) and n != 0:
-            part = self.parts[self.part]
-            take = part.nbytes - self.pos if n < 0 else min(n, part.nbytes - self.pos)
-            out.append(part[self.pos : self.pos + take].tobytes())
-            self.pos += take
-            n = n - take if n > 0 else n
-            if self.pos == part.nbytes:
-                self.part, self.pos = self.part + 1, 0
-        return b"".join(out) if len(out) != 1 else out[0]
+    def give(self, taken: list[np.ndarray]) -> None:
+        with self.lock:
+            self.arrays.extend(taken)
+            self.arrays.sort(key=lambda a: -a.nbytes)
+            del self.arrays[self.keep :]
+        taken.clear()
+
+
+_spare = _Spare()
 
 
 __all__ = ["ExtractError", "drop_engine", "extract_shards", "get_engine", "hidden_is_valid", "load_tokens", "run_extract"]

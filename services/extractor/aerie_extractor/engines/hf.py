@@ -10,6 +10,9 @@
   device (no padding crosses the bus), checked finite there, copied into a pinned buffer without
   blocking (on a stream of its own: beside the next batch's forward, not after it), and copied
   into place on the host by a helper thread while the launching thread goes on to the next batch.
+- A run stored as fp8 gets its states quantized on the device (`quantize_e4m3`, the same bits as
+  `aerie.shard.quantize_e4m3`): half the bytes cross the bus, and the writers, whose numpy casts
+  hold the GIL, have nothing to quantize.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from aerie.capture import hf_hidden_state_indices, to_engine_ids
 from aerie.contracts import EngineSpec, RunSpec, TargetSpec
 from aerie.settings import Settings
-from aerie.shard import np_dtype
+from aerie.shard import E4M3_MAX, np_dtype
 from aerie.target import describe
 from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
 
@@ -45,6 +48,43 @@ def to_numpy(t, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
     return t.numpy()
+
+
+def quantize_e4m3(x, block: int):
+    """x (..., H) on any device -> (q (..., H) float8_e4m3fn, scale (..., H // block) float32): the
+    same bits as `aerie.shard.quantize_e4m3` (float32 math, each division a true division: torch on
+    CUDA turns a division by a CPU scalar into a multiplication by its reciprocal, which rounds
+    differently, so the divisors are tensors)."""
+    import torch
+
+    H = x.shape[-1]
+    v = x.float().reshape(*x.shape[:-1], H // block, block)
+    amax = v.abs().amax(dim=-1)  # NaN/Inf propagate (capture_into's finite flag reports them)
+    scale = amax / torch.full_like(amax, E4M3_MAX)
+    v = v / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    v.clamp_(-E4M3_MAX, E4M3_MAX)  # a quotient a hair above 448 must not round to NaN
+    return v.to(torch.float8_e4m3fn).reshape(x.shape), scale
+
+
+def _host_bits(t) -> np.ndarray:
+    """A host tensor as numpy of plain integers where numpy has no such float (bf16 -> int16, fp8 ->
+    uint8): copies between such arrays run without the GIL, and ml_dtypes' casts never run."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def _np_bits(a: np.ndarray) -> np.ndarray:
+    """The numpy side of `_host_bits`: bf16 arrays viewed as int16, fp8 as uint8."""
+    if a.dtype == np_dtype("bfloat16"):
+        return a.view(np.int16)
+    if str(a.dtype) == "float8_e4m3fn":
+        return a.view(np.uint8)
+    return a
 
 
 def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -69,6 +109,10 @@ class HFEngine(Engine):
     # thread's places are checked on the CPU (tests/extractor/test_extract_hf.py).
     copy_stream = False
     place_thread = True
+    # fp8 runs: capture_into quantizes on the device (extract._capture hands it fp8 arrays and
+    # scales); False: the writers quantize, as every other engine's shards are (the path before,
+    # for bench_capture_path's side-by-side)
+    quantize_on_device = True
 
     def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):
         import torch
@@ -160,26 +204,32 @@ class HFEngine(Engine):
             raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
         return hs
 
-    def capture_into(self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray) -> bool:
+    def capture_into(
+        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
+        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+    ) -> bool:
         """Signal "final": sequence i's states go to rows offsets[i]:offsets[i+1] of aux [T, K, H]
-        and final [T, H] (the run's dtype). True when every value was checked finite on the device
-        (False: something is not finite; the caller's validation says where)."""
+        and final [T, H] (the run's dtype). With aux_scale [T, K, G] and final_scale [T, G]
+        (float32), aux and final are float8_e4m3fn, quantized on the device with a scale per H // G
+        values. True when every value was checked finite on the device (False: something is not
+        finite; the caller's validation says where)."""
         import torch
 
-        K = len(self.indices)
+        K, H = len(self.indices), aux.shape[2]
+        block = None if aux_scale is None else H // aux_scale.shape[2]
         batches = length_batches([len(s) for s in sequences], self.settings.tokens_per_batch)
-        self._host_buffers(max(sum(len(sequences[i]) for i in idx) for idx in batches), aux.shape[2])
+        run_dtype = getattr(torch, self.run.dtype)
+        shapes = [((K + 1, H), run_dtype)] if block is None else [((K + 1, H), torch.float8_e4m3fn), ((K + 1, H // block), torch.float32)]
+        self._host_buffers(max(sum(len(sequences[i]) for i in idx) for idx in batches), shapes)
+        outs = [(_np_bits(aux), _np_bits(final))] + ([] if block is None else [(aux_scale, final_scale)])
 
-        # bf16 is copied as int16 (a numpy dtype: the copies run without the GIL, beside the writers)
-        bits = self.run.dtype == "bfloat16"
-        aux_out, final_out = (aux.view(np.int16), final.view(np.int16)) if bits else (aux, final)
-
-        def place(host: np.ndarray, idx: list[int]) -> None:  # host (n, K+1, H): the sequences of idx in order
+        def place(hosts: list[np.ndarray], idx: list[int]) -> None:  # host (n, K+1, ...): the sequences of idx in order
             p = 0
             for i in idx:
                 a, b = int(offsets[i]), int(offsets[i + 1])
-                aux_out[a:b] = host[p : p + b - a, :K]
-                final_out[a:b] = host[p : p + b - a, K]
+                for host, (aux_out, final_out) in zip(hosts, outs):
+                    aux_out[a:b] = host[p : p + b - a, :K]
+                    final_out[a:b] = host[p : p + b - a, K]
                 p += b - a
 
         # leaving the block waits for the helper's places, also on an error: nothing writes into the
@@ -192,11 +242,12 @@ class HFEngine(Engine):
                 batch = [sequences[i] for i in idx]
                 rows = self._gather(self._checked_forward(batch), batch)  # the hidden states are freed here
                 bad |= ~torch.isfinite(rows).all()
+                tensors = [rows] if block is None else list(quantize_e4m3(rows, block))
                 slot = j % 2
                 if placing[slot] is not None:
                     placing[slot].result()  # buffer `slot` is free again (its batch placed, or the helper's error)
-                host, event = self._stage(rows, slot)
-                job = (event, host.view(torch.int16).numpy() if bits else host.numpy(), idx)
+                hosts, event = self._stage(tensors, slot)
+                job = (event, [_host_bits(h) for h in hosts], idx)
                 if self.place_thread:
                     placing[slot] = helper.submit(self._place_when_ready, place, *job)
                     continue
@@ -210,16 +261,16 @@ class HFEngine(Engine):
                     future.result()
             return not bool(bad)
 
-    def _host_buffers(self, rows: int, H: int) -> None:
-        """CUDA: two pinned buffers of at least `rows` x (K+1) x H in the run's dtype (the device
-        fills one while the host empties the other), grown on demand."""
+    def _host_buffers(self, rows: int, shapes: list[tuple[tuple[int, ...], object]]) -> None:
+        """CUDA: two sets of pinned buffers, one per (row shape, dtype) of `shapes`, each of at
+        least `rows` rows (the device fills one set while the host empties the other), grown on demand."""
         import torch
 
-        dtype, K1 = getattr(torch, self.run.dtype), len(self.indices) + 1
-        if self.device.startswith("cuda") and (
-            self._pinned is None or self._pinned[0].shape[0] < rows or self._pinned[0].shape[1:] != (K1, H) or self._pinned[0].dtype != dtype
-        ):
-            self._pinned = [torch.empty((rows, K1, H), dtype=dtype, pin_memory=True) for _ in range(2)]
+        if not self.device.startswith("cuda"):
+            return
+        have = None if self._pinned is None else [(tuple(b.shape[1:]), b.dtype) for b in self._pinned[0]]
+        if have != [(tuple(s), d) for s, d in shapes] or self._pinned[0][0].shape[0] < rows:
+            self._pinned = [[torch.empty((rows, *s), dtype=d, pin_memory=True) for s, d in shapes] for _ in range(2)]
 
     def _gather(self, hs, batch: list[np.ndarray]):
         """One forward's capture rows on the device: the real tokens only, sequence after sequence
@@ -232,28 +283,30 @@ class HFEngine(Engine):
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(getattr(torch, self.run.dtype))
 
-    def _stage(self, rows, slot: int):
-        """CUDA: start copying the device rows into pinned buffer `slot` -> (host view, event
-        recorded after the copy); with `copy_stream`, on the copy stream, after the work queued so
-        far on the compute stream. CPU: (rows, None)."""
+    def _stage(self, tensors: list, slot: int):
+        """CUDA: start copying the device tensors into pinned buffer set `slot` -> (host views,
+        event recorded after the copies); with `copy_stream`, on the copy stream, after the work
+        queued so far on the compute stream. CPU: (tensors, None)."""
         import torch
 
         if not self.device.startswith("cuda"):
-            return rows, None
-        host = self._pinned[slot][: rows.shape[0]]
-        compute = torch.cuda.current_stream(rows.device)
+            return tensors, None
+        hosts = [buf[: t.shape[0]] for buf, t in zip(self._pinned[slot], tensors)]
+        compute = torch.cuda.current_stream(tensors[0].device)
         stream = compute
         if self.copy_stream:
             if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=rows.device)
+                self._copy_stream = torch.cuda.Stream(device=tensors[0].device)
             stream = self._copy_stream
             stream.wait_stream(compute)  # the rows are computed before they are read
-            rows.record_stream(stream)  # their memory is not handed out again before the copy has read them
+            for t in tensors:
+                t.record_stream(stream)  # their memory is not handed out again before the copy has read them
         with torch.cuda.stream(stream):
-            host.copy_(rows, non_blocking=True)
+            for host, t in zip(hosts, tensors):
+                host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return host, event
+        return hosts, event
 
     @staticmethod
     def _place_when_ready(place, event, host, idx: list[int]) -> None:

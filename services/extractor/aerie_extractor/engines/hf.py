@@ -17,8 +17,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -87,6 +89,18 @@ def _np_bits(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _one_at_a_time(method):
+    """The engine's captures one at a time (its pinned buffers and the device are shared): the
+    tasks of a threads-pool worker capture in turn and store side by side."""
+
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
 def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
     """Indices grouped longest-first so that len(batch) * longest <= tokens_per_batch."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -136,6 +150,7 @@ class HFEngine(Engine):
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
         self._copy_stream = None  # capture_into's device->host copies (CUDA, copy_stream)
+        self._lock = threading.Lock()
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
 
     @classmethod
@@ -204,6 +219,7 @@ class HFEngine(Engine):
             raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
         return hs
 
+    @_one_at_a_time
     def capture_into(
         self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
         aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
@@ -314,6 +330,7 @@ class HFEngine(Engine):
             event.synchronize()
         place(host, idx)
 
+    @_one_at_a_time
     def capture(self, sequences: list[np.ndarray]) -> list[Captured]:
         import torch
 

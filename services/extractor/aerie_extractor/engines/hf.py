@@ -48,9 +48,7 @@ def to_numpy(t, dtype: str) -> np.ndarray:
     import torch
 
     t = t.detach().to(getattr(torch, dtype)).contiguous().to("cpu")  # convert where it lives, then copy
-    if dtype == "bfloat16":
-        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
-    return t.numpy()
+    return _host_bits(t).view(np_dtype(dtype))
 
 
 def quantize_e4m3(x, block: int):
@@ -85,7 +83,7 @@ def _np_bits(a: np.ndarray) -> np.ndarray:
     """The numpy side of `_host_bits`: bf16 arrays viewed as int16, fp8 as uint8."""
     if a.dtype == np_dtype("bfloat16"):
         return a.view(np.int16)
-    if str(a.dtype) == "float8_e4m3fn":
+    if a.dtype == np_dtype("float8_e4m3fn"):
         return a.view(np.uint8)
     return a
 

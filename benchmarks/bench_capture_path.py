@@ -427,8 +427,38 @@ def main(argv: list[str] | None = None) -> dict:
 
     def extract_all(n_threads: int) -> dict:
         store.delete_prefix(layout.shards_prefix(run, "hidden"))
-        done = extract_shards(store, settings, requests, engine=engine, writers=n_threads)
+        done = extract_shards(store, settings, requests, engine=the_engine[0], writers=n_threads)
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
+
+    the_engine = [engine]  # what extract_all and task_threads hand to extract
+
+    def before_session8(fn, drain: bool = True, serial_hash: bool = True):
+        """fn with this session's two changes undone, for the side by side: each shard's capture
+        waited for before the next is launched (the device drained at each shard's end: the engine
+        seen without capture_into_async), and FsStore.put_parts hashing then writing each 8 MB
+        piece in one thread (not the hash beside the write)."""
+
+        def serial(key: str, parts: list) -> str:
+            sha = hashlib.sha256()
+            with store._writing(key) as f:
+                for part in parts:
+                    for a in range(0, part.nbytes, 8 << 20):
+                        sha.update(part[a : a + (8 << 20)])
+                        f.write(part[a : a + (8 << 20)])
+            return sha.hexdigest()
+
+        def run_():
+            if drain:
+                the_engine[0] = Drained(engine)
+            if serial_hash:
+                store.put_parts = serial
+            try:
+                return fn()
+            finally:
+                the_engine[0] = engine
+                store.__dict__.pop("put_parts", None)
+
+        return run_
 
     top = max(writer_counts)
     for r in range(args.writer_repeat):
@@ -438,6 +468,11 @@ def main(argv: list[str] | None = None) -> dict:
                     (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
                     (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
+            if n == top:  # this session's changes undone, one and both
+                todo += [(f"writers {n} serial hash", lambda: timed(dev, before_session8(lambda: store_all(top), drain=False))),
+                         (f"extract {n} drain", lambda: timed(dev, before_session8(lambda: extract_all(top), serial_hash=False))),
+                         (f"extract {n} serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top), drain=False))),
+                         (f"extract {n} drain serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top))))]  # fmt: skip
             if n == top:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
                 todo += [(f"extract {n} switch 0.5 ms", lambda: timed(dev, lambda: switch_interval(0.0005, lambda: extract_all(top)))),
                          (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
@@ -457,14 +492,15 @@ def main(argv: list[str] | None = None) -> dict:
     def task_threads(n_threads: int) -> dict:
         store.delete_prefix(layout.shards_prefix(run, "hidden"))
         with ThreadPoolExecutor(n_threads) as pool:
-            done = list(pool.map(lambda rq: run_extract(store, settings, rq, engine=engine), requests))
+            done = list(pool.map(lambda rq: run_extract(store, settings, rq, engine=the_engine[0]), requests))
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
     for n in [int(x) for x in args.task_threads.split(",") if x]:
-        name = f"tasks {n} threads"
-        samples.setdefault(name, []).append(timed(dev, lambda: task_threads(n)))
-        print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
-        save(samples, checks, steps)
+        for name, fn in ((f"tasks {n} threads", lambda: task_threads(n)),
+                         (f"tasks {n} threads drain serial hash", before_session8(lambda: task_threads(n)))):  # fmt: skip
+            samples.setdefault(name, []).append(timed(dev, fn))
+            print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            save(samples, checks, steps)
     for P in [int(x) for x in args.task_procs.split(",") if x]:
         name = f"tasks {P} proc"
         samples.setdefault(name, []).append(task_processes(P, tmp.name, settings, run, names, dev))
@@ -538,6 +574,18 @@ def _tasks_child(root: str, settings_json: str, run: str, names: list[str], read
     sync(settings.device)
     done.put({"end": time.monotonic(), "capture_s": sum(x.capture_seconds or 0 for x in results),
               "store_s": sum(x.store_seconds or 0 for x in results), "tasks": sum(not x.skipped for x in results)})  # fmt: skip
+
+
+class Drained:
+    """The engine without capture_into_async: extract waits for each shard's capture_into."""
+
+    capture_into_async = None
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
 
 
 # capture_into's switches (HFEngine.place_thread, .quantize_on_device) beside its defaults;

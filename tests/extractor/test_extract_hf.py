@@ -14,7 +14,7 @@ from aerie import layout
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
 from aerie.settings import Settings
 from aerie.shard import Shard, np_dtype, pack, quantize_e4m3
-from aerie_extractor.engines import EngineMismatch, make_engine
+from aerie_extractor.engines import EngineError, EngineMismatch, make_engine
 from aerie_extractor.engines.hf import length_batches, quantize_e4m3 as quantize_on_device
 from aerie.runs import run_status
 from aerie_extractor.extract import ExtractError, extract_shards, run_extract
@@ -153,6 +153,53 @@ def test_capture_into_places_on_its_helper_thread_what_the_launching_thread_plac
     for i, cap in enumerate(engine.capture(seqs)):
         a, b = offsets[i], offsets[i + 1]
         assert np.array_equal(aux[a:b], cap.aux.view(np.uint16)) and np.array_equal(final[a:b], cap.final.view(np.uint16))
+
+
+def test_async_captures_back_to_back_fill_each_shard_as_one_call_does(fs_store, smollm2_path):
+    """Shards launched back to back with capture_into_async (the device not drained between them,
+    the helper placing across calls) hold the bits one capture_into per shard gives; a forward that
+    fails mid-shard raises at once, and by then every row of that shard handed to the helper is
+    placed (nothing writes into the caller's arrays after the raise)."""
+    spec = ingest(fs_store, smollm2_path, "async", dtype="bfloat16")
+    engine = make_engine(Settings(engine="hf", tokens_per_batch=48), spec)
+    rng = np.random.default_rng(2)
+    shards = [[rng.integers(100, 40000, n).astype(np.int32) for n in lens] for lens in ((5, 40, 17, 33), (9, 26, 12, 40, 3), (21, 8))]
+    K, H, bf16 = len(POINTS), spec.target.hidden_size, np_dtype("bfloat16")
+
+    def arrays(seqs):
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+        T = int(offsets[-1])
+        return offsets, np.full((T, K, H), np.nan, dtype=bf16), np.full((T, H), np.nan, dtype=bf16)
+
+    one = []
+    for seqs in shards:
+        offsets, aux, final = arrays(seqs)
+        assert engine.capture_into(seqs, offsets, aux, final)
+        one.append((aux.view(np.uint16), final.view(np.uint16)))
+    launched = []
+    for seqs in shards:
+        offsets, aux, final = arrays(seqs)
+        launched.append((engine.capture_into_async(seqs, offsets, aux, final), aux, final))
+    for (future, aux, final), (aux1, final1) in zip(launched, one):
+        assert future.result() is True
+        assert np.array_equal(aux.view(np.uint16), aux1) and np.array_equal(final.view(np.uint16), final1)
+
+    forward, calls = engine._checked_forward, []
+
+    def failing(batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise EngineError("the device fell over")
+        return forward(batch)
+
+    engine._checked_forward = failing
+    offsets, aux, final = arrays(shards[1])
+    with pytest.raises(EngineError, match="fell over"):
+        engine.capture_into_async(shards[1], offsets, aux, final)
+    assert all(f is None or f.done() for f in engine._placing)
+    placed = ~np.isnan(final.astype(np.float32)).all(axis=1)
+    assert placed.any() and not placed.all()  # the two batches before the failure, and no more
+    assert np.array_equal(final.view(np.uint16)[placed], one[1][1][placed])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

@@ -10,6 +10,9 @@
   it; a Celery task extracts one shard with `run_extract`).
 - An engine with `capture_into` (the `hf` engine, signal "final") writes straight into the
   shard's arrays, and may report them checked finite on the device (no host pass over them).
+  Its `capture_into_async` returns once the shard's batches are launched: the writer waits for
+  the last rows, while the engine goes on to the next shard (extract_shards, or the next task of
+  a threads-pool worker) without draining the device.
 - A run with `storage_dtype` (fp8) is stored as e4m3 states with float32 scales, about half of
   bf16's bytes: quantized on the device by an engine that can (`quantize_on_device`, the hf
   engine), else by the writer (aerie.shard.Shard.quantize) after the finite check.
@@ -116,6 +119,7 @@ def run_extract(
         return _store_hidden(store, started, *captured)
     finally:
         _spare.give(taken)
+        _spare.trim(4 * settings.worker_concurrency)  # one shard's arrays per task in flight
 
 
 def extract_shards(
@@ -171,7 +175,8 @@ def extract_shards(
 
 def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, engine: Engine | None, empty=np.empty):
     """The engine's part of a shard: None when a valid hidden shard exists, else
-    (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite).
+    (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite),
+    or (..., when the capture started, `_Captured`) while an async capture still fills the shard.
     `empty(shape, dtype)` makes the arrays an engine with `capture_into` fills."""
     run, name = request.run, request.shard
     if hidden_is_valid(store, run, name) is not None:
@@ -199,7 +204,11 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
             hidden.states_dtype = FLOAT_DTYPES[spec.dtype]
         else:
             hidden.aux, hidden.final = empty((T, K, H), dtype), empty((T, H), dtype)
-        finite = capture_into(sequences, tokens.offsets, hidden.aux, hidden.final, hidden.aux_scale, hidden.final_scale)
+        arrays = (sequences, tokens.offsets, hidden.aux, hidden.final, hidden.aux_scale, hidden.final_scale)
+        launch = getattr(engine, "capture_into_async", None)
+        if launch is not None:
+            return request, spec, hidden, t0, _Captured(launch(*arrays))
+        finite = capture_into(*arrays)
         return request, spec, hidden, time.monotonic() - t0, finite
     captured = engine.capture(sequences)
     capture_seconds = time.monotonic() - t0
@@ -223,10 +232,13 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
 
 
 def _store_hidden(
-    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float, finite: bool
+    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float,
+    finite: bool | _Captured,
 ) -> ExtractResult:
     """Validate, hash and write a packed hidden shard, then its record (in this order)."""
     run, name = request.run, request.shard
+    if isinstance(finite, _Captured):  # the rows are in the arrays once the engine's future is done
+        finite, capture_seconds = finite.result(capture_seconds)
     stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
@@ -250,6 +262,19 @@ def _store_hidden(
         run=run, shard=name, skipped=False, sequences=record.sequences, tokens=record.tokens,
         bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds, store_seconds=time.monotonic() - stored,
     )
+
+
+class _Captured:
+    """An async capture in flight (`capture_into_async`'s Future): when it ended is kept, so that
+    the capture's seconds do not count the time its writer waited in the queue."""
+
+    def __init__(self, future: Future):
+        self.future, self.ended = future, None
+        future.add_done_callback(lambda _: setattr(self, "ended", time.monotonic()))
+
+    def result(self, started: float) -> tuple[bool, float]:
+        finite = self.future.result()
+        return finite, (self.ended or time.monotonic()) - started
 
 
 class _Spare:

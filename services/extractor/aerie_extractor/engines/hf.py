@@ -9,7 +9,9 @@
   arrays and overlaps the host with the device: each batch's real rows are gathered on the
   device (no padding crosses the bus), checked finite there, copied into a pinned buffer without
   blocking, and copied into place on the host by a helper thread while the launching thread goes
-  on to the next batch.
+  on to the next batch. `capture_into_async` returns once the batches are launched (a Future of
+  the finite flag): the next shard's batches queue behind this one's last copies, so a stream of
+  shards does not drain the device at each shard's end.
 - A run stored as fp8 gets its states quantized on the device (`quantize_e4m3`, the same bits as
   `aerie.shard.quantize_e4m3`): half the bytes cross the bus, and the writers, whose numpy
   quantization ran at 0.12× the H200's forward per thread and slowed the captures beside it, have
@@ -23,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -142,6 +144,11 @@ class HFEngine(Engine):
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
         self._lock = threading.Lock()
+        # capture_into's helper: places the rows of each pinned buffer set once its copies are done,
+        # in launch order, across calls (the device is not drained between shards)
+        self._placer = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place")
+        self._placing: list[Future | None] = [None, None]  # per pinned buffer set: the place of the batch in it
+        self._next_slot = 0
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
 
     @classmethod
@@ -210,7 +217,6 @@ class HFEngine(Engine):
             raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
         return hs
 
-    @_one_at_a_time
     def capture_into(
         self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
         aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
@@ -220,6 +226,19 @@ class HFEngine(Engine):
         (float32), aux and final are float8_e4m3fn, quantized on the device with a scale per H // G
         values. True when every value was checked finite on the device (False: something is not
         finite; the caller's validation says where)."""
+        return self.capture_into_async(sequences, offsets, aux, final, aux_scale, final_scale).result()
+
+    @_one_at_a_time
+    def capture_into_async(
+        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
+        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+    ) -> Future:
+        """`capture_into` that returns once every batch is launched: a Future of its finite flag,
+        done when the last rows are in the arrays (until then nothing may read or reuse them). The
+        device is not drained between calls: the next shard's batches queue behind this one's last
+        copies while the helper thread places them, so a stream of shards keeps the device busy.
+        Raises at once, after this call's rows already handed to the helper are placed, when a
+        forward fails."""
         import torch
 
         K, H = len(self.indices), aux.shape[2]
@@ -227,7 +246,8 @@ class HFEngine(Engine):
         batches = length_batches([len(s) for s in sequences], self.settings.tokens_per_batch)
         run_dtype = getattr(torch, self.run.dtype)
         shapes = [((K + 1, H), run_dtype)] if block is None else [((K + 1, H), torch.float8_e4m3fn), ((K + 1, H // block), torch.float32)]
-        self._host_buffers(max(sum(len(sequences[i]) for i in idx) for idx in batches), shapes)
+        # at least a full batch's rows at once (no new pinned buffers as shards' batches vary)
+        self._host_buffers(max(self.settings.tokens_per_batch, *(sum(len(sequences[i]) for i in idx) for idx in batches)), shapes)
         outs = [(_np_bits(aux), _np_bits(final))] + ([] if block is None else [(aux_scale, final_scale)])
 
         def place(hosts: list[np.ndarray], idx: list[int]) -> None:  # host (n, K+1, ...): the sequences of idx in order
@@ -239,34 +259,48 @@ class HFEngine(Engine):
                     final_out[a:b] = host[p : p + b - a, K]
                 p += b - a
 
-        # leaving the block waits for the helper's places, also on an error: nothing writes into the
-        # arrays or the pinned buffers after this call
-        with torch.inference_mode(), ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place") as helper:
-            bad = torch.zeros((), dtype=torch.bool, device=self.device)
-            placing: list[Future | None] = [None, None]  # per pinned buffer: the helper placing the batch in it
-            pending = None  # without the helper: (event, host rows, idx) placed after the next batch is launched
-            for j, idx in enumerate(batches):
-                batch = [sequences[i] for i in idx]
-                rows = self._gather(self._checked_forward(batch), batch)  # the hidden states are freed here
-                bad |= ~torch.isfinite(rows).all()
-                tensors = [rows] if block is None else list(quantize_e4m3(rows, block))
-                slot = j % 2
-                if placing[slot] is not None:
-                    placing[slot].result()  # buffer `slot` is free again (its batch placed, or the helper's error)
-                hosts, event = self._stage(tensors, slot)
-                job = (event, [_host_bits(h) for h in hosts], idx)
-                if self.place_thread:
-                    placing[slot] = helper.submit(self._place_when_ready, place, *job)
-                    continue
+        jobs: list[Future] = []  # this call's places on the helper thread, in order
+        pending = None  # without the helper: (event, host rows, idx) placed after the next batch is launched
+        try:
+            with torch.inference_mode():
+                bad = torch.zeros((), dtype=torch.bool, device=self.device)
+                for idx in batches:
+                    batch = [sequences[i] for i in idx]
+                    rows = self._gather(self._checked_forward(batch), batch)  # the hidden states are freed here
+                    bad |= ~torch.isfinite(rows).all()
+                    tensors = [rows] if block is None else list(quantize_e4m3(rows, block))
+                    slot = self._next_slot
+                    self._next_slot = 1 - slot
+                    if self._placing[slot] is not None:
+                        self._placing[slot].exception()  # buffer `slot` is free again (its batch placed, or failed)
+                    hosts, event = self._stage(tensors, slot)
+                    job = (event, [_host_bits(h) for h in hosts], idx)
+                    if self.place_thread:
+                        self._placing[slot] = self._placer.submit(self._place_when_ready, place, *job)
+                        jobs.append(self._placing[slot])
+                        continue
+                    if pending is not None:
+                        self._place_when_ready(place, *pending)
+                    pending = job
                 if pending is not None:
                     self._place_when_ready(place, *pending)
-                pending = job
-            if pending is not None:
-                self._place_when_ready(place, *pending)
-            for future in placing:
-                if future is not None:
-                    future.result()
-            return not bool(bad)
+                flag, event = self._stage([bad.reshape(1)], None)
+        except BaseException:
+            wait(jobs)  # nothing writes into the caller's arrays once this raises
+            raise
+
+        def finite() -> bool:  # after this call's places (the helper runs its jobs in order)
+            if event is not None:
+                event.synchronize()
+            for job in jobs:
+                job.result()  # a place's error
+            return not bool(flag[0].item())
+
+        if not self.place_thread:
+            done: Future = Future()
+            done.set_result(finite())
+            return done
+        return self._placer.submit(finite)
 
     def _host_buffers(self, rows: int, shapes: list[tuple[tuple[int, ...], object]]) -> None:
         """CUDA: two sets of pinned buffers, one per (row shape, dtype) of `shapes`, each of at
@@ -290,15 +324,19 @@ class HFEngine(Engine):
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(getattr(torch, self.run.dtype))
 
-    def _stage(self, tensors: list, slot: int):
-        """CUDA: start copying the device tensors into pinned buffer set `slot`, on the compute
-        stream, after the work queued so far -> (host views, event recorded after the copies).
-        (A stream of its own for the copies measured slower on the H200.) CPU: (tensors, None)."""
+    def _stage(self, tensors: list, slot: int | None):
+        """CUDA: start copying the device tensors into pinned buffer set `slot` (None: new pinned
+        tensors), on the compute stream, after the work queued so far -> (host views, event recorded
+        after the copies). (A stream of its own for the copies measured slower on the H200.) CPU:
+        (tensors, None)."""
         import torch
 
         if not self.device.startswith("cuda"):
             return tensors, None
-        hosts = [buf[: t.shape[0]] for buf, t in zip(self._pinned[slot], tensors)]
+        if slot is None:
+            hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        else:
+            hosts = [buf[: t.shape[0]] for buf, t in zip(self._pinned[slot], tensors)]
         for host, t in zip(hosts, tensors):
             host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
@@ -340,4 +378,5 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
+        self._placer.shutdown(wait=True)  # the last places end before the buffers go
         self.model = self.base = self._pinned = None  # type: ignore[assignment]

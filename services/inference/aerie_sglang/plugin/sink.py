@@ -3,8 +3,9 @@
 - The scheduler thread only copies the rows of a request and hands them over (`Sinks.submit`);
   background writer threads (`AERIE_CAPTURE_WRITERS`) hash them, serialize them (safetensors) and
   write or upload them. The scheduler loop never waits for a disk or the network. One thread
-  hashes ~0.75 GB/s on an H200 host: 4 writers keep up with 2x its SmolLM2 / 8B prefill rate
-  (`benchmarks/bench_capture.py --sink-only`).
+  hashes ~0.75 GB/s on an H200 host. Inside SGLang on the H200, 4 writers and a 2 GiB bound held an
+  8B-shaped target's extraction to 0.43-0.69x its bare prefill, 8 writers and 16 GiB to 0.79-0.93x
+  (BENCHMARKS.md, "the sink's writers and bound"): the default is 8 writers.
 - A capture appears atomically: `shm` writes `.<id>.partial` and renames it to `<id>.safetensors`;
   an S3 PUT is atomic. A client that holds a descriptor waits for the object, reads it, checks it
   (capture id and sha256 in the safetensors header) and deletes it: that is "claiming" it.
@@ -30,7 +31,7 @@ Configuration, read from the environment of the SGLang server when the plugin lo
 | `AERIE_CAPTURE_DIR`                 | directory of the `shm` sink (use a tmpfs)        | `/dev/shm/aerie-capture` |
 | `AERIE_CAPTURE_MAX_UNCLAIMED_BYTES` | the back-pressure bound                          | 2 GiB                    |
 | `AERIE_CAPTURE_TTL_S`               | unclaimed captures older than this are deleted   | 900                      |
-| `AERIE_CAPTURE_WRITERS`             | writer threads per scheduler                     | 4                        |
+| `AERIE_CAPTURE_WRITERS`             | writer threads per scheduler                     | 8                        |
 | `AERIE_STORE`                       | `http(s)://host:port` enables the `s3` sink      | (none: no `s3` sink)     |
 | `AERIE_BUCKET`                      | bucket of the `s3` sink                          | `aerie`                  |
 | `AERIE_S3_ACCESS_KEY`, `AERIE_S3_SECRET_KEY`, `AERIE_S3_REGION` | credentials    | (required with s3)       |
@@ -92,7 +93,7 @@ class CaptureSinkSettings:
     max_unclaimed_bytes: int
     ttl_s: float
     s3: S3Target | None = None
-    writers: int = 4  # writer threads (hashing and file writes release the GIL)
+    writers: int = 8  # writer threads (hashing and file writes release the GIL)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "CaptureSinkSettings":
@@ -135,7 +136,7 @@ class CaptureSinkSettings:
             max_unclaimed_bytes=number("AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", 2 << 30),
             ttl_s=number("AERIE_CAPTURE_TTL_S", 900.0, float),
             s3=s3,
-            writers=number("AERIE_CAPTURE_WRITERS", 4),
+            writers=number("AERIE_CAPTURE_WRITERS", 8),
         )
 
     @property

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--engine-passes", help="only these in-engine passes (comma-separated; bare is always run)")
     p.add_argument("--skip-steps", action="store_true", help="skip the one-thread writer steps and the host-quantize/before extracts")
     p.add_argument("--only-extract", action="store_true", help="of the writer passes, extract N alone")
+    p.add_argument("--task-timeline", default="", help="thread counts for the task path with each task's moments recorded")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
@@ -501,6 +502,65 @@ def main(argv: list[str] | None = None) -> dict:
             done = list(pool.map(lambda rq: run_extract(store, worker, rq, engine=the_engine[0]), requests))
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
+    def task_timeline(n_threads: int) -> dict:
+        """task_threads with each task's moments recorded (seconds from the pass's start): start,
+        tokens loaded, capture called, engine lock taken, batches launched, rows placed, stored."""
+        import aerie_extractor.extract as extract_module
+
+        t0, marks, local = time.perf_counter(), [], threading.local()
+        now = lambda: round(time.perf_counter() - t0, 4)  # noqa: E731
+        real_load, real_lock = extract_module.load_tokens, engine._lock
+
+        class TimedLock:
+            def __enter__(self):
+                real_lock.acquire()
+                local.mark["locked"] = now()
+
+            def __exit__(self, *exc):
+                real_lock.release()
+
+        class Timed(Drained):
+            capture_into_async = None  # replaced per instance below
+
+        timed_engine = Timed(engine)
+
+        def launch(*a):
+            local.mark["called"] = now()
+            future = engine.capture_into_async(*a)
+            mark = local.mark
+            mark["launched"] = now()
+            future.add_done_callback(lambda _: mark.__setitem__("rows", now()))
+            return future
+
+        timed_engine.capture_into_async = launch
+
+        def loaded(*a):
+            out = real_load(*a)
+            local.mark["loaded"] = now()
+            return out
+
+        def one(rq):
+            local.mark = {"shard": rq.shard, "start": now()}
+            marks.append(local.mark)
+            run_extract(store, worker, rq, engine=timed_engine)
+            local.mark["stored"] = now()
+
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+        worker = settings.model_copy(update={"worker_concurrency": n_threads})
+        extract_module.load_tokens, engine._lock = loaded, TimedLock()
+        try:
+            with ThreadPoolExecutor(n_threads) as pool:
+                list(pool.map(one, requests))
+        finally:
+            extract_module.load_tokens, engine._lock = real_load, real_lock
+        return {"timeline": marks}
+
+    for n in [int(x) for x in args.task_timeline.split(",") if x]:
+        for name, fn in ((f"tasks {n} threads timeline", lambda: task_timeline(n)),
+                         (f"tasks {n} threads timeline switch 0.5 ms", lambda: switch_interval(0.0005, lambda: task_timeline(n)))):  # fmt: skip
+            samples.setdefault(name, []).append(timed(dev, fn))
+            print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            save(samples, checks, steps)
     for n in [int(x) for x in args.task_threads.split(",") if x]:
         variants = [(f"tasks {n} threads", lambda: task_threads(n))]
         if not args.only_extract:
@@ -519,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'pass':24s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
     for name, f in result["passes"].items():
         b = f["best"]
-        extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k not in ("seconds", "thread_cpu_s")}
+        extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k not in ("seconds", "thread_cpu_s", "timeline")}
         print(f"{name:24s} {f['tok_per_s']:12.1f} {f['ratio_to_bare']:7.3f} {b['seconds']:8.3f} {b['thread_cpu_s']:12.3f}  {extra or ''}")
     print("writer steps, 1 thread, all shards (s):", {k: round(v, 3) for k, v in steps.items()})
     print("checks:", checks)

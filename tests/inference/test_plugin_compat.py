@@ -112,7 +112,10 @@ def _copy_modules(src: Path, dst: Path) -> None:
      "'hidden_states_before_norm', 'aux_hidden_states'], the plugin expects"),
     (("sglang/srt/managers/schedule_batch.py", "self.customized_info:", "self.customized_infos:"),
      "Req.customized_info: 'customized_info' is not defined in Req"),
-], ids=["renamed", "no-longer-async", "reordered", "field-gone"])
+    (("sglang/srt/managers/utils.py", "cpu_t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)",
+      "cpu_t = _STAGING.setdefault((t.shape, t.dtype), torch.empty(t.shape, dtype=t.dtype))"),
+     "_async_d2h: does not copy into new pinned memory"),
+], ids=["renamed", "no-longer-async", "reordered", "field-gone", "d2h-into-a-kept-buffer"])
 def test_a_changed_hook_point_in_0_5_17s_source_is_refused(sglang_0_5_17, tmp_path, edit, expected):
     _copy_modules(sglang_0_5_17, tmp_path)
     assert check(RELEASES["0.5.17"], tmp_path) == []  # the copy alone passes

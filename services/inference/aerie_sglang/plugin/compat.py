@@ -50,7 +50,9 @@ class Uses:
     """An internal the hooks read or call without hooking it."""
 
     target: str  # dotted path: module.Class.attribute, module.Class.method or module.function
-    kind: str  # "attr": assigned in the class (body or `self.x = ...`); "call": a function/method
+    kind: str  # "attr": assigned in the class (body or `self.x = ...`); "call": a function/method;
+    # "fresh_pinned": a function that copies into new pinned host memory at each call (`torch.empty(...,
+    # pin_memory=True)` then `.copy_`): hooks._own keeps views of the rows it returns, uncopied
     params: tuple[str, ...] = ()  # for "call": parameters passed by name
 
 
@@ -116,6 +118,8 @@ RELEASES: dict[str, Release] = {
             Uses("sglang.srt.arg_groups.fields.parallel.Parallel.tp_rank", "attr"),  # get_parallel() reads it by name
             Uses("sglang.srt.arg_groups.fields.exec_.ExecFeatures.return_aux_hidden_state_layer_ids", "attr"),
             Uses(f"{_LPO}.last_hidden_states", "attr"),
+            Uses("sglang.srt.managers.utils.GenerationBatchResult.copy_to_cpu", "call", ("return_hidden_states",)),
+            Uses("sglang.srt.utils.common.async_d2h", "fresh_pinned"),  # copy_to_cpu's `_async_d2h`
             Uses(f"{_REQ}.set_finish_with_abort", "call", ("error_msg", "status_code", "err_type")),
         ),
         capture_flags=True,
@@ -156,6 +160,8 @@ RELEASES: dict[str, Release] = {
             Uses("sglang.srt.managers.schedule_batch.FINISH_ABORT.status_code", "attr"),
             Uses("sglang.srt.managers.schedule_batch.FINISH_ABORT.err_type", "attr"),
             Uses(f"{_REQ}.set_finish_with_abort", "call", ("error_msg",)),
+            Uses("sglang.srt.managers.utils.GenerationBatchResult.copy_to_cpu", "call", ("return_hidden_states",)),
+            Uses("sglang.srt.managers.utils._async_d2h", "fresh_pinned"),
         ),
         capture_flags=False,
         keeps_final_state=False,

@@ -194,12 +194,22 @@ def around_append_prefill_hidden_states(original, processor, *, req, logits_outp
             _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
                                    "state of this forward: capture unsupported"})
             return end
-        # A clone per chunk: graph runners may reuse their output buffers in the next forward.
-        state.aux_parts.append(logits_output.hidden_states[start:end].clone())
-        state.final_parts.append(final[start:end].clone())
+        state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
+        state.final_parts.append(_own(final[start:end]))
         if store:  # the chunk that completes the prompt
             _finish(req, state)
     return end
+
+
+def _own(rows: torch.Tensor) -> torch.Tensor:
+    """Rows the capture may hold until a writer has written them. Pinned host rows are SGLang's
+    copy of this batch's states (overlap scheduling: new pinned memory per batch, the release's
+    `fresh_pinned` function in compat, checked in its source): a view of them is kept, with no copy
+    in the scheduler thread. Anything else is cloned: a device tensor may be a CUDA graph's output
+    buffer, which the next forward overwrites, and a CPU forward's rows are the model's own."""
+    if not rows.is_cuda and rows.is_pinned():
+        return rows
+    return rows.clone()
 
 
 def _finish(req, state: _RequestCapture) -> None:

@@ -141,11 +141,27 @@ def check_use(root: Path, use: Uses) -> list[str]:
         return [why]
     if use.kind == "call":
         return _check_params(use.target, node, use.params, None, leading=False)
+    if use.kind == "fresh_pinned":
+        return _check_fresh_pinned(use.target, node)
     if isinstance(node, ast.ClassDef) and not use.target.endswith("." + node.name):
         return []  # a `self.x = ...` assignment in the class
     if isinstance(node, (ast.Assign, ast.AnnAssign, *_FUNCS)):
         return []
     return [f"{use.target}: is a {type(node).__name__}, not an attribute"]
+
+
+def _check_fresh_pinned(target: str, fn: ast.AST) -> list[str]:
+    """The function allocates pinned host memory (a call with `pin_memory=True`) and copies into it
+    (a `.copy_(...)` call): new memory at each call, which the plugin keeps views of."""
+    if not isinstance(fn, _FUNCS):
+        return [f"{target}: is not a function ({type(fn).__name__})"]
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+    pins = any(k.arg == "pin_memory" and isinstance(k.value, ast.Constant) and k.value.value is True for c in calls for k in c.keywords)
+    copies = any(isinstance(c.func, ast.Attribute) and c.func.attr == "copy_" for c in calls)
+    if pins and copies:
+        return []
+    return [f"{target}: does not copy into new pinned memory (pin_memory=True, .copy_) at each call: the plugin "
+            "keeps views of the host rows it returns (hooks._own), which a reused buffer would overwrite"]
 
 
 def check(release: Release, root: str | Path) -> list[str]:

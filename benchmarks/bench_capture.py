@@ -291,7 +291,8 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
         from plugin_on_device import plugin_site  # beside this script, stdlib only
 
         site = plugin_site(log_dir / "plugin-site")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(REPO / "services" / "inference"), env.get("PYTHONPATH")) if p)
+        plugin = Path(args.plugin_dir).resolve() if args.plugin_dir else REPO / "services" / "inference"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(plugin), env.get("PYTHONPATH")) if p)
     log_path = log_dir / f"sglang-{port}.log"
     cmd = [args.sglang_python, "-m", args.launcher, *flags]
     with open(log_path, "wb") as log:
@@ -471,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for launch_server (repeatable; "
                    "--server-arg=--attention-backend --server-arg=triton)")
     p.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's environment (repeatable)")
+    p.add_argument("--plugin-dir", help="an SGLang unpacked without pip: the folder holding the aerie_sglang package the "
+                   "server loads (default: this checkout's services/inference; another commit's, for a side-by-side)")
     p.add_argument("--launcher", default="sglang.launch_server", help="--sglang-python: the module it runs "
                    "(aerie_sglang.cpu.launch checks this path on a CPU)")
     p.add_argument("--start-timeout", type=float, default=600.0)

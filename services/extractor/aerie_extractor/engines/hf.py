@@ -92,12 +92,19 @@ def _np_bits(a: np.ndarray) -> np.ndarray:
 
 def _one_at_a_time(method):
     """The engine's captures one at a time (its pinned buffers and the device are shared): the
-    tasks of a threads-pool worker capture in turn and store side by side."""
+    tasks of a threads-pool worker capture in turn and store side by side. Every capture runs on
+    the engine's own launching thread, whichever thread asks: torch keeps per-thread state that
+    the forward pays to build, e.g. cuDNN attention's execution graphs, cached `thread_local` and
+    per shape (aten/src/ATen/native/cudnn/MHA.cpp). On the H200 the same shards were captured at
+    0.944x bare on the thread that had run them before and at 0.659x from a fresh pool thread
+    (BENCHMARKS.md, session 9), as a Celery threads-pool task's was."""
 
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
         with self._lock:
-            return method(self, *args, **kwargs)
+            if threading.current_thread() is self._launch_thread:
+                return method(self, *args, **kwargs)
+            return self._launcher.submit(method, self, *args, **kwargs).result()
 
     return serialized
 
@@ -144,12 +151,25 @@ class HFEngine(Engine):
         self.base = getattr(model, model.base_model_prefix)
         self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
         self._lock = threading.Lock()
+        # the thread every capture runs on (_one_at_a_time), for the life of the engine
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-launch")
+        self._launch_thread = self._launcher.submit(self._launch_thread_start, torch.get_num_threads()).result()
         # capture_into's helper: places the rows of each pinned buffer set once its copies are done,
         # in launch order, across calls (the device is not drained between shards)
         self._placer = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place")
         self._placing: list[Future | None] = [None, None]  # per pinned buffer set: the place of the batch in it
         self._next_slot = 0
         log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
+
+    @staticmethod
+    def _launch_thread_start(intra_op: int) -> threading.Thread:
+        """The launching thread's first job: torch's intra-op thread count as this thread set it
+        (OpenMP keeps it per thread: a new thread would use every core, oversubscribing the cores
+        a prefork worker's children share)."""
+        import torch
+
+        torch.set_num_threads(intra_op)
+        return threading.current_thread()
 
     @classmethod
     def spec_for(cls, settings: Settings, target: TargetSpec, capture_points: list[int], dtype: str) -> EngineSpec:
@@ -378,5 +398,6 @@ class HFEngine(Engine):
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
+        self._launcher.shutdown(wait=True)
         self._placer.shutdown(wait=True)  # the last places end before the buffers go
         self.model = self.base = self._pinned = None  # type: ignore[assignment]

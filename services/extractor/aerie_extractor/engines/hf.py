@@ -163,9 +163,10 @@ class HFEngine(Engine):
 
     @staticmethod
     def _launch_thread_start(intra_op: int) -> threading.Thread:
-        """The launching thread's first job: torch's intra-op thread count as this thread set it
-        (OpenMP keeps it per thread: a new thread would use every core, oversubscribing the cores
-        a prefork worker's children share)."""
+        """The launching thread's first job: torch's intra-op thread count as the thread that built
+        the engine has it (on the CPU, a prefork worker's children share the cores; OpenMP keeps
+        this setting per thread, and the torch build here reports the same count in a new thread
+        either way)."""
         import torch
 
         torch.set_num_threads(intra_op)

@@ -28,7 +28,6 @@ import platform
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
+    import bench_capture_path  # beside this script: its timing
     from aerie.contracts import IngestOptions, IngestRequest
     from aerie.settings import Settings
     from aerie.shard import np_dtype
@@ -86,10 +86,6 @@ def main(argv: list[str] | None = None) -> dict:
         arrays = [np.zeros((T, K, H), fp8), np.zeros((T, H), fp8), np.zeros((T, K, H // block), np.float32), np.zeros((T, H // block), np.float32)]
         return seqs, offsets, arrays
 
-    def sync() -> None:
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     def bare(s) -> None:
         from aerie_extractor.engines.hf import length_batches
 
@@ -119,12 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         return run
 
-    def timed(fn, s) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn(s)
-        sync()
-        return time.perf_counter() - t0
+    def timed(fn, s) -> float:  # seconds, the device synchronized before and after
+        return bench_capture_path.timed(args.device, lambda: fn(s))["seconds"]
 
     warm_set = sequences(0)
     tokens = int(warm_set[1][-1])

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.shard import quantize_e4m3 as quantize_np
     from aerie.store import PartsReader
     from aerie_extractor.engines.hf import HFEngine, length_batches, quantize_e4m3
-    from aerie_extractor.extract import _capture, _Captured, _store_hidden, extract_shards, load_tokens, run_extract
+    from aerie_extractor.extract import _capture, _Captured, _spare, _store_hidden, extract_shards, load_tokens, run_extract
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
     settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
@@ -579,18 +579,15 @@ def main(argv: list[str] | None = None) -> dict:
     def captures_only(here: bool) -> dict:
         """run_extract's capture half alone (load, spare arrays, capture_into_async, wait for the
         rows), shard after shard, nothing validated or stored: on this thread or on a pool thread."""
-        import aerie_extractor.extract as extract_module
-
         store.delete_prefix(layout.shards_prefix(run, "hidden"))
 
         def one(rq):
             taken = []
             try:
-                captured = extract_module._capture(store, settings, rq, engine, empty=lambda shape, dtype: extract_module._spare.take(shape, dtype, taken))
-                captured[-1].result()
+                _capture(store, settings, rq, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))[-1].result()
             finally:
-                extract_module._spare.give(taken)
-                extract_module._spare.trim(4)
+                _spare.give(taken)
+                _spare.trim(4)
 
         if here:
             for rq in requests:

@@ -18,7 +18,9 @@ and relays what rank 0 reports (progress events, then the result) from files in 
   ranks with it. No orphan keeps training beside the redelivered task.
 - A rank that dies (killed, out of memory) makes torchrun stop the others and exit non-zero:
   `RankFailed`, a retryable error (aerie.queue.run_task retries it with backoff), and the retry
-  resumes from the last complete checkpoint, as a redelivered task does.
+  resumes from the last complete checkpoint, as a redelivered task does. The survivors may raise
+  first (gloo resets their collectives): an error that only says a peer went away is not the
+  cause (`lost_peer`); a rank's own error is, and is retried only if it says so.
 - Settings travel as the AERIE_* environment (credentials included, never written to a file);
   the request as JSON in JOB_DIR.
 """
@@ -123,17 +125,47 @@ def run_ranks(settings: Settings, request: TrainRequest, ranks: int, progress: C
             log.close()
         if proc.returncode == 0 and result.is_file():
             return TrainResult.model_validate_json(result.read_text())
-        tail = (job / "torchrun.log").read_text(errors="replace")[-2000:]
-        failure = job / "failure.json"
-        if failure.is_file():  # rank 0 raised: its error, and whether it is worth a retry
-            f = json.loads(failure.read_text())
-            error = RuntimeError(f"training {request.drafter} failed on rank 0: {f['error']}")
-            error.retryable = f["retryable"]  # type: ignore[attr-defined]
-            raise error
-        raise RankFailed(f"training {request.drafter} on {ranks} ranks exited with {proc.returncode} (a rank died?): "
-                         f"retried from its last checkpoint; torchrun's log ends:\n{tail}")
+        raise job_failure(job, request.drafter, ranks, proc.returncode)
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+def job_failure(job: Path, drafter: str, ranks: int, returncode: int | None) -> Exception:
+    """What a failed job raises, from the ranks' failure files in `job`: the first rank's own error
+    (retryable as that error says), else `RankFailed` when every rank that raised only lost a peer
+    (another rank was killed: its collectives reset) or none raised (a rank died without a word)."""
+    failures = sorted((json.loads(f.read_text()) for f in job.glob("failure-*.json")), key=lambda f: f["rank"])
+    own = [f for f in failures if not f["lost_peer"]]
+    if own:
+        f = own[0]
+        error = RuntimeError(f"training {drafter} failed on rank {f['rank']}: {f['error']}")
+        error.retryable = f["retryable"]  # type: ignore[attr-defined]
+        return error
+    log = job / "torchrun.log"
+    tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+    lost = "".join(f"; rank {f['rank']} lost a peer ({f['error'][:200]})" for f in failures)
+    return RankFailed(f"training {drafter} on {ranks} ranks exited with {returncode} (a rank died?){lost}: "
+                      f"retried from its last checkpoint; torchrun's log ends:\n{tail}")
+
+
+def record_failure(job: Path, rank: int, error: BaseException) -> None:
+    """A rank's error, for job_failure: what it was, whether it is worth a retry, whether it only
+    says that a peer went away."""
+    from aerie.queue import retryable
+
+    (job / f"failure-{rank}.json").write_text(json.dumps({
+        "rank": rank, "error": f"{type(error).__name__}: {error}", "retryable": retryable(error), "lost_peer": lost_peer(error)}))
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether a rank's error is another rank's death seen from here: torch.distributed's own errors
+    (NCCL, the rendezvous store, the network) or gloo's transport (a peer's socket reset or closed
+    mid-collective, raised as a plain RuntimeError naming gloo's transport source)."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and "/gloo/transport/" in str(error)
 
 
 def _relay(events: Path, done: int, progress: Callable[[ProgressEvent], None]) -> int:
@@ -173,12 +205,12 @@ def _rank(job: Path) -> None:
     """One rank: the train stage in this process (RANK/WORLD_SIZE from torchrun)."""
     die_with_parent(signal.SIGKILL)
     from aerie import stages  # the registered train stage (aerie_trainer.job.run_train), run as a rank
-    from aerie.queue import retryable
     from aerie.store import open_store
 
     settings = Settings.load()
     request = TrainRequest.model_validate_json((job / "request.json").read_text())
-    main = int(os.environ.get("RANK", "0")) == 0
+    rank = int(os.environ.get("RANK", "0"))
+    main = rank == 0
     events = open(job / "events.jsonl", "a") if main else None
 
     def report(event: ProgressEvent) -> None:
@@ -188,9 +220,8 @@ def _rank(job: Path) -> None:
 
     try:
         result = stages.train(open_store(settings), settings, request, report)
-    except Exception as e:
-        if main:
-            (job / "failure.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}", "retryable": retryable(e)}))
+    except Exception as e:  # every rank says what it raised; job_failure picks the cause
+        record_failure(job, rank, e)
         raise
     if main:
         part = job / "result.json.part"

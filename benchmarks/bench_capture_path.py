@@ -172,11 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
                    "main thread, and its capture half alone on each (nothing stored)")
     p.add_argument("--task-timeline", default="", help="thread counts for the task path with each task's moments recorded")
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
+    p.add_argument("--sdpa", default="default", choices=["default", "no-cudnn"],
+                   help="no-cudnn: torch's cuDNN attention switched off for the whole run (enable_cudnn_sdp(False))")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     writer_counts = [int(x) for x in args.writers.split(",") if x]
 
     import torch
+
+    if args.sdpa == "no-cudnn":  # a process-wide switch: every thread, the engine's launching thread included
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     from aerie import layout
     from aerie.contracts import ExtractRequest
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
               "batches": sum(len(v) for v in batches.values()), "tokens_per_batch": settings.tokens_per_batch,
               "capture_points": spec.capture_points, "hidden": H, "layers": spec.target.num_layers, "data": args.data,
               "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None}  # fmt: skip
+              "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else None, "sdpa": args.sdpa}  # fmt: skip
     print(json.dumps(config), flush=True)
 
     # --- the in-engine passes ---------------------------------------------------------------

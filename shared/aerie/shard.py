@@ -210,29 +210,48 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, np.ndarray], metadata: d
 def read_safetensors(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Zero-copy views over a bytes-like or mmap: name -> ndarray, metadata."""
     mv = memoryview(buf)
+    layout, metadata, base = safetensors_layout(mv, len(mv))
+    tensors = {}
+    for name, (dt, shape, start, end) in layout.items():
+        tensors[name] = np.frombuffer(mv[base + start : base + end], dtype=dt).reshape(shape)
+    return tensors, metadata
+
+
+def safetensors_layout(head, size: int) -> tuple[dict[str, tuple[np.dtype, list[int], int, int]], dict[str, str], int]:
+    """Where a safetensors file of `size` bytes keeps its tensors, from its first bytes `head`
+    (at least the 8-byte length and the header): name -> (dtype, shape, start, end) with offsets
+    into the data, which begins at the returned base; and the metadata. Checked: the header's
+    length, its JSON, each dtype, and each tensor's bytes within the file and of its shape's size."""
+    mv = memoryview(head)
     if len(mv) < 8:
         raise ShardError(f"{len(mv)} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", mv[:8])
+    if n > size - 8:
+        raise ShardError(f"header length {n} exceeds the file ({size} bytes): truncated object?")
     if n > len(mv) - 8:
-        raise ShardError(f"header length {n} exceeds the file ({len(mv)} bytes): truncated object?")
+        raise ShardError(f"header length {n} exceeds the {len(mv) - 8} header bytes given")
     try:
         header = json.loads(bytes(mv[8 : 8 + n]))
     except json.JSONDecodeError as e:
         raise ShardError(f"unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ShardError("unreadable safetensors header: not a JSON object")
     metadata = header.pop("__metadata__", {}) or {}
     base = 8 + n
-    tensors = {}
+    layout = {}
     for name, spec in header.items():
         dt = _DTYPES.get(spec["dtype"])
         if dt is None:
             raise UnknownDtype(f"tensor {name!r} is stored as {spec['dtype']}, which this aerie does not read (it reads "
                                f"{', '.join(_DTYPES)}): written by a newer aerie? read it with that version or re-extract the run")
         start, end = spec["data_offsets"]
-        if base + end > len(mv):
-            raise ShardError(f"tensor {name!r} ends at byte {base + end}, past the file end {len(mv)}: truncated")
-        arr = np.frombuffer(mv[base + start : base + end], dtype=dt)
-        tensors[name] = arr.reshape(spec["shape"])
-    return tensors, metadata
+        if base + end > size:
+            raise ShardError(f"tensor {name!r} ends at byte {base + end}, past the file end {size}: truncated")
+        shape = [int(d) for d in spec["shape"]]
+        if not 0 <= start <= end or end - start != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+            raise ShardError(f"tensor {name!r}: bytes {start}..{end} do not hold a {dt} array of shape {shape}")
+        layout[name] = (dt, shape, start, end)
+    return layout, metadata, base
 
 
 # --------------------------------------------------------------------------------------

@@ -342,13 +342,16 @@ def test_a_stock_server_gets_json_runs_and_binary_ones_are_refused(stock):
 
 
 def test_the_engine_extracts_through_the_binary_path(server, smollm2_path, bucket, hf_reference):
-    """Shards made by run_extract through the binary path hold the final state; their aux equal
-    the JSON path's bit for bit, and both equal transformers for every capture point."""
+    """Shards made by run_extract through the binary path (read into the shard's rows) hold the
+    final state; their aux equal the JSON path's bit for bit, and both equal transformers for every
+    capture point."""
     settings = engine_settings(server)
     binary = make_run("bin", smollm2_path, settings)
     binary_topk = make_run("bin-topk", smollm2_path, settings, signal="topk")
     as_json = make_run("json", smollm2_path, engine_settings(server, engine_transport="json"), signal="topk")
     assert (binary.engine.transport, binary_topk.engine.transport, as_json.engine.transport) == ("binary", "binary", "json")
+    # a binary "final" run is read straight into the shard's rows; top-k and JSON runs go through capture()
+    assert [SGLangEngine(settings, run).capture_into is not None for run in (binary, binary_topk)] == [True, False]
     short = PROMPTS[:2]  # one prefill chunk: stock JSON keeps only a prompt's last chunk
     put_tokens(bucket, binary, {"000000": short, "000001": [PROMPTS[2], BIG]})
     put_tokens(bucket, binary_topk, {"000000": short})

@@ -23,7 +23,10 @@ capture points translated by `aerie.capture` (never here). Design choices:
   final state as one safetensors object per request to a sink and answers with a descriptor;
   this engine reads, checks and deletes it (`sglang_binary.fetch_binary`, off the event loop).
   Then the run's target signal is the final state (top-k, if a run asks for it, still comes as
-  JSON log-probs in the same response).
+  JSON log-probs in the same response). A binary run with signal "final" is extracted with
+  `capture_into`: each capture is read from the sink straight into its sequence's rows of the
+  shard (`fetch_binary_into`: one copy, no per-capture buffers, the sink's bytes freed when the
+  capture is claimed).
 - Which transport: a new run records one in its spec (`run.json` `engine.transport`, copied
   into every shard record), chosen by `AERIE_ENGINE_TRANSPORT` = `auto` (binary when the
   server advertises the plugin in `/server_info` and a two-token probe capture is readable
@@ -45,7 +48,9 @@ capture points translated by `aerie.capture` (never here). Design choices:
   layers) and the request resent, instead of spending the task's few retries in a minute. `check()`
   waits the same way, so extractors that start before SGLang (a host reboot) wait for it.
 - `capture()` runs requests concurrently: `settings.engine_concurrency` in flight per URL, every
-  URL in `settings.engine_urls` pulling from one queue (a faster server takes more).
+  URL in `settings.engine_urls` pulling from one queue (a faster server takes more), each
+  in-flight request on its own kept-alive connection (its own small client: one shared pool of
+  32 cost more CPU per request than a 2.4 MB capture's read and check, benchmarks/bench_client.py).
 - `check()` reads every server's own configuration (`/server_info`, `/model_info`) and a
   two-token probe, and refuses (EngineMismatch) another SGLang version, other layer ids,
   another model, or a radix cache that is on -- before any work. `capture()` checks first
@@ -55,6 +60,7 @@ capture points translated by `aerie.capture` (never here). Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -78,9 +84,12 @@ from aerie_extractor.engines.sglang_binary import (
     choose_sink,
     descriptor_of,
     fetch_binary,
+    fetch_binary_into,
 )
 
 log = logging.getLogger(__name__)
+
+Rows = tuple[np.ndarray, np.ndarray]  # one sequence's aux [T, K, H] and final [T, H] rows of a shard
 
 _PROBE_IDS = [1, 2]  # any two in-vocabulary tokens: the probe only looks at shapes
 
@@ -224,6 +233,7 @@ class SGLangEngine(Engine):
         self.readers: dict[str, CaptureReader] = {}  # per server: where its binary captures are read
         self._checked = False
         self._outages: dict[str, asyncio.Lock] = {}
+        self._tls = None  # the TLS context of capture()'s clients, made once
 
     # ----------------------------------------------------------------------------------
     @classmethod
@@ -431,17 +441,25 @@ class SGLangEngine(Engine):
             **topk,
         }
 
-    def _parse(self, url: str, out: dict, T: int, timeout_s: float | None = None) -> Captured:
+    def _parse(self, url: str, out: dict, T: int, timeout_s: float | None = None, into: Rows | None = None) -> Captured | None:
         if self.transport == "binary":
-            return self._parse_binary(url, out, T, timeout_s)
+            return self._parse_binary(url, out, T, timeout_s, into)
         return self._parse_json(url, out, T)
 
-    def _parse_binary(self, url: str, out: dict, T: int, timeout_s: float | None) -> Captured:
+    def _parse_binary(self, url: str, out: dict, T: int, timeout_s: float | None, into: Rows | None = None) -> Captured | None:
+        """The capture a response names, claimed; with `into` (the sequence's aux [T, K, H] and
+        final [T, H] rows of the shard) read straight into them when the dtypes agree (None
+        returned), else copied in after the cast."""
         run, target = self.run, self.run.target
         K, H = len(run.capture_points), target.hidden_size
         descriptor = descriptor_of(out)
         reader = self.readers[url]
         sinks = reader if timeout_s is None else dataclasses.replace(reader, timeout_s=timeout_s)
+        promised = {name: (spec.shape, spec.dtype) for name, spec in descriptor.tensors.items()}
+        if (into is not None and descriptor.layer_ids == self.layer_ids and run.target_signal == "final"
+                and promised == {"aux": ([T, K, H], str(into[0].dtype)), "final": ([T, H], str(into[1].dtype))}):
+            fetch_binary_into(descriptor, sinks, {"aux": into[0], "final": into[1]})
+            return None
         tensors = fetch_binary(descriptor, sinks)  # claims it: deleted even if the checks below fail
         aux, final = tensors["aux"], tensors["final"]
         if descriptor.layer_ids != self.layer_ids:
@@ -457,6 +475,9 @@ class SGLangEngine(Engine):
         cap = Captured(aux=aux.astype(dtype, copy=False), final=final.astype(dtype, copy=False))  # [T, K, H], [T, H]
         if run.target_signal == "topk":
             cap.topk_ids, cap.topk_logprobs = topk_rows(out.get("meta_info") or {}, T, int(run.topk or 20))
+        if into is not None:
+            into[0][...], into[1][...] = cap.aux, cap.final
+            return None
         return cap
 
     def _parse_json(self, url: str, out: dict, T: int) -> Captured:
@@ -493,11 +514,12 @@ class SGLangEngine(Engine):
             topk_logprobs=logprobs,
         )
 
-    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray, gate: asyncio.Lock | None = None) -> Captured:
+    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray, gate: asyncio.Lock | None = None,
+                   into: Rows | None = None) -> Captured | None:
         """One sequence. `gate` (one per server): a request refused for a full sink holds it while
         it retries, and every new request passes it first, so the refused one gets in before this
         engine's other workers refill the sink (without it two workers could starve the others)."""
-        ids = [int(x) for x in seq]
+        ids = np.asarray(seq).tolist()
         limit = self.max_input.get(url) or 0
         if limit and len(ids) > limit:
             raise _Fatal(f"a sequence of {len(ids)} tokens exceeds SGLang server {url}'s limit of {limit} input tokens: lower ingest max_tokens or raise --context-length")
@@ -552,7 +574,7 @@ class SGLangEngine(Engine):
             raise EngineError(f"SGLang server {url} failed on {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
         out = orjson.loads(r.content)
         if self.transport == "binary":  # waits for the sink: off the event loop
-            return await asyncio.to_thread(self._parse, url, out, len(ids))
+            return await asyncio.to_thread(self._parse, url, out, len(ids), None, into)
         return self._parse(url, out, len(ids))
 
     async def _outage(self, url: str) -> bool:
@@ -569,7 +591,7 @@ class SGLangEngine(Engine):
             await asyncio.to_thread(recheck)
             return True
 
-    async def _capture_all(self, sequences: list[np.ndarray]) -> list[Captured]:
+    async def _capture_all(self, sequences: list[np.ndarray], into: list[Rows] | None = None) -> list[Captured | None]:
         results: list[Captured | None] = [None] * len(sequences)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(len(sequences)):
@@ -583,12 +605,23 @@ class SGLangEngine(Engine):
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results[i] = await self._one(client, url, sequences[i], gates[url])
+                results[i] = await self._one(client, url, sequences[i], gates[url], None if into is None else into[i])
 
+        # one client (one kept-alive connection) per in-flight request: httpcore's pool looks over
+        # every connection and queued request on each request's start and end, which for one pool
+        # of 32 cost more CPU than reading and checking a 2.4 MB capture (benchmarks/bench_client.py)
+        # (and one TLS context for them all: each client would load the CA bundle again, ~25 ms)
         per_url = self.settings.engine_concurrency
-        limits = httpx.Limits(max_connections=per_url * len(self.urls))
-        async with httpx.AsyncClient(timeout=self.settings.engine_timeout_s, limits=limits, headers=auth_headers(self.settings)) as client:
-            tasks = [asyncio.create_task(worker(client, url)) for url in self.urls for _ in range(per_url)]
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
+        async with contextlib.AsyncExitStack() as stack:
+            tasks = []
+            for url in self.urls:
+                for _ in range(per_url):
+                    client = await stack.enter_async_context(httpx.AsyncClient(
+                        timeout=self.settings.engine_timeout_s, limits=limits, headers=auth_headers(self.settings), verify=self._tls))
+                    tasks.append(asyncio.create_task(worker(client, url)))
             try:
                 await asyncio.gather(*tasks)
             finally:
@@ -596,6 +629,33 @@ class SGLangEngine(Engine):
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         return results  # type: ignore[return-value]
+
+    @property
+    def capture_into(self):
+        """Binary captures of a run with signal "final" go straight into the shard's arrays
+        (`_capture_into`); None otherwise (JSON, top-k: `capture`). Checks the servers first."""
+        if not self._checked:
+            self.check(self.run)
+        if self.transport == "binary" and self.run.target_signal == "final":
+            return self._capture_into
+        return None
+
+    def _capture_into(
+        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
+        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+    ) -> bool:
+        """Sequence i's states into rows offsets[i]:offsets[i+1] of aux [T, K, H] and final [T, H]
+        (the run's dtype; the writers quantize fp8 runs): each capture read from the sink into its
+        rows. False: nothing was checked finite here (the shard's validation does)."""
+        if aux_scale is not None or final_scale is not None:
+            raise ValueError("the sglang engine fills the run's dtype: its shards are quantized by the writers")
+        if not sequences:
+            return False
+        into = [(aux[offsets[i]:offsets[i + 1]], final[offsets[i]:offsets[i + 1]]) for i in range(len(sequences))]
+        started = time.monotonic()
+        asyncio.run(self._capture_all(sequences, into))
+        log.debug("sglang engine: %d sequences into the shard in %.2f s", len(sequences), time.monotonic() - started)
+        return False
 
     def capture(self, sequences: list[np.ndarray]) -> list[Captured]:
         if not self._checked:

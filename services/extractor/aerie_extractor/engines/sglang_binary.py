@@ -12,6 +12,8 @@ module is everything the extractor needs to use it, without torch:
 - `fetch_binary(descriptor, reader)`: wait for the object, read it, check it (capture id,
   sha256 of the tensor bytes, shapes, dtypes), delete it ("claim" it), return
   `{"aux": [T, K, H], "final": [T, H]}` numpy arrays (bf16 as `ml_dtypes.bfloat16`).
+- `fetch_binary_into(descriptor, reader, out)`: the same, read straight into the caller's arrays
+  (a sequence's rows of a shard): one copy from the server's file to its place.
 
 Sinks: `shm` (a tmpfs directory shared with the server; the extractor must run on the same
 host, or mount the same directory, `AERIE_ENGINE_SHM_DIR` / `CaptureReader.shm_dir` naming where)
@@ -40,7 +42,7 @@ import numpy as np
 
 from aerie import layout
 from aerie.contracts import CaptureDescriptor
-from aerie.shard import ShardError, read_safetensors
+from aerie.shard import ShardError, read_safetensors, safetensors_layout
 from aerie.store import NotFound, ObjectStore
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 
@@ -190,25 +192,48 @@ def descriptor_of(response: dict) -> CaptureDescriptor:
         raise EngineMismatch(f"the SGLang server's capture descriptor is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
 
 
-def _read_regular(path: Path, limit: int = -1) -> bytes:
-    """A regular file's bytes, never through a symlink (O_NOFOLLOW): FileNotFoundError if absent."""
+def _open_regular(path: Path) -> int:
+    """A descriptor of a regular file, never through a symlink (O_NOFOLLOW): FileNotFoundError if absent."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CaptureRefused(f"capture {path} is a symlink: refused, not followed (AERIE_ENGINE_SHM_DIR)") from None
         raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CaptureRefused(f"capture {path} is not a regular file: refused (AERIE_ENGINE_SHM_DIR)")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CaptureRefused(f"capture {path} is not a regular file: refused (AERIE_ENGINE_SHM_DIR)")
+    return fd
+
+
+def _read_regular(path: Path, limit: int = -1) -> bytes:
+    """A regular file's bytes (the first `limit`), never through a symlink: FileNotFoundError if absent."""
+    with os.fdopen(_open_regular(path), "rb") as f:
         return f.read(limit)
 
 
+def _pread_into(fd: int, out: memoryview, offset: int) -> None:
+    """Fill `out` with the file's bytes from `offset` (short reads continued; the end of the file is an error)."""
+    done = 0
+    while done < len(out):
+        got = os.preadv(fd, [out[done:]], offset + done)
+        if got == 0:
+            raise ShardError(f"the file ends {len(out) - done} bytes early")
+        done += got
+
+
 def _wait_shm(path: Path, timeout_s: float) -> bytes:
+    """The capture file's bytes, once it appears."""
+    with os.fdopen(_wait_open(path, timeout_s), "rb") as f:
+        return f.read()
+
+
+def _wait_open(path: Path, timeout_s: float) -> int:
+    """A descriptor of the capture file once the server has written it (or its `.error` note, raised)."""
     deadline, delay = time.monotonic() + timeout_s, 0.0005
     while True:
         try:
-            return _read_regular(path)
+            return _open_regular(path)
         except FileNotFoundError:
             error = path.with_suffix(".error")  # the same id's note: <id>.error
             try:
@@ -241,6 +266,54 @@ def _wait_s3(store: ObjectStore, key: str, timeout_s: float) -> bytes:
                 ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+HEAD_BYTES = 64 * 1024  # what is read first of a capture file: its length and header (aerie's are < 1 KB)
+
+
+def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray]) -> None:
+    """The capture in `fd` read straight into `out` (name -> a C-contiguous array of the tensor's
+    shape and dtype): the header checked as `_check` does, each tensor's bytes read into its array,
+    the sha256 taken over what was read. The tensors must fill the data region back to back (the
+    plugin writes them so), so that the digest covers exactly what the header's covers."""
+    where = descriptor.path or descriptor.key
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, HEAD_BYTES, 0)
+    try:
+        spans, metadata, base = safetensors_layout(head, size)
+    except ShardError as e:
+        raise BinaryCaptureError(f"capture {where}: {e}") from None
+    if metadata.get("aerie_capture_id") != descriptor.id:
+        raise BinaryCaptureError(
+            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor.id!r}"
+        )
+    for name, spec in descriptor.tensors.items():
+        got = spans.get(name)
+        if got is None or got[1] != spec.shape or str(got[0]) != spec.dtype:
+            got = None if got is None else (got[1], str(got[0]))
+            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+    if set(spans) != set(out):
+        raise BinaryCaptureError(f"capture {where} holds tensors {sorted(spans)}, the reader wants {sorted(out)}")
+    order = sorted(spans, key=lambda name: spans[name][2])
+    ends = [0] + [spans[name][3] for name in order]
+    if [spans[name][2] for name in order] != ends[:-1] or base + ends[-1] != size:
+        raise BinaryCaptureError(f"capture {where}: its tensors do not fill its {size - base} data bytes back to back")
+    digest = hashlib.sha256()
+    for name in order:
+        dt, shape, start, end = spans[name]
+        arr = out[name]
+        if list(arr.shape) != shape or arr.dtype != dt or not arr.flags.c_contiguous:
+            raise BinaryCaptureError(f"capture {where}: tensor {name!r} ({dt} {shape}) cannot be read into a "
+                                     f"{'' if arr.flags.c_contiguous else 'non-contiguous '}{arr.dtype} array of shape {list(arr.shape)}")
+        view = memoryview(arr.reshape(-1).view(np.uint8))
+        try:
+            _pread_into(fd, view, base + start)
+        except ShardError as e:
+            raise BinaryCaptureError(f"capture {where}: tensor {name!r}: {e}: truncated") from None
+        digest.update(view)
+    if digest.hexdigest() != metadata.get("sha256"):
+        raise BinaryCaptureError(f"capture {where}: sha256 {digest.hexdigest()[:12]} of its tensors != "
+                                 f"{str(metadata.get('sha256'))[:12]} in its header: corrupted")
 
 
 def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
@@ -291,6 +364,31 @@ def capture_object(descriptor: CaptureDescriptor, reader: CaptureReader) -> str:
         raise CaptureRefused(f"capture key {descriptor.key!r} is not {key!r}: refused, nothing read or deleted "
                              "(the server's AERIE_CAPTURE_S3_PREFIX)")
     return key
+
+
+def fetch_binary_into(descriptor: CaptureDescriptor, sink_config: CaptureReader, out: dict[str, np.ndarray]) -> None:
+    """`fetch_binary`, the tensors landing in `out`'s arrays (name -> C-contiguous, the tensor's
+    shape and dtype, e.g. a sequence's rows of a shard): from the shm sink they are read straight
+    in, so a capture is copied once, from the server's file into its place, and its bytes leave
+    the sink as soon as it is claimed; from S3 they are copied in. Checked and claimed as
+    `fetch_binary` does (a failed check leaves `out` partly written)."""
+    if descriptor.sink != "shm" or sink_config.sink != "shm":
+        tensors = fetch_binary(descriptor, sink_config)
+        for name, arr in out.items():
+            if name not in tensors or arr.shape != tensors[name].shape or arr.dtype != tensors[name].dtype:
+                raise BinaryCaptureError(f"capture {descriptor.id}: tensor {name!r} cannot be copied into a {arr.dtype} array of shape {list(arr.shape)}")
+            np.copyto(arr, tensors[name])
+        return
+    path = capture_path(descriptor, sink_config)
+    fd = _wait_open(path, sink_config.timeout_s)
+    try:
+        _read_into(descriptor, fd, out)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> dict[str, np.ndarray]:

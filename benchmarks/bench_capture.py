@@ -13,7 +13,8 @@ Passes over the same prompts against the same capture server (plugin installed a
           each capture; aux **and** the final state, i.e. (K+1)/K times the JSON path's data
 - extract-json:   the extractor's `sglang` engine on a JSON run (`SGLangEngine.capture`): aux
                   floats + the top-20 log-probs a JSON run needs as its target signal
-- extract-binary: the same engine on a binary run: aux + final state through the plugin
+- extract-binary: the same engine on a binary run: aux + final state through the plugin, read
+                  into a shard's arrays of the server's dtype (`capture_into`), as extraction does
 
 Prints tokens/s per pass and the ratios binary/json and binary/bare, for raw requests and for
 the engine (goal: binary >= 0.95 bare). A warm-up pass (not timed) runs first. The passes are
@@ -129,28 +130,44 @@ class Binary:
 
 class EnginePass:
     """The extractor's engine on a run of `transport` (checked once, here): one call captures
-    all prompts, `concurrency` requests in flight (`AERIE_ENGINE_CONCURRENCY`)."""
+    all prompts, `concurrency` requests in flight (`AERIE_ENGINE_CONCURRENCY`), as extraction
+    does: a binary run ("final") into a shard's arrays of the run's dtype (`capture_into`), a JSON
+    run ("topk") through `capture()`. The run's dtype is the server's (`dtype`): its captures
+    then go into the rows uncast, as a run ingested for that server's dtype has them."""
 
-    def __init__(self, url: str, model: Path, points: list[int], transport: str, concurrency: int):
+    def __init__(self, url: str, model: Path, points: list[int], transport: str, concurrency: int, dtype: str = "float32"):
         from aerie.contracts import IngestOptions, RunSpec
         from aerie.settings import Settings
+        from aerie.shard import np_dtype
         from aerie.target import describe
         from aerie_extractor.engines.sglang import SGLangEngine
 
         settings = Settings(engine="sglang", engine_urls=[url], engine_concurrency=concurrency, engine_transport=transport)
         target = describe(model)
         signal = "final" if transport == "binary" else "topk"  # what a run over each transport stores
-        run = RunSpec(run=f"bench-{transport}", dataset="bench", target=target, capture_points=points, dtype="float32",
-                      engine=SGLangEngine.spec_for(settings, target, points, "float32"), target_signal=signal,
+        run = RunSpec(run=f"bench-{transport}", dataset="bench", target=target, capture_points=points, dtype=dtype,
+                      engine=SGLangEngine.spec_for(settings, target, points, dtype), target_signal=signal,
                       topk=20 if signal == "topk" else None, ingest=IngestOptions())  # fmt: skip
         assert run.engine.transport == transport, run.engine
         self.engine = SGLangEngine(settings, run)
         self.engine.check(run)
+        self.K, self.H, self.dtype = len(points), target.hidden_size, np_dtype(dtype)
+        self.into = self.engine.capture_into
+        assert (self.into is not None) == (transport == "binary")
+        self.arrays: tuple[np.ndarray, np.ndarray] | None = None  # kept from call to call, as extraction's spare arrays are
 
     def __call__(self, prompts: list[list[int]]) -> int:
-        captured = self.engine.capture([np.asarray(ids, dtype=np.int32) for ids in prompts])
-        assert all(c.aux.shape[0] == len(ids) for c, ids in zip(captured, prompts))
-        return sum(map(len, prompts))
+        sequences = [np.asarray(ids, dtype=np.int32) for ids in prompts]
+        if self.into is None:
+            captured = self.engine.capture(sequences)
+            assert all(c.aux.shape[0] == len(ids) for c, ids in zip(captured, prompts))
+            return sum(map(len, prompts))
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in sequences])])
+        T = int(offsets[-1])
+        if self.arrays is None or len(self.arrays[0]) < T:
+            self.arrays = (np.empty((T, self.K, self.H), self.dtype), np.empty((T, self.H), self.dtype))
+        self.into(sequences, offsets, self.arrays[0][:T], self.arrays[1][:T])
+        return T
 
 
 def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[int, float, float]:
@@ -399,19 +416,20 @@ class _Split:
         setattr(owner, name, timed_sync)
 
 
-def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: list[list[int]], barrier, results) -> None:
+def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: list[list[int]], barrier, results,
+            dtype: str = "float32") -> None:
     sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
     import httpx
 
     from aerie_extractor.engines import sglang, sglang_binary
 
-    engine = EnginePass(url, Path(model), points, "binary", concurrency)  # checks the server, probes once
+    engine = EnginePass(url, Path(model), points, "binary", concurrency, dtype)  # checks the server, probes once
     split = _Split()  # after the check: only the timed captures count
     split.wrap(sglang.SGLangEngine, "_one", "request (post to parsed)")
     split.wrap(httpx.AsyncClient, "post", "post (to the response)")
-    split.wrap(sglang.SGLangEngine, "_parse_binary", "parse (wait, read, check, cast)")
-    split.wrap(sglang_binary, "_wait_shm", "wait for and read the file")
-    split.wrap(sglang_binary, "_check", "check (header, sha256)")
+    split.wrap(sglang.SGLangEngine, "_parse_binary", "parse (wait, read, check, place)")
+    split.wrap(sglang_binary, "_wait_open", "wait for the file")
+    split.wrap(sglang_binary, "_read_into", "read into the rows and check (sha256)")
     barrier.wait()
     start, cpu = time.perf_counter(), time.process_time()
     tokens = engine(prompts)
@@ -420,7 +438,8 @@ def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: 
                                       "seconds": split.seconds, "calls": split.calls}))  # fmt: skip
 
 
-def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[int]], workers: list[int], concurrency: int) -> dict:
+def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[int]], workers: list[int], concurrency: int,
+                   dtype: str = "float32") -> dict:
     """N extractor processes (each one engine, `concurrency` requests in flight: a worker as deployed)
     capture disjoint shares of the prompts at once against one server; tok/s = all tokens / the
     span from the first start to the last end."""
@@ -430,7 +449,7 @@ def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[
     out = {}
     for n in workers:
         barrier, results = ctx.Barrier(n), ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(url, str(model), points, concurrency, prompts[i::n], barrier, results)) for i in range(n)]
+        procs = [ctx.Process(target=_worker, args=(url, str(model), points, concurrency, prompts[i::n], barrier, results, dtype)) for i in range(n)]
         for proc in procs:
             proc.start()
         got = [results.get(timeout=3600) for _ in procs]
@@ -534,13 +553,14 @@ def main(argv: list[str] | None = None) -> dict:
             url, log = server.url, ServerLog(server.log_path)
             server_info["start_s"] = server.extra.get("start_s")
         info = httpx.get(url + "/server_info", timeout=30).json()
+        served_dtype = args.serve_dtype or ("bfloat16" if args.sglang_python or args.url else "float32")
         server_info.update(sglang=info.get("version"), model=str(model), hidden=target.hidden_size, layers=target.num_layers,
                            points=points, layer_ids=layer_ids)  # fmt: skip
         if advertised(info) is None:
             raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1")
         makers = {"bare": lambda: bare, "json": lambda: as_json, "binary": Binary,
-                  "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency),
-                  "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency)}  # fmt: skip
+                  "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency, served_dtype),
+                  "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency, served_dtype)}  # fmt: skip
         passes = {name: makers[name]() for name in names}
         def share(name: str, n: int) -> int:  # prompts of n a pass runs (the JSON passes: --json-share)
             return n if "json" not in name else max(1, int(n * args.json_share))
@@ -578,7 +598,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                       "tokens_per_s": {k: tokens[k] / seconds[k] for k in names}}, indent=1))  # fmt: skip
             print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
-            scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency)
+            scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
     tps = {name: tokens[name] / seconds[name] for name in names}
     result = {
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,

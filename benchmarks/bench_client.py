@@ -16,8 +16,8 @@ needs a real server: tests/inference/test_plugin_capture.py runs it).
 
 Variants, each in its own process, interleaved round after round against the same stub:
 - before: `--before`'s client (`git archive`), as installed before (no sniffio: httpcore then
-  tries to import it on every lock it makes; hidden here by a finder that fails at once, which is
-  cheaper than a real miss, so this row is flattered), then the same with sniffio;
+  tries to import it on every lock it makes; hidden here by a finder that searches sys.path as
+  a real miss does, then fails), then the same with sniffio;
 - now: `capture()` (the per-capture arrays, as the JSON and top-k paths return them), and
   `capture_into` (what extraction of a binary "final" run uses: read into the shard's rows).
 
@@ -133,14 +133,17 @@ class Steps:
 
 
 class _Hidden:
-    """A meta-path finder that makes `import NAME` fail, as if NAME were not installed (faster
-    than a real miss, which searches every sys.path entry: the before rows are flattered)."""
+    """A meta-path finder that makes `import NAME` fail as if NAME were not installed: it first
+    searches sys.path for a name that is nowhere, as a real miss does, then raises."""
 
     def __init__(self, names: set[str]):
         self.names = names
 
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in self.names:
+            from importlib.machinery import PathFinder
+
+            assert PathFinder.find_spec(f"{name}_not_installed_anywhere") is None
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 

@@ -8,7 +8,8 @@
 #   (or `... path2` instead: smaller shards, the task path by threads on one engine; or `... path3`:
 #   session 8's capture stream and hash beside the write, each undone side by side; path4: the task
 #   path by 1-4 threads; path5: its timeline; path6: torch.profiler traces of extract_shards and
-#   run_extract, the next session's first call)
+#   run_extract; path7/path8: session 9's; path9: the task path with captures on the engine's own
+#   launching thread, default SDPA then cuDNN attention off, the next session's first call)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
@@ -179,6 +180,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|attention|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|attention|sglang"; exit 2
   ;;
 esac

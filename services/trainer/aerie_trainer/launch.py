@@ -153,8 +153,10 @@ def record_failure(job: Path, rank: int, error: BaseException) -> None:
     says that a peer went away."""
     from aerie.queue import retryable
 
-    (job / f"failure-{rank}.json").write_text(json.dumps({
+    part = job / f"failure-{rank}.json.part"  # renamed into place whole: a rank stopped mid-write leaves no half file
+    part.write_text(json.dumps({
         "rank": rank, "error": f"{type(error).__name__}: {error}", "retryable": retryable(error), "lost_peer": lost_peer(error)}))
+    part.rename(job / f"failure-{rank}.json")
 
 
 def lost_peer(error: BaseException) -> bool:

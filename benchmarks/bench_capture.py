@@ -374,13 +374,14 @@ def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device
 
 
 class _Split:
-    """Where an extractor process's captures spend their time: seconds summed over requests (they
-    overlap: 32 in flight) in each wrapped step of the binary path, and how many calls."""
+    """Where an extractor process's captures spend their time: seconds of `clock` summed over
+    requests (they overlap: 32 in flight) in each wrapped step of the binary path, and how many
+    calls. `time.thread_time` for the CPU of synchronous steps (benchmarks/bench_client.py)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         import threading
 
-        self.seconds, self.calls, self.lock = {}, {}, threading.Lock()
+        self.seconds, self.calls, self.lock, self.clock = {}, {}, threading.Lock(), clock
 
     def wrap(self, owner, name: str, label: str) -> None:
         import functools
@@ -390,13 +391,13 @@ class _Split:
 
         def add(t0: float) -> None:
             with self.lock:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+                self.seconds[label] = self.seconds.get(label, 0.0) + self.clock() - t0
                 self.calls[label] = self.calls.get(label, 0) + 1
 
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def timed_async(*args, **kwargs):
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 try:
                     return await fn(*args, **kwargs)
                 finally:
@@ -407,7 +408,7 @@ class _Split:
 
         @functools.wraps(fn)
         def timed_sync(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:

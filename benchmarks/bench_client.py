@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_capture import _Split  # noqa: E402 (beside this script)
 
 STUB = r'''
 import asyncio, hashlib, json, os, struct, sys, uuid
@@ -102,34 +104,6 @@ async def main():
         await server.serve_forever()
 asyncio.run(main())
 '''
-
-
-class Steps:
-    """CPU seconds of the current thread (`time.thread_time`) per wrapped function, summed."""
-
-    def __init__(self):
-        import threading
-
-        self.cpu, self.calls, self.lock = {}, {}, threading.Lock()
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        import functools
-
-        fn = getattr(owner, name, None)
-        if fn is None:
-            return
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self.lock:
-                    self.cpu[label] = self.cpu.get(label, 0.0) + time.thread_time() - t0
-                    self.calls[label] = self.calls.get(label, 0) + 1
-
-        setattr(owner, name, timed)
 
 
 class _Hidden:
@@ -197,18 +171,19 @@ def worker(args) -> None:
         return engine.capture(seqs)[0].aux
 
     once()  # warm-up: connections, threads, the shard's pages
-    steps = Steps()
-    steps.wrap(sglang_binary, "_wait_shm", "read the file")
-    steps.wrap(sglang_binary, "_check", "check (header, sha256)")
-    steps.wrap(sglang_binary, "_read_into", "read into the shard and check")
-    steps.wrap(SGLangEngine, "_parse_binary", "parse (all of it)")
+    steps = _Split(clock=time.thread_time)  # CPU of each step, in the thread that runs it
+    for owner, name, label in ((sglang_binary, "_wait_shm", "read the file"), (sglang_binary, "_check", "check (header, sha256)"),
+                               (sglang_binary, "_read_into", "read into the shard and check"),
+                               (SGLangEngine, "_parse_binary", "parse (all of it)")):  # fmt: skip
+        if hasattr(owner, name):  # the before commit has no _read_into
+            steps.wrap(owner, name, label)
     wall, cpu = time.perf_counter(), time.process_time()
     first = once()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert first.shape == (T, K, H) and not any(shm.iterdir())
     n = len(seqs)
     print(json.dumps({"cpu_ms_per_capture": 1000 * cpu / n, "captures_per_s": n / wall, "wall_s": wall, "process_cpu_s": cpu,
-                      "cpu_ms_per_capture_by_step": {k: 1000 * v / n for k, v in steps.cpu.items()}}), flush=True)  # fmt: skip
+                      "cpu_ms_per_capture_by_step": {k: 1000 * v / n for k, v in steps.seconds.items()}}), flush=True)  # fmt: skip
 
 
 def one_shape(args, variants: list[dict], T: int, K: int, H: int) -> dict:

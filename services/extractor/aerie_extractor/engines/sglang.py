@@ -456,7 +456,7 @@ class SGLangEngine(Engine):
         reader = self.readers[url]
         sinks = reader if timeout_s is None else dataclasses.replace(reader, timeout_s=timeout_s)
         promised = {name: (spec.shape, spec.dtype) for name, spec in descriptor.tensors.items()}
-        if (into is not None and descriptor.layer_ids == self.layer_ids and run.target_signal == "final"
+        if (into is not None and descriptor.layer_ids == self.layer_ids
                 and promised == {"aux": ([T, K, H], str(into[0].dtype)), "final": ([T, H], str(into[1].dtype))}):
             fetch_binary_into(descriptor, sinks, {"aux": into[0], "final": into[1]})
             return None

@@ -283,15 +283,7 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
         spans, metadata, base = safetensors_layout(head, size)
     except ShardError as e:
         raise BinaryCaptureError(f"capture {where}: {e}") from None
-    if metadata.get("aerie_capture_id") != descriptor.id:
-        raise BinaryCaptureError(
-            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor.id!r}"
-        )
-    for name, spec in descriptor.tensors.items():
-        got = spans.get(name)
-        if got is None or got[1] != spec.shape or str(got[0]) != spec.dtype:
-            got = None if got is None else (got[1], str(got[0]))
-            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+    _check_header(descriptor, where, metadata, {name: (shape, str(dt)) for name, (dt, shape, _, _) in spans.items()})
     if set(spans) != set(out):
         raise BinaryCaptureError(f"capture {where} holds tensors {sorted(spans)}, the reader wants {sorted(out)}")
     order = sorted(spans, key=lambda name: spans[name][2])
@@ -311,9 +303,24 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
         except ShardError as e:
             raise BinaryCaptureError(f"capture {where}: tensor {name!r}: {e}: truncated") from None
         digest.update(view)
-    if digest.hexdigest() != metadata.get("sha256"):
-        raise BinaryCaptureError(f"capture {where}: sha256 {digest.hexdigest()[:12]} of its tensors != "
-                                 f"{str(metadata.get('sha256'))[:12]} in its header: corrupted")
+    _check_digest(where, digest.hexdigest(), metadata)
+
+
+def _check_header(descriptor: CaptureDescriptor, where: str, metadata: dict, found: dict[str, tuple[list[int], str]]) -> None:
+    """The capture id in the header, and each promised tensor's (shape, dtype) in `found`, are the descriptor's."""
+    if metadata.get("aerie_capture_id") != descriptor.id:
+        raise BinaryCaptureError(
+            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor.id!r}"
+        )
+    for name, spec in descriptor.tensors.items():
+        got = found.get(name)
+        if got is None or list(got[0]) != spec.shape or got[1] != spec.dtype:
+            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+
+
+def _check_digest(where: str, digest: str, metadata: dict) -> None:
+    if digest != metadata.get("sha256"):
+        raise BinaryCaptureError(f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted")
 
 
 def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
@@ -322,19 +329,9 @@ def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
         tensors, metadata = read_safetensors(buf)
     except ShardError as e:
         raise BinaryCaptureError(f"capture {where}: {e}") from None
-    if metadata.get("aerie_capture_id") != descriptor.id:
-        raise BinaryCaptureError(
-            f"capture {where} holds capture id {metadata.get('aerie_capture_id')!r}, the response names {descriptor.id!r}"
-        )
+    _check_header(descriptor, where, metadata, {name: (list(arr.shape), str(arr.dtype)) for name, arr in tensors.items()})
     (n,) = np.frombuffer(buf[:8], dtype="<u8")
-    digest = hashlib.sha256(memoryview(buf)[8 + int(n):]).hexdigest()
-    if digest != metadata.get("sha256"):
-        raise BinaryCaptureError(f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted")
-    for name, spec in descriptor.tensors.items():
-        arr = tensors.get(name)
-        if arr is None or list(arr.shape) != spec.shape or str(arr.dtype) != spec.dtype:
-            got = None if arr is None else (list(arr.shape), str(arr.dtype))
-            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+    _check_digest(where, hashlib.sha256(memoryview(buf)[8 + int(n):]).hexdigest(), metadata)
     return {name: tensors[name] for name in descriptor.tensors}
 
 

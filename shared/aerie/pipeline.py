@@ -23,6 +23,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,17 +138,43 @@ def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest
         shards = ingested.shards
     _print_ingested(runs.run_status(store, ingest.run))
     watch.start("extract")
-    reused = 0
-    with _bar() as bar:
-        task = bar.add_task("extract hidden states (shards)", total=len(shards))
-        for shard in shards:
-            reused += stages.extract(store, settings, ExtractRequest(run=ingest.run, shard=shard)).skipped
-            bar.advance(task)
+    reused = extract_in_process(store, settings, ingest.run, shards)
     if reused:
         console.print(f"[yellow]extract: {reused} of {len(shards)} shards already extracted: reused[/]")
     if align is not None:
         _check_alignment(align, watch, lambda: stages.align(store, settings, align))
     return _train_with_bar(train, watch, lambda report: stages.train(store, settings, train, report))
+
+
+def shards_in_flight(settings: Settings) -> int:
+    """How many shards the embedded run extracts at once: the settings' worker concurrency, and at
+    least 2 for the hf engine on a GPU. One shard at a time cannot overlap a shard's store with
+    the next one's capture: on the H200, one at a time ran at 0.57x the bare forward and two on one
+    engine kept it busy at 0.97x (BENCHMARKS.md, "capture at engine speed, session 11"). On the
+    CPU the capture is the whole cost and each shard in flight takes a share of torch's threads."""
+    if settings.engine == "hf" and settings.device != "cpu":
+        return max(2, settings.worker_concurrency)
+    return settings.worker_concurrency
+
+
+def extract_in_process(store: ObjectStore, settings: Settings, run: str, shards: list[str]) -> int:
+    """The extract stage over `shards`, `shards_in_flight` at once on one engine (as a threads-pool
+    worker of that concurrency runs them) -> how many were already extracted. The first error is
+    raised once the shards in flight end; shards not yet started are not started."""
+    n = shards_in_flight(settings)
+    worker = settings.model_copy(update={"worker_concurrency": n})
+    reused = 0
+    with _bar() as bar, ThreadPoolExecutor(max_workers=n, thread_name_prefix="aerie-extract") as pool:
+        task = bar.add_task("extract hidden states (shards)", total=len(shards))
+        futures = [pool.submit(stages.extract, store, worker, ExtractRequest(run=run, shard=shard)) for shard in shards]
+        try:
+            for future in futures:  # in order: the first failing shard's error is the one raised
+                reused += future.result().skipped
+                bar.advance(task)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return reused
 
 
 def _regenerate_in_process(store: ObjectStore, settings: Settings, run: str, shards: list[str], watch: Stopwatch) -> None:

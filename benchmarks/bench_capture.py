@@ -115,31 +115,8 @@ class Binary:
 
     reader = None
 
-    def __call__(self, client, ids: list[int]) -> tuple[int, float]:
-        import orjson
-
-        from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, fetch_binary, reader_for
-
-        if self.reader is None:
-            self.reader = reader_for(client.get("/server_info").json(), "shm")
-        r = client.post("/generate", json=capture_body(ids, "shm"))
-        r.raise_for_status()
-        body = orjson.loads(r.content)
-        tensors = fetch_binary(descriptor_of(body), self.reader)
-        assert tensors["aux"].shape[0] == len(ids)
-        return len(ids), _server_s(body)
-
-
-class Posted(Binary):
-    """The plugin's capture posted, its files not read while the pass is timed: the server's own
-    ceiling with its sink hashing and writing every capture and no client reading them.
-    `settle()` (after the pass, outside its timing) waits for, checks and deletes the captures,
-    so that the next pass finds the sink as empty as before."""
-
-    def __init__(self):
-        self.descriptors = []
-
-    def __call__(self, client, ids: list[int]) -> tuple[int, float]:
+    def _post(self, client, ids: list[int]) -> tuple[object, float]:
+        """Post one capture request -> (its capture's descriptor, the server's seconds for it)."""
         import orjson
 
         from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, reader_for
@@ -149,15 +126,38 @@ class Posted(Binary):
         r = client.post("/generate", json=capture_body(ids, "shm"))
         r.raise_for_status()
         body = orjson.loads(r.content)
-        self.descriptors.append((descriptor_of(body), len(ids)))
-        return len(ids), _server_s(body)
+        return descriptor_of(body), _server_s(body)
 
-    def settle(self) -> None:
+    def _claim(self, descriptor, n: int) -> None:
+        """Wait for, check (sha256) and delete one capture of n tokens."""
         from aerie_extractor.engines.sglang_binary import fetch_binary
 
-        for descriptor, n in self.descriptors:
-            assert fetch_binary(descriptor, self.reader)["aux"].shape[0] == n
-        self.descriptors.clear()
+        assert fetch_binary(descriptor, self.reader)["aux"].shape[0] == n
+
+    def __call__(self, client, ids: list[int]) -> tuple[int, float]:
+        descriptor, server_s = self._post(client, ids)
+        self._claim(descriptor, len(ids))
+        return len(ids), server_s
+
+
+class Posted(Binary):
+    """The plugin's capture posted, its files not read while the pass is timed: the server's own
+    ceiling with its sink hashing and writing every capture and no client reading them.
+    `settle()` (after the pass, outside its timing) claims the captures, so that the next pass
+    finds the sink as empty as before."""
+
+    def __init__(self):
+        self.posted = []
+
+    def __call__(self, client, ids: list[int]) -> tuple[int, float]:
+        descriptor, server_s = self._post(client, ids)
+        self.posted.append((descriptor, len(ids)))
+        return len(ids), server_s
+
+    def settle(self) -> None:
+        for descriptor, n in self.posted:
+            self._claim(descriptor, n)
+        self.posted.clear()
 
 
 class EnginePass:
@@ -233,6 +233,20 @@ class ServerLog:
             text = f.read().decode(errors="replace")
             self.offset = f.tell()
         return [(int(a), int(b)) for a, b in _PREFILL.findall(text)]
+
+    def capture_stats(self) -> dict | None:
+        """The plugin's last cost line in the whole log (`SinkStats.line`, logged every
+        STATS_LOG_S while captures run): cumulative over every capture this server made."""
+        if self.path is None:
+            return None
+        lines = [ln for ln in self.path.read_text(errors="replace").splitlines() if "aerie capture stats:" in ln]
+        if not lines:
+            return None
+        line = lines[-1][lines[-1].index("aerie capture stats:"):]
+        numbers = [float(x) for x in _NUMBER.findall(line)]
+        keys = ("captures", "gb_written", "scheduler_ms_per_capture", "admission_ms", "rows_ms", "writers_ms_per_capture",
+                "device_copy_ms", "sha256_ms", "write_ms", "shm_listings", "ms_per_listing")  # fmt: skip
+        return {"line": line, **dict(zip(keys, numbers))}
 
 
 def sink_only(args) -> dict:
@@ -636,6 +650,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
             scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
+        if log.path is not None:
+            time.sleep(STATS_WAIT_S)  # the plugin's cost line of the last captures
+            server_info["capture_stats"] = log.capture_stats()
     tps = {name: tokens[name] / seconds[name] for name in names}
     result = {
         "prompts": args.prompts, "tokens": args.tokens, "concurrency": args.concurrency, "rounds": args.rounds,
@@ -669,6 +686,8 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+STATS_WAIT_S = 3.0  # longer than the plugin's STATS_LOG_S
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
 PASSES = ("bare", "json", "binary", "binary-posted", "extract-json", "extract-binary")
 REPO = Path(__file__).resolve().parents[1]
 

@@ -93,32 +93,54 @@ def test_an_s3_sink_without_credentials_refuses_to_load_naming_the_variables():
 
 
 def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
-    out = _run(f"""
+    """The bound holds reservations, the captures this sink wrote (counted at once, no listing)
+    and files seen by a listing; admission lists the directory only before refusing, so a
+    claimed capture frees its bytes for the next request. On 2026-12-04's code before this
+    change every admission listed the directory: ~1.5 ms of the scheduler thread per request with
+    256 captures waiting (benchmarks/bench_sink_admit.py)."""
+    out = _sink_run(f"""
         import gc
-        from pathlib import Path
-        from aerie_sglang.plugin.sink import Sinks, CaptureSinkSettings, SinkFull
-        sinks = Sinks(CaptureSinkSettings(shm_dir=Path({str(tmp_path)!r}), max_unclaimed_bytes=1000, ttl_s=900))
+        from aerie_sglang.plugin.sink import SinkFull
+        cap = Path({str(tmp_path)!r}) / "cap"
+        sinks = Sinks(CaptureSinkSettings(shm_dir=cap, max_unclaimed_bytes=4000, ttl_s=900))
+        sinks.config.prepare()        # not started: no writer thread lists the directory behind the test
         class Req: pass
         a, b = Req(), Req()
-        sinks.admit(a, 600)
+        sinks.admit(a, 2400)
         try:
-            sinks.admit(b, 600); print("ADMITTED-OVER")
+            sinks.admit(b, 2400); print("ADMITTED-OVER")
         except SinkFull as e:
-            print("REFUSED", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=1000" in str(e))
+            print("REFUSED", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=4000" in str(e))
         del a; gc.collect()                      # an aborted request releases its reservation
-        sinks.admit(b, 600); print("ADMITTED-AFTER-RELEASE")
-        Path({str(tmp_path)!r}, "a" * 32 + ".safetensors").write_bytes(b"0" * 500)   # an unclaimed capture
+        sinks.admit(b, 2400); print("ADMITTED-AFTER-RELEASE")
+        del b; gc.collect()
+        tensors = {{"aux": torch.ones(30, 2, 8), "final": torch.ones(30, 8)}}   # ~3.1 KB as written
+        meta = {{"aerie_capture_id": "1" * 32, "sha256": "0" * 64}}
+        sinks._write(Capture("1" * 32, "shm", tensors, meta, planned_size(tensors, meta)), None)   # what a writer does
+        listings = sinks.stats.listings
         try:
-            sinks.admit(Req(), 100); print("ADMITTED-OVER")
+            sinks.admit(Req(), 1000); print("ADMITTED-OVER-OWN")
+        except SinkFull:
+            print("REFUSED-OWN")
+        sinks.admit(Req(), 100)                  # under the bound: admitted on the figure it holds
+        print("LISTED-TO-ADMIT", sinks.stats.listings - listings - 1)   # only the refusal listed
+        (cap / ("1" * 32 + ".safetensors")).unlink()   # a client claims it
+        sinks.admit(Req(), 1000); print("ADMITTED-AFTER-CLAIM")       # the would-be refusal lists it gone
+        (cap / ("a" * 32 + ".safetensors")).write_bytes(b"0" * 3500)   # another scheduler's capture
+        sinks.list_shm()                         # the first writer thread lists every second
+        try:
+            sinks.admit(Req(), 1000); print("ADMITTED-OVER-FILE")
         except SinkFull:
             print("REFUSED-FILE")
         try:
-            sinks.admit(Req(), 2000)
+            sinks.admit(Req(), 5000)
         except SinkFull as e:
             print("TOO-BIG", "more than the bound" in str(e))
-    """)
-    assert "ADMITTED-OVER" not in out
-    assert "REFUSED True" in out and "ADMITTED-AFTER-RELEASE" in out and "REFUSED-FILE" in out and "TOO-BIG True" in out
+    """, tmp_path)
+    assert "ADMITTED-OVER" not in out, out
+    assert "REFUSED True" in out and "ADMITTED-AFTER-RELEASE" in out, out
+    assert "REFUSED-OWN" in out and "LISTED-TO-ADMIT 0" in out and "ADMITTED-AFTER-CLAIM" in out, out
+    assert "REFUSED-FILE" in out and "TOO-BIG True" in out, out
 
 
 def _sink_run(code: str, tmp_path, env: dict[str, str] | None = None) -> str:

@@ -154,10 +154,20 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
             state.aux_parts.clear()
             state.final_parts.clear()
         return None
+    started = time.perf_counter()
+    try:
+        _admit(scheduler, req, sink)
+    finally:
+        assert _sinks is not None
+        _sinks.stats.admission_s += time.perf_counter() - started  # the scheduler thread's alone
+    return None
+
+
+def _admit(scheduler, req, sink: str) -> None:
     refusal = _refusal(scheduler, req, sink)
     if refusal is not None:
         compat.abort(_rel, req, refusal[0], refusal[1])
-        return None
+        return
     from sglang.srt.runtime_context import get_parallel
 
     writer = get_parallel().tp_rank == 0
@@ -168,14 +178,13 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
             _sinks.start()
         except CaptureConfigError as e:  # the directory changed since the plugin loaded: no capture into it
             compat.abort(_rel, req, f"aerie capture refused: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
-            return None
+            return
         try:
             reservation = _sinks.admit(req, _planned_bytes(scheduler, len(req.origin_input_ids)))
         except SinkFull as e:
             compat.abort(_rel, req, str(e), HTTPStatus.SERVICE_UNAVAILABLE, "AerieCaptureSinkFull")
-            return None
+            return
     setattr(req, _ATTR, _RequestCapture(sink=sink, reservation=reservation, writer=writer))
-    return None
 
 
 # --- scheduler: rows -> sink ------------------------------------------------------------------
@@ -189,16 +198,25 @@ def around_append_prefill_hidden_states(original, processor, *, req, logits_outp
         return hidden_state_offset + 1
     start, end = hidden_state_offset, hidden_state_offset + extend_input_len
     if state.writer and not req.finished() and not req.is_retracted:
-        final = compat.final_state(_rel, logits_output)
-        if final is None:
-            _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
-                                   "state of this forward: capture unsupported"})
-            return end
-        state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
-        state.final_parts.append(_own(final[start:end]))
-        if store:  # the chunk that completes the prompt
-            _finish(req, state)
+        started = time.perf_counter()
+        try:
+            _take_rows(req, state, logits_output, start, end, store)
+        finally:
+            assert _sinks is not None
+            _sinks.stats.rows_s += time.perf_counter() - started
     return end
+
+
+def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int, store: bool) -> None:
+    final = compat.final_state(_rel, logits_output)
+    if final is None:
+        _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
+                               "state of this forward: capture unsupported"})
+        return
+    state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
+    state.final_parts.append(_own(final[start:end]))
+    if store:  # the chunk that completes the prompt
+        _finish(req, state)
 
 
 def _own(rows: torch.Tensor) -> torch.Tensor:

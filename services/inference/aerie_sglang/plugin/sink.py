@@ -12,9 +12,17 @@
 - Back-pressure: unclaimed bytes = captures in the shm directory + captures uploaded to the s3
   sink and not yet seen claimed + captures queued in memory + bytes reserved by admitted
   requests. A request that would push them past `max_unclaimed_bytes` is refused at admission
-  (`Sinks.admit`), never half-written. The first writer thread lists the s3 prefix every second
-  while uploads wait (one request), forgetting what clients deleted: the scheduler never waits
-  for the network.
+  (`Sinks.admit`), never half-written. The shm directory's share is its last listing plus what
+  the writers put there since: the first writer thread lists it every second, and an admission
+  lists it only when that figure would refuse, so a refusal is decided on a fresh listing. A
+  listing stats every file: listed at every admission (as it was until 2026-12-04), 256 waiting
+  files cost the scheduler thread ~1 ms per request (`benchmarks/bench_sink_admit.py`). Files
+  another process writes into the same directory (several schedulers, data parallel) count from the next
+  listing on. The first writer thread also lists the s3 prefix every second while uploads wait
+  (one request), forgetting what clients deleted: the scheduler never waits for the network.
+- The first writer thread logs what captures cost every `STATS_LOG_S` while they run: the
+  scheduler thread's time in the plugin per capture (admission, rows), the writers' (waiting for
+  the device copy, sha256, write) and the listings'.
 - Orphans (a client that died before claiming) stay within that bound, and captures older than
   `ttl_s` are deleted by the first writer thread, in the shm directory and under the s3 prefix.
 - Only the plugin's own names are ever counted or deleted: `<32 hex>.safetensors`, its
@@ -66,6 +74,8 @@ PARTIAL_PREFIX = "."
 # the only names the sink counts, sweeps or writes: a capture, its partial file, its error note
 OWN_NAME = re.compile(r"(?:[0-9a-f]{32}(?:\.safetensors|\.error)|\.[0-9a-f]{32}\.partial)")
 S3_REFRESH_S = 1.0  # how often uploads waiting to be claimed are re-listed
+SHM_LIST_S = 1.0  # how often the shm directory is listed while the sink runs
+STATS_LOG_S = 2.0  # how often the cost of captures is logged while they run
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -217,6 +227,33 @@ class Capture:
 
 
 @dataclass
+class SinkStats:
+    """What captures cost one scheduler process, cumulative (seconds, bytes, counts)."""
+
+    captures: int = 0
+    bytes: int = 0
+    admission_s: float = 0.0  # scheduler thread: admitting capture requests (hooks.py)
+    rows_s: float = 0.0  # scheduler thread: taking their rows and handing them over (hooks.py)
+    wait_s: float = 0.0  # writers: waiting for the device-to-host copy
+    hash_s: float = 0.0  # writers: sha256
+    write_s: float = 0.0  # writers: serializing and writing or uploading
+    listings: int = 0
+    listing_s: float = 0.0  # listing the shm directory, whichever thread
+
+    def line(self) -> str:
+        n = max(self.captures, 1)
+
+        def ms(s: float) -> str:
+            return f"{s / n * 1e3:.3f}"
+
+        return (f"aerie capture stats: {self.captures} captures, {self.bytes / 1e9:.3f} GB written; scheduler thread "
+                f"{ms(self.admission_s + self.rows_s)} ms/capture (admission {ms(self.admission_s)}, rows {ms(self.rows_s)}); "
+                f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture (device copy {ms(self.wait_s)}, "
+                f"sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); {self.listings} listings of the shm directory, "
+                f"{self.listing_s / max(self.listings, 1) * 1e3:.3f} ms each")
+
+
+@dataclass
 class Sinks:
     """The sinks of one scheduler process and the writer threads that feed them."""
 
@@ -228,11 +265,17 @@ class Sinks:
     _threads: list[threading.Thread] = field(default_factory=list)
     _next_reservation: int = 0
     _s3_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (bytes, uploaded at, monotonic)
+    _listing: threading.Lock = field(default_factory=threading.Lock)  # one listing of the shm directory at a time
+    _shm_listed: int = 0  # bytes of the plugin's files in the shm directory at the last listing
+    _shm_since: int = 0  # bytes the writers put there since that listing began
+    _listed_at: float = float("-inf")  # monotonic
+    stats: SinkStats = field(default_factory=SinkStats)
 
     def start(self) -> None:
         if self._threads:
             return
         self.config.prepare()
+        self.list_shm()  # what an earlier server left there counts from the first admission
         for i in range(self.config.writers):
             thread = threading.Thread(target=self._run, args=(i == 0,), name=f"aerie-capture-writer-{i}", daemon=True)
             thread.start()
@@ -253,10 +296,29 @@ class Sinks:
             pass
         return total
 
-    def unclaimed_bytes(self) -> int:
+    def list_shm(self) -> None:
+        """List the shm directory: its figure becomes what is there now, plus what the writers put
+        there since this listing began (counted twice if the listing saw it too: never less)."""
+        with self._listing:
+            started = time.perf_counter()
+            with self._lock:
+                written_before = self._shm_since
+            listed = self.shm_bytes()
+            with self._lock:
+                self._shm_listed = listed
+                self._shm_since -= written_before
+                self._listed_at = time.monotonic()
+                self.stats.listings += 1
+                self.stats.listing_s += time.perf_counter() - started
+
+    def unclaimed_bytes(self, fresh: bool = True) -> int:
+        """The bytes that count against the bound; `fresh=False` takes the shm directory's share
+        from its last listing and the writes since, instead of listing it now."""
+        if fresh:
+            self.list_shm()
         with self._lock:
-            pending = self._queued_bytes + sum(self._reserved.values()) + sum(n for n, _ in self._s3_waiting.values())
-        return pending + self.shm_bytes()
+            return (self._queued_bytes + sum(self._reserved.values()) + sum(n for n, _ in self._s3_waiting.values())
+                    + self._shm_listed + self._shm_since)
 
     def admit(self, owner: object, nbytes: int) -> int:
         """Reserve `nbytes` for a request; the reservation ends when its capture is submitted or
@@ -267,7 +329,9 @@ class Sinks:
                 f"AERIE_CAPTURE_MAX_UNCLAIMED_BYTES={self.config.max_unclaimed_bytes} of the server: send a "
                 "shorter sequence or raise the bound"
             )
-        unclaimed = self.unclaimed_bytes()
+        unclaimed = self.unclaimed_bytes(fresh=False)
+        if unclaimed + nbytes > self.config.max_unclaimed_bytes:  # refused only on a fresh listing
+            unclaimed = self.unclaimed_bytes()
         if unclaimed + nbytes > self.config.max_unclaimed_bytes:
             raise SinkFull(
                 f"aerie capture refused: {unclaimed} unclaimed bytes are waiting in the capture sinks "
@@ -300,7 +364,8 @@ class Sinks:
         if self.config.s3:
             t = self.config.s3
             s3 = S3Client(t.endpoint, t.access_key, t.secret_key, t.region)
-        last_sweep = last_listing = 0.0
+        last_sweep = last_listing = last_log = 0.0
+        logged = 0
         while True:
             try:
                 capture = self._queue.get(timeout=1.0)
@@ -317,6 +382,11 @@ class Sinks:
             now = time.monotonic()
             if not sweeper:
                 continue
+            if now - self._listed_at > SHM_LIST_S:
+                self.list_shm()
+            if self.stats.captures != logged and now - last_log > STATS_LOG_S:
+                last_log, logged = now, self.stats.captures
+                logger.info(self.stats.line())
             sweep = now - last_sweep > min(5.0, self.config.ttl_s / 4)
             if s3 is not None and (sweep or (self._s3_waiting and now - last_listing > S3_REFRESH_S)):
                 last_listing = now
@@ -326,12 +396,15 @@ class Sinks:
                 self._sweep()
 
     def _write(self, capture: Capture, s3: S3Client | None) -> None:
+        started = time.perf_counter()
         if capture.ready is not None:
             capture.ready.synchronize()
+        copied = time.perf_counter()
         parts = [_tensor_bytes(t) for t in capture.tensors.values()]
         data_sha = hashlib.sha256()
         for p in parts:
             data_sha.update(p)
+        hashed = time.perf_counter()
         metadata = dict(capture.metadata, sha256=data_sha.hexdigest())
         header = safetensors_header(capture.tensors, metadata)
         if capture.sink == "shm":
@@ -343,6 +416,8 @@ class Sinks:
                     for p in parts:
                         f.write(p)
                 os.replace(partial, final)
+                with self._lock:
+                    self._shm_since += capture.nbytes
             except OSError as e:  # typically a full tmpfs: tell the waiting client, keep nothing
                 partial.unlink(missing_ok=True)
                 error = self.config.shm_dir / f"{capture.capture_id}{ERROR_SUFFIX}"
@@ -363,6 +438,12 @@ class Sinks:
                 self._s3_waiting[key] = (capture.nbytes, time.monotonic())
         else:
             raise ValueError(f"unknown sink {capture.sink!r}")
+        with self._lock:
+            self.stats.captures += 1
+            self.stats.bytes += capture.nbytes
+            self.stats.wait_s += copied - started
+            self.stats.hash_s += hashed - copied
+            self.stats.write_s += time.perf_counter() - hashed
 
     def _sweep_s3(self, s3: S3Client, expire: bool) -> None:
         """List the capture prefix: forget uploads clients have claimed (deleted) and, with

@@ -244,7 +244,7 @@ class ServerLog:
             return None
         line = lines[-1][lines[-1].index("aerie capture stats:"):]
         numbers = [float(x) for x in _NUMBER.findall(line)]
-        keys = ("captures", "gb_written", "scheduler_ms_per_capture", "admission_ms", "rows_ms", "writers_ms_per_capture",
+        keys = ("captures", "gb_written", "scheduler_ms_per_capture", "admission_ms", "rows_ms", "rows_kept_ms", "rows_to_host_ms", "writers_ms_per_capture",
                 "device_copy_ms", "sha256_ms", "write_ms", "shm_listings", "ms_per_listing")  # fmt: skip
         return {"line": line, **dict(zip(keys, numbers))}
 

@@ -14,7 +14,8 @@
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
-#   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes)
+#   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
+#    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds)
 #
 # (here, once: `bash benchmarks/gpu_carry.sh --all` and the SGLang 0.5.17 device recipe, as
 # gpu_drafter_device.sh's header says.)
@@ -172,14 +173,16 @@ sglang)
   [ -z "${PLUGIN_DIR:-}" ] || sink+=(--plugin-dir "$PLUGIN_DIR")
   tag=${TAG:-$model}
   common=("${sink[@]}" --sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
-          --concurrency 32 --batch 32 --rounds 2 --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
+          --concurrency 32 --batch 32 --rounds "${ROUNDS:-2}" --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
           --server-arg=--mem-fraction-static --server-arg=0.5)
   case $model in
-  smollm2) extra=(--prompts 256 --json-share 0.125) ;;
-  llama8b) extra=(--prompts 256 --json-share 0.03125 --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b) ;;
+  smollm2) extra=(--prompts "${PROMPTS:-256}" --json-share 0.125) ;;
+  llama8b) extra=(--prompts "${PROMPTS:-256}" --json-share 0.03125 --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b) ;;
   *) echo "unknown model $model: smollm2|llama8b"; exit 2 ;;
   esac
+  # PASSES (bench_capture.py's --passes) narrows the interleaved passes, e.g. bare,binary-posted
+  [ -z "${PASSES:-}" ] || extra+=(--passes "$PASSES")
   status=0
   python3 benchmarks/bench_capture.py "${common[@]}" "${extra[@]}" --out "$OUT/capture-$tag.json" 2>&1 \
     | tee "$OUT/capture-$tag.log" || status=$?

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -376,6 +377,24 @@ def test_the_engine_extracts_through_the_binary_path(server, smollm2_path, bucke
     np.testing.assert_array_equal(topk.topk_ids, from_json.topk_ids)
     np.testing.assert_array_equal(topk.topk_logprobs, from_json.topk_logprobs)
     assert _shm_bytes(server) == 0 and not bucket.list("capture/"), "every capture was claimed"
+
+
+def test_the_server_logs_what_captures_cost(client, server, shm):
+    """The sink's first writer logs, every STATS_LOG_S while captures run, the scheduler thread's
+    time in the plugin per capture and the writers': what bench_capture reads to say whether the
+    plugin or SGLang limits a capture server (BENCHMARKS.md, session 12)."""
+    pattern = re.compile(r"aerie capture stats: (\d+) captures, [\d.]+ GB written; scheduler thread ([\d.]+) ms/capture "
+                         r"\(admission ([\d.]+), rows ([\d.]+): kept [\d.]+, to host [\d.]+\); writers ([\d.]+) ms/capture "
+                         r"\(device copy [\d.]+, sha256 ([\d.]+), write [\d.]+\); (\d+) listings")
+    fetch_binary(_capture(client, PROMPTS[0], "shm"), shm)  # at least one capture, whatever ran before
+    deadline = time.monotonic() + 10
+    while not (found := pattern.findall(server.log_path.read_text(errors="replace"))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert found, "no 'aerie capture stats' line in the server's log"
+    captures, scheduler, admission, rows, writers, sha256, listings = found[-1]
+    assert int(captures) >= 1
+    assert float(scheduler) > 0 and float(admission) > 0 and float(rows) > 0
+    assert float(writers) >= float(sha256) > 0 and int(listings) >= 1
 
 
 def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):

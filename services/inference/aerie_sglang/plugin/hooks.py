@@ -213,8 +213,11 @@ def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int,
         _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
                                "state of this forward: capture unsupported"})
         return
+    started = time.perf_counter()
     state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
     state.final_parts.append(_own(final[start:end]))
+    assert _sinks is not None
+    _sinks.stats.rows_take_s += time.perf_counter() - started
     if store:  # the chunk that completes the prompt
         _finish(req, state)
 
@@ -242,9 +245,11 @@ def _finish(req, state: _RequestCapture) -> None:
     # the writer thread waits on the event.
     ready = None
     if aux.is_cuda or final.is_cuda:
+        started = time.perf_counter()
         aux, final = (_to_pinned(t) if t.is_cuda else t for t in (aux, final))
         ready = torch.cuda.Event()
         ready.record()
+        _sinks.stats.rows_host_s += time.perf_counter() - started
     capture_id = uuid.uuid4().hex
     layer_ids = _layer_ids() or []
     tensors = {"aux": aux, "final": final}

@@ -233,7 +233,9 @@ class SinkStats:
     captures: int = 0
     bytes: int = 0
     admission_s: float = 0.0  # scheduler thread: admitting capture requests (hooks.py)
-    rows_s: float = 0.0  # scheduler thread: taking their rows and handing them over (hooks.py)
+    rows_s: float = 0.0  # scheduler thread: taking their rows and handing them over (hooks.py), of which
+    rows_take_s: float = 0.0  # the rows kept (views of host rows, clones of device rows)
+    rows_host_s: float = 0.0  # device rows sent to pinned host memory (copy and event launched)
     wait_s: float = 0.0  # writers: waiting for the device-to-host copy
     hash_s: float = 0.0  # writers: sha256
     write_s: float = 0.0  # writers: serializing and writing or uploading
@@ -247,7 +249,8 @@ class SinkStats:
             return f"{s / n * 1e3:.3f}"
 
         return (f"aerie capture stats: {self.captures} captures, {self.bytes / 1e9:.3f} GB written; scheduler thread "
-                f"{ms(self.admission_s + self.rows_s)} ms/capture (admission {ms(self.admission_s)}, rows {ms(self.rows_s)}); "
+                f"{ms(self.admission_s + self.rows_s)} ms/capture (admission {ms(self.admission_s)}, rows {ms(self.rows_s)}: "
+                f"kept {ms(self.rows_take_s)}, to host {ms(self.rows_host_s)}); "
                 f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture (device copy {ms(self.wait_s)}, "
                 f"sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); {self.listings} listings of the shm directory, "
                 f"{self.listing_s / max(self.listings, 1) * 1e3:.3f} ms each")

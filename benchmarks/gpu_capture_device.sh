@@ -15,7 +15,8 @@
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
-#    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds)
+#    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds;
+#    `sglang-writers` runs SmolLM2 once per writer count in WRITER_COUNTS, default 2 4 8)
 #
 # (here, once: `bash benchmarks/gpu_carry.sh --all` and the SGLang 0.5.17 device recipe, as
 # gpu_drafter_device.sh's header says.)
@@ -195,7 +196,18 @@ sglang)
   rm -rf "$OUT/logs-$tag"
   exit $status
   ;;
+sglang-writers)
+  # session 12's question: how much of the plugin's time on SGLang's scheduler thread is waiting for
+  # the GIL its sink's writer threads share? SmolLM2 (where that time limits extraction), one
+  # server per writer count, each's `aerie capture stats` line in its raw JSON (server.capture_stats)
+  for n in ${WRITER_COUNTS:-2 4 8}; do
+    PROMPTS=${PROMPTS:-1024} PASSES=${PASSES:-bare,binary-posted} WORKERS=${WORKERS:-4} ROUNDS=${ROUNDS:-1} \
+      CAPTURE_WRITERS=$n CAPTURE_MAX_UNCLAIMED=${CAPTURE_MAX_UNCLAIMED:-17179869184} TAG=smollm2-writers$n \
+      bash "$0" sglang smollm2 > /dev/null 2>&1 || echo "writers $n: failed ($?)"
+    grep -h "aerie capture stats" "$OUT/sglang-smollm2-writers$n.log" | tail -1 | sed "s/^/writers $n: /"
+  done
+  ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|path10|attention|sglang"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|path10|attention|sglang|sglang-writers"; exit 2
   ;;
 esac

@@ -285,3 +285,52 @@ def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_pat
         print("KEPT", compat.final_state(rel, out).eq(1).all().item())
     """, tmp_path)
     assert "KEPT True" in out
+
+
+def test_a_batchs_final_device_rows_go_to_the_host_once_and_each_capture_keeps_a_view(tmp_path):
+    """Final rows on the device (0.5.17 keeps them there) go to pinned host memory once per batch,
+    not once per capture: every capture of the batch holds a view of that copy at its own offsets
+    and waits on the copy's one event. A prompt's first chunk of several keeps a clone (its rows are
+    joined on the device). This machine has no GPU: a device tensor, the pinned copy and the CUDA
+    event are stand-ins here; benchmarks/plugin_on_device.py checks the values on a GPU."""
+    out = _sink_run("""
+        from aerie_sglang.plugin import compat, hooks
+        rel = compat.RELEASES["0.5.17"]
+        hooks.configure(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60), rel, "test", [1, 5])
+        copies, submitted = [], []
+        class Event:
+            def record(self): self.recorded = True
+        class OnDevice:  # a device tensor's stand-in
+            is_cuda = True
+            def __init__(self, rows): self.rows = rows
+            def __getitem__(self, index): return OnDevice(self.rows[index])
+            def clone(self): return OnDevice(self.rows.clone())
+        torch.cuda.Event = Event
+        hooks._to_pinned = lambda t: copies.append(t) or t.rows.clone()
+        hooks._sinks.submit = lambda capture, reservation: submitted.append(capture)
+        class Req:
+            customized_info = None
+            def __init__(self, rid): self.rid = rid
+        class Output: pass
+        def batch(values):
+            out = Output()
+            out.hidden_states = torch.arange(float(len(values) * 16)).reshape(len(values), 16)  # aux [T, 2 * 8], on the host
+            setattr(out, "_aerie_final", OnDevice(torch.tensor(values).reshape(-1, 1).repeat(1, 8)))
+            return out
+        first = batch([0.0, 0, 0, 1, 1, 2, 2, 2])
+        for rid, (start, end) in zip("abc", [(0, 3), (3, 5), (5, 8)]):
+            hooks._take_rows(Req(rid), hooks._RequestCapture("shm", None, True), first, start, end, True)
+        split = hooks._RequestCapture("shm", None, True)
+        hooks._take_rows(Req("d"), split, batch([3.0, 3]), 0, 2, False)   # the first of two chunks
+        print("COPIES", len(copies), "CAPTURES", len(submitted))
+        print("ONE-EVENT", len({id(c.ready) for c in submitted}) == 1 and submitted[0].ready.recorded)
+        print("ROWS", [sorted(set(c.tensors["final"].flatten().tolist())) for c in submitted],
+              [tuple(c.tensors["final"].shape) for c in submitted], [tuple(c.tensors["aux"].shape) for c in submitted])
+        print("SPLIT-KEEPS-A-CLONE", type(split.final_parts[0]).__name__, split.ready is None)
+        second = batch([4.0, 4])
+        hooks._take_rows(Req("e"), hooks._RequestCapture("shm", None, True), second, 0, 2, True)
+        print("SECOND-BATCH", len(copies), submitted[-1].ready is not submitted[0].ready)
+    """, tmp_path)
+    assert "COPIES 1 CAPTURES 3" in out and "ONE-EVENT True" in out, out
+    assert "ROWS [[0.0], [1.0], [2.0]] [(3, 8), (2, 8), (3, 8)] [(3, 2, 8), (2, 2, 8), (3, 2, 8)]" in out, out
+    assert "SPLIT-KEEPS-A-CLONE OnDevice True" in out and "SECOND-BATCH 2 True" in out, out

@@ -62,6 +62,7 @@ class _RequestCapture:
     writer: bool  # False on tensor-parallel ranks other than 0: they drop their rows
     aux_parts: list[torch.Tensor] = field(default_factory=list)
     final_parts: list[torch.Tensor] = field(default_factory=list)
+    ready: object | None = None  # the event of the batch's host copy that final_parts are views of
 
 
 def configure(config: CaptureSinkSettings, rel: compat.Release, plugin_version: str, layer_ids: list[int] | None = None) -> None:
@@ -213,13 +214,41 @@ def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int,
         _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
                                "state of this forward: capture unsupported"})
         return
+    final_rows = None
+    if store and not state.final_parts and final.is_cuda:  # the whole prompt in this batch
+        host, state.ready = _batch_on_host(logits_output, final)
+        final_rows = host[start:end]
     started = time.perf_counter()
     state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
-    state.final_parts.append(_own(final[start:end]))
+    state.final_parts.append(final_rows if final_rows is not None else _own(final[start:end]))
     assert _sinks is not None
     _sinks.stats.rows_take_s += time.perf_counter() - started
     if store:  # the chunk that completes the prompt
         _finish(req, state)
+
+
+_HOST = "_aerie_final_host"  # on a batch's logits output: (its final rows, their host copy, the copy's event)
+
+
+def _batch_on_host(logits_output, final: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """A batch's final device rows in new pinned host memory, and the event that marks the copy
+    done: one copy per batch, launched by its first capture request that lies wholly in it, on the
+    stream where `_own` clones device rows (so it reads them no later than a clone would). Each of
+    the batch's captures keeps a view; the writers wait on the event. Done per request instead
+    (a clone, a pinned allocation, a copy, an event), keeping and sending the rows to the host cost
+    the scheduler thread 0.33 ms per SmolLM2 capture on the H200 (BENCHMARKS.md, session 12). A
+    prompt split over several batches keeps its clones (`_finish` joins them on the device)."""
+    cached = getattr(logits_output, _HOST, None)
+    if cached is None or cached[0] is not final:
+        started = time.perf_counter()
+        ready = torch.cuda.Event()
+        host = _to_pinned(final)
+        ready.record()
+        cached = (final, host, ready)
+        setattr(logits_output, _HOST, cached)
+        assert _sinks is not None
+        _sinks.stats.rows_host_s += time.perf_counter() - started
+    return cached[1], cached[2]
 
 
 def _own(rows: torch.Tensor) -> torch.Tensor:
@@ -227,7 +256,8 @@ def _own(rows: torch.Tensor) -> torch.Tensor:
     copy of this batch's states (overlap scheduling: new pinned memory per batch, the release's
     `fresh_pinned` function in compat, checked in its source): a view of them is kept, with no copy
     in the scheduler thread. Anything else is cloned: a device tensor may be a CUDA graph's output
-    buffer, which the next forward overwrites, and a CPU forward's rows are the model's own."""
+    buffer, which the next forward overwrites, and a CPU forward's rows are the model's own. (Final
+    device rows of a prompt that lies wholly in one batch skip this: `_batch_on_host`.)"""
     if not rows.is_cuda and rows.is_pinned():
         return rows
     return rows.clone()
@@ -243,11 +273,11 @@ def _finish(req, state: _RequestCapture) -> None:
     # With overlap scheduling SGLang has already copied `hidden_states` (aux) to the host, but
     # not `last_hidden_states`: each device tensor goes to pinned memory without waiting here;
     # the writer thread waits on the event.
-    ready = None
+    ready, state.ready = state.ready, None  # final rows that are views of their batch's host copy
     if aux.is_cuda or final.is_cuda:
         started = time.perf_counter()
         aux, final = (_to_pinned(t) if t.is_cuda else t for t in (aux, final))
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event()  # recorded after the batch copy, on the same stream: covers it too
         ready.record()
         _sinks.stats.rows_host_s += time.perf_counter() - started
     capture_id = uuid.uuid4().hex

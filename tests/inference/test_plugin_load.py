@@ -96,8 +96,8 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
     """The bound holds reservations, the captures this sink wrote (counted at once, no listing)
     and files seen by a listing; admission lists the directory only before refusing, so a
     claimed capture frees its bytes for the next request. On 2026-12-04's code before this
-    change every admission listed the directory: ~1.5 ms of the scheduler thread per request with
-    256 captures waiting (benchmarks/bench_sink_admit.py)."""
+    change every admission listed the directory: 0.8 ms of the scheduler thread per request with
+    256 captures waiting, on a 2-core VM (benchmarks/bench_sink_admit.py)."""
     out = _sink_run(f"""
         import gc
         from aerie_sglang.plugin.sink import SinkFull

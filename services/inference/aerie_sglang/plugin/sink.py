@@ -16,10 +16,11 @@
   the writers put there since: the first writer thread lists it every second, and an admission
   lists it only when that figure would refuse, so a refusal is decided on a fresh listing. A
   listing stats every file: listed at every admission (as it was until 2026-12-04), 256 waiting
-  files cost the scheduler thread ~1 ms per request (`benchmarks/bench_sink_admit.py`). Files
-  another process writes into the same directory (several schedulers, data parallel) count from the next
-  listing on. The first writer thread also lists the s3 prefix every second while uploads wait
-  (one request), forgetting what clients deleted: the scheduler never waits for the network.
+  files cost the scheduler thread 0.8 ms per request on a 2-core VM
+  (`benchmarks/bench_sink_admit.py`). Files another process writes into the same directory
+  (several schedulers, data parallel) count from the next listing on. The first writer thread
+  also lists the s3 prefix every second while uploads wait (one request), forgetting what
+  clients deleted: the scheduler never waits for the network.
 - The first writer thread logs what captures cost every `STATS_LOG_S` while they run: the
   scheduler thread's time in the plugin per capture (admission, rows), the writers' (waiting for
   the device copy, sha256, write) and the listings'.

@@ -243,10 +243,8 @@ class ServerLog:
         if not lines:
             return None
         line = lines[-1][lines[-1].index("aerie capture stats:"):]
-        numbers = [float(x) for x in _NUMBER.findall(line)]
-        keys = ("captures", "gb_written", "scheduler_ms_per_capture", "admission_ms", "rows_ms", "rows_kept_ms", "rows_to_host_ms", "writers_ms_per_capture",
-                "device_copy_ms", "sha256_ms", "write_ms", "shm_listings", "ms_per_listing")  # fmt: skip
-        return {"line": line, **dict(zip(keys, numbers))}
+        found = _STATS.search(line)
+        return {"line": line, **({k: float(v) for k, v in found.groupdict().items()} if found else {})}
 
 
 def sink_only(args) -> dict:
@@ -687,7 +685,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 STATS_WAIT_S = 3.0  # longer than the plugin's STATS_LOG_S
-_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+_F = r"\d+(?:\.\d+)?"
+_STATS = re.compile(  # SinkStats.line: tests/inference/test_plugin_capture.py holds its format
+    rf"(?P<captures>\d+) captures, (?P<gb_written>{_F}) GB written; scheduler thread (?P<scheduler_ms_per_capture>{_F}) "
+    rf"ms/capture, (?P<scheduler_cpu_ms>{_F}) on its CPU \(admission (?P<admission_ms>{_F}), rows (?P<rows_ms>{_F}): "
+    rf"kept (?P<rows_kept_ms>{_F}), to host (?P<rows_to_host_ms>{_F})\); writers (?P<writers_ms_per_capture>{_F}) "
+    rf"ms/capture, (?P<writers_cpu_ms>{_F}) on their CPU \(device copy (?P<device_copy_ms>{_F}), sha256 "
+    rf"(?P<sha256_ms>{_F}), write (?P<write_ms>{_F})\); (?P<shm_listings>\d+) listings of the shm directory, "
+    rf"(?P<ms_per_listing>{_F}) ms each")
 PASSES = ("bare", "json", "binary", "binary-posted", "extract-json", "extract-binary")
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,7 @@
 #   stream, extract_shards and the task path with each pass's clean-up outside its timing)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
+#   (or, first, `... verify`: the plugin's values against HF, plugin_on_device.py; then `sglang` with no carry)
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
 #    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds;
@@ -196,6 +197,21 @@ sglang)
   rm -rf "$OUT/logs-$tag"
   exit $status
   ;;
+verify)
+  # this checkout's plugin on SGLang 0.5.17 against HF (benchmarks/plugin_on_device.py): every capture
+  # point of every token, prompts alone, split over prefill chunks and 24 in flight; refusals
+  if [ -d .devwheels/chunk2 ]; then
+    cold /tmp/sgsite/.installed_chunk1
+    SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
+  fi
+  cold /tmp/sgsite/.installed_chunk2
+  cold /tmp/tokenizer/tokenizer.json
+  python3 benchmarks/plugin_on_device.py make-model --tokenizer /tmp/tokenizer --out /tmp/aerie-model
+  python3 benchmarks/plugin_on_device.py run --model /tmp/aerie-model --site /tmp/sgsite:/tmp/site_dg --out "$OUT/verify" \
+    --server plugin=services/inference --budget-s "${BUDGET_S:-300}" 2>&1 | tail -20
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps({n: s.get('verdict', s.get('error')) for n, s in r['servers'].items()}))" \
+    "$OUT/verify/results.json"
+  ;;
 sglang-writers)
   # session 12's question: how much of the plugin's time on SGLang's scheduler thread is waiting for
   # the GIL its sink's writer threads share? SmolLM2 (where that time limits extraction), one
@@ -208,6 +224,6 @@ sglang-writers)
   done
   ;;
 *)
-  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|path10|attention|sglang|sglang-writers"; exit 2
+  echo "unknown step $step: path|path2|path3|path4|path5|path6|path7|path8|path9|path10|attention|sglang|sglang-writers|verify"; exit 2
   ;;
 esac

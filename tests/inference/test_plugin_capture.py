@@ -383,18 +383,21 @@ def test_the_server_logs_what_captures_cost(client, server, shm):
     """The sink's first writer logs, every STATS_LOG_S while captures run, the scheduler thread's
     time in the plugin per capture and the writers': what bench_capture reads to say whether the
     plugin or SGLang limits a capture server (BENCHMARKS.md, session 12)."""
-    pattern = re.compile(r"aerie capture stats: (\d+) captures, [\d.]+ GB written; scheduler thread ([\d.]+) ms/capture "
-                         r"\(admission ([\d.]+), rows ([\d.]+): kept [\d.]+, to host [\d.]+\); writers ([\d.]+) ms/capture "
-                         r"\(device copy [\d.]+, sha256 ([\d.]+), write [\d.]+\); (\d+) listings")
+    pattern = re.compile(r"aerie capture stats: (\d+) captures, [\d.]+ GB written; scheduler thread ([\d.]+) ms/capture, "
+                         r"([\d.]+) on its CPU \(admission ([\d.]+), rows ([\d.]+): kept [\d.]+, to host [\d.]+\); "
+                         r"writers ([\d.]+) ms/capture, ([\d.]+) on their CPU \(device copy [\d.]+, sha256 ([\d.]+), "
+                         r"write [\d.]+\); (\d+) listings")
     fetch_binary(_capture(client, PROMPTS[0], "shm"), shm)  # at least one capture, whatever ran before
     deadline = time.monotonic() + 10
     while not (found := pattern.findall(server.log_path.read_text(errors="replace"))) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert found, "no 'aerie capture stats' line in the server's log"
-    captures, scheduler, admission, rows, writers, sha256, listings = found[-1]
+    captures, scheduler, scheduler_cpu, admission, rows, writers, writers_cpu, sha256, listings = found[-1]
     assert int(captures) >= 1
     assert float(scheduler) > 0 and float(admission) > 0 and float(rows) > 0
-    assert float(writers) >= float(sha256) > 0 and int(listings) >= 1
+    assert 0 < float(scheduler_cpu) <= float(scheduler) * 1.05 + 0.002  # thread CPU time within its wall time
+    assert float(writers) >= float(sha256) > 0 and 0 < float(writers_cpu) <= float(writers) * 1.05 + 0.002
+    assert int(listings) >= 1
 
 
 def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):

@@ -223,6 +223,44 @@ def test_the_shm_sink_is_private_to_the_servers_user(tmp_path):
         assert swept not in left, (swept, left)
 
 
+def test_a_capture_written_in_pieces_is_whole_and_its_sha256_holds(tmp_path):
+    """The writer puts a whole file out with os.writev (one system call, one GIL release, where
+    it used a file object and a write per part), which may write less than asked: with writev
+    taking at most 7 bytes a call the file is still every byte, safetensors reads it back, its
+    bf16 and float32 rows are the submitted ones, and the header's sha256 is of the data."""
+    out = _sink_run("""
+        import hashlib, json, os
+        from safetensors.torch import load_file
+        from aerie_sglang.plugin import sink as sink_module
+        calls = []
+        real = os.writev
+        def short_writev(fd, buffers):
+            calls.append(1)
+            head = bytes(memoryview(buffers[0])[:7])
+            return real(fd, [head])
+        sink_module.os.writev = short_writev
+        root = Path.cwd()
+        sinks = Sinks(CaptureSinkSettings(shm_dir=root / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1))
+        sinks.config.prepare()
+        g = torch.Generator().manual_seed(3)
+        tensors = {"aux": torch.randn(5, 2, 8, generator=g).to(torch.bfloat16), "final": torch.randn(5, 8, generator=g)}
+        meta = {"aerie_capture_id": "a" * 32, "sha256": "0" * 64}
+        sinks._write(Capture("a" * 32, "shm", tensors, meta, planned_size(tensors, meta)), None)
+        path = root / "cap" / ("a" * 32 + ".safetensors")
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        back = load_file(str(path))
+        print("SIZE", len(raw) == planned_size(tensors, meta), "CALLS", len(calls) > len(raw) // 8)
+        print("EQUAL", all(torch.equal(back[k], tensors[k]) for k in tensors))
+        print("SHA", header["__metadata__"]["sha256"] == hashlib.sha256(raw[8 + n:]).hexdigest())
+        print("LEFT", sorted(p.name for p in (root / "cap").iterdir()))
+    """, tmp_path)
+    assert "SIZE True CALLS True" in out, out
+    assert "EQUAL True" in out and "SHA True" in out, out
+    assert "LEFT ['" + "a" * 32 + ".safetensors']" in out, out
+
+
 def test_the_s3_sink_is_bounded_and_expires_unclaimed_captures(s3_store, tmp_path):
     """Uploads count in the unclaimed bytes until a client deletes them (the next listing sees
     it) and refuse admission past the bound; captures older than the TTL are deleted from the

@@ -68,6 +68,7 @@ class _RequestCapture:
 def configure(config: CaptureSinkSettings, rel: compat.Release, plugin_version: str, layer_ids: list[int] | None = None) -> None:
     global _config, _sinks, _rel, _sglang_version, _plugin_version
     _config, _sinks, _rel = config, Sinks(config), rel
+    _planned.clear()
     _sglang_version, _plugin_version = rel.version, plugin_version
     compat.install(rel, layer_ids)
 
@@ -123,13 +124,24 @@ def _refusal(scheduler, req, sink: str) -> tuple[str, int] | None:
     return None
 
 
+_planned: dict[int, int] = {}  # prompt tokens -> planned capture bytes (one model per process)
+
+
 def _planned_bytes(scheduler, num_tokens: int) -> int:
-    hidden = int(scheduler.model_config.hidden_size)
-    dtype = scheduler.model_config.dtype
-    ids = _layer_ids() or []
-    aux = torch.empty((num_tokens, len(ids), hidden), dtype=dtype, device="meta")
-    final = torch.empty((num_tokens, hidden), dtype=dtype, device="meta")
-    return planned_size({"aux": aux, "final": final}, _metadata_template(ids))
+    """What admission reserves for a capture before its rows exist (the header planned with an
+    empty rid), remembered per prompt length: the scheduler thread builds it once per length."""
+    nbytes = _planned.get(num_tokens)
+    if nbytes is None:
+        hidden = int(scheduler.model_config.hidden_size)
+        dtype = scheduler.model_config.dtype
+        ids = _layer_ids() or []
+        aux = torch.empty((num_tokens, len(ids), hidden), dtype=dtype, device="meta")
+        final = torch.empty((num_tokens, hidden), dtype=dtype, device="meta")
+        nbytes = planned_size({"aux": aux, "final": final}, _metadata_template(ids))
+        if len(_planned) >= 8192:
+            _planned.clear()
+        _planned[num_tokens] = nbytes
+    return nbytes
 
 
 def _metadata_template(layer_ids: list[int], capture_id: str = "0" * 32, rid: str = "") -> dict[str, str]:
@@ -155,12 +167,13 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
             state.aux_parts.clear()
             state.final_parts.clear()
         return None
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     try:
         _admit(scheduler, req, sink)
     finally:
         assert _sinks is not None
         _sinks.stats.admission_s += time.perf_counter() - started  # the scheduler thread's alone
+        _sinks.stats.admission_cpu_s += time.thread_time() - cpu
     return None
 
 
@@ -199,12 +212,13 @@ def around_append_prefill_hidden_states(original, processor, *, req, logits_outp
         return hidden_state_offset + 1
     start, end = hidden_state_offset, hidden_state_offset + extend_input_len
     if state.writer and not req.finished() and not req.is_retracted:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             _take_rows(req, state, logits_output, start, end, store)
         finally:
             assert _sinks is not None
             _sinks.stats.rows_s += time.perf_counter() - started
+            _sinks.stats.rows_cpu_s += time.thread_time() - cpu
     return end
 
 
@@ -219,7 +233,7 @@ def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int,
         host, state.ready = _batch_on_host(logits_output, final)
         final_rows = host[start:end]
     started = time.perf_counter()
-    state.aux_parts.append(_own(logits_output.hidden_states[start:end]))
+    state.aux_parts.append(_own(logits_output.hidden_states[start:end], _host_rows(logits_output)))
     state.final_parts.append(final_rows if final_rows is not None else _own(final[start:end]))
     assert _sinks is not None
     _sinks.stats.rows_take_s += time.perf_counter() - started
@@ -251,16 +265,30 @@ def _batch_on_host(logits_output, final: torch.Tensor) -> tuple[torch.Tensor, ob
     return cached[1], cached[2]
 
 
-def _own(rows: torch.Tensor) -> torch.Tensor:
+_AUX_PINNED = "_aerie_aux_pinned"  # on a batch's logits output: whether its aux rows are SGLang's pinned host copy
+
+
+def _host_rows(logits_output) -> bool:
+    """Whether the batch's aux rows are pinned host memory, asked once per batch (each torch call
+    lets the writer threads take the GIL from the scheduler thread)."""
+    pinned = getattr(logits_output, _AUX_PINNED, None)
+    if pinned is None:
+        aux = logits_output.hidden_states
+        pinned = bool(not aux.is_cuda and aux.is_pinned())
+        setattr(logits_output, _AUX_PINNED, pinned)
+    return pinned
+
+
+def _own(rows: torch.Tensor, pinned: bool | None = None) -> torch.Tensor:
     """Rows the capture may hold until a writer has written them. Pinned host rows are SGLang's
     copy of this batch's states (overlap scheduling: new pinned memory per batch, the release's
     `fresh_pinned` function in compat, checked in its source): a view of them is kept, with no copy
     in the scheduler thread. Anything else is cloned: a device tensor may be a CUDA graph's output
     buffer, which the next forward overwrites, and a CPU forward's rows are the model's own. (Final
     device rows of a prompt that lies wholly in one batch skip this: `_batch_on_host`.)"""
-    if not rows.is_cuda and rows.is_pinned():
-        return rows
-    return rows.clone()
+    if pinned is None:
+        pinned = not rows.is_cuda and rows.is_pinned()
+    return rows if pinned else rows.clone()
 
 
 def _finish(req, state: _RequestCapture) -> None:

@@ -193,8 +193,11 @@ def prepare_dir(path: Path) -> None:
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """Raw little-endian bytes of a contiguous CPU tensor, without a copy (two torch calls: each
+    releases and retakes the GIL, which SGLang's scheduler thread shares with the writers)."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -234,12 +237,15 @@ class SinkStats:
     captures: int = 0
     bytes: int = 0
     admission_s: float = 0.0  # scheduler thread: admitting capture requests (hooks.py)
+    admission_cpu_s: float = 0.0  # ... of it on the CPU (time.thread_time): the rest waited (the GIL, a lock)
     rows_s: float = 0.0  # scheduler thread: taking their rows and handing them over (hooks.py), of which
     rows_take_s: float = 0.0  # the rows kept (views of host rows, clones of device rows)
     rows_host_s: float = 0.0  # device rows sent to pinned host memory (copy and event launched)
+    rows_cpu_s: float = 0.0  # the rows' time on the CPU
     wait_s: float = 0.0  # writers: waiting for the device-to-host copy
     hash_s: float = 0.0  # writers: sha256
     write_s: float = 0.0  # writers: serializing and writing or uploading
+    writers_cpu_s: float = 0.0  # writers: all of that on the CPU
     listings: int = 0
     listing_s: float = 0.0  # listing the shm directory, whichever thread
 
@@ -250,10 +256,12 @@ class SinkStats:
             return f"{s / n * 1e3:.3f}"
 
         return (f"aerie capture stats: {self.captures} captures, {self.bytes / 1e9:.3f} GB written; scheduler thread "
-                f"{ms(self.admission_s + self.rows_s)} ms/capture (admission {ms(self.admission_s)}, rows {ms(self.rows_s)}: "
+                f"{ms(self.admission_s + self.rows_s)} ms/capture, {ms(self.admission_cpu_s + self.rows_cpu_s)} on its CPU "
+                f"(admission {ms(self.admission_s)}, rows {ms(self.rows_s)}: "
                 f"kept {ms(self.rows_take_s)}, to host {ms(self.rows_host_s)}); "
-                f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture (device copy {ms(self.wait_s)}, "
-                f"sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); {self.listings} listings of the shm directory, "
+                f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture, {ms(self.writers_cpu_s)} on their CPU "
+                f"(device copy {ms(self.wait_s)}, sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); "
+                f"{self.listings} listings of the shm directory, "
                 f"{self.listing_s / max(self.listings, 1) * 1e3:.3f} ms each")
 
 
@@ -400,7 +408,7 @@ class Sinks:
                 self._sweep()
 
     def _write(self, capture: Capture, s3: S3Client | None) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         if capture.ready is not None:
             capture.ready.synchronize()
         copied = time.perf_counter()
@@ -415,10 +423,11 @@ class Sinks:
             final = self.config.shm_dir / f"{capture.capture_id}{SUFFIX}"
             partial = self.config.shm_dir / f"{PARTIAL_PREFIX}{capture.capture_id}.partial"
             try:
-                with _create_private(partial) as f:
-                    f.write(header)
-                    for p in parts:
-                        f.write(p)
+                fd = _open_private(partial)
+                try:
+                    _write_all(fd, [header, *parts])  # one system call (and one GIL release) for the whole file
+                finally:
+                    os.close(fd)
                 os.replace(partial, final)
                 with self._lock:
                     self._shm_since += capture.nbytes
@@ -448,6 +457,7 @@ class Sinks:
             self.stats.wait_s += copied - started
             self.stats.hash_s += hashed - copied
             self.stats.write_s += time.perf_counter() - hashed
+            self.stats.writers_cpu_s += time.thread_time() - cpu
 
     def _sweep_s3(self, s3: S3Client, expire: bool) -> None:
         """List the capture prefix: forget uploads clients have claimed (deleted) and, with
@@ -500,7 +510,24 @@ class Sinks:
             pass
 
 
-def _create_private(path: Path):
+def _open_private(path: Path) -> int:
     """A new file for writing, mode 0600, never through a symlink and never over an existing file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-    return os.fdopen(fd, "wb")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+
+def _create_private(path: Path):
+    return os.fdopen(_open_private(path), "wb")
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """Every byte of `buffers`, in order, by os.writev (which may write less than asked)."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    while views:
+        done = os.writev(fd, views)
+        if done <= 0:
+            raise OSError(f"writev wrote nothing of {sum(map(len, views))} bytes")
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]

@@ -223,6 +223,38 @@ def test_the_shm_sink_is_private_to_the_servers_user(tmp_path):
         assert swept not in left, (swept, left)
 
 
+def test_a_request_collected_while_its_thread_holds_the_sinks_lock_does_not_deadlock(tmp_path):
+    """An admitted request's reservation ends when the request is garbage-collected. SGLang's Req
+    is in a reference cycle (its sampling params hold it), so the cyclic collector frees it, in
+    whatever thread it runs and at whatever bytecode (Python 3.12), possibly inside the sink's
+    lock. On the H200 (2026-12-04, session 13) SGLang's scheduler hung at a capture until its
+    watchdog killed the server; this is that collection, made to happen under the lock. With the
+    finalizer taking the lock, as it did, the thread deadlocks on itself."""
+    out = _sink_run("""
+        import gc, os, threading
+        sinks = Sinks(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1))
+        sinks.config.prepare()
+        class Req: pass
+        req = Req()
+        req.me = req                            # a cycle, as SGLang's Req is
+        sinks.admit(req, 1000)
+        print("RESERVED", sinks.unclaimed_bytes(fresh=False))
+        del req
+        done = threading.Event()
+        def collect_under_the_lock():
+            with sinks._lock:
+                gc.collect()                    # frees the request: its finalizer runs here
+            done.set()
+        threading.Thread(target=collect_under_the_lock, daemon=True).start()
+        if not done.wait(10):
+            print("DEADLOCK", flush=True)
+            os._exit(0)
+        print("RELEASED", sinks.unclaimed_bytes(fresh=False))
+    """, tmp_path)
+    assert "RESERVED 1000" in out and "DEADLOCK" not in out, out
+    assert "RELEASED 0" in out, out
+
+
 def test_a_capture_written_in_pieces_is_whole_and_its_sha256_holds(tmp_path):
     """The writer puts a whole file out with os.writev (one system call, one GIL release, where
     it used a file object and a write per part), which may write less than asked: with writev

@@ -274,6 +274,8 @@ class Sinks:
     _queue: "queue.Queue[Capture]" = field(default_factory=queue.Queue)
     _queued_bytes: int = 0
     _reserved: dict[int, int] = field(default_factory=dict)
+    # reservations whose request was garbage-collected, forgotten at the next use of `_lock`
+    _released: "queue.SimpleQueue[int]" = field(default_factory=queue.SimpleQueue)
     _threads: list[threading.Thread] = field(default_factory=list)
     _next_reservation: int = 0
     _s3_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (bytes, uploaded at, monotonic)
@@ -329,6 +331,7 @@ class Sinks:
         if fresh:
             self.list_shm()
         with self._lock:
+            self._forget_released()
             return (self._queued_bytes + sum(self._reserved.values()) + sum(n for n, _ in self._s3_waiting.values())
                     + self._shm_listed + self._shm_since)
 
@@ -360,7 +363,21 @@ class Sinks:
         return token
 
     def _release(self, token: int) -> None:
-        with self._lock:
+        """A request's finalizer. It runs inside a garbage collection, in whichever thread the
+        collection happened to start, which may hold `_lock` at that moment (SGLang's Req is in a
+        reference cycle, so only the cyclic collector frees it, and Python 3.12 runs it at any
+        bytecode): taking `_lock` here deadlocked that thread, and with it SGLang's scheduler.
+        SimpleQueue.put is reentrant, made for such callbacks; the token is dropped under the lock
+        by its next user."""
+        self._released.put(token)
+
+    def _forget_released(self) -> None:
+        """Drop the reservations of collected requests (the caller holds `_lock`)."""
+        while True:
+            try:
+                token = self._released.get_nowait()
+            except queue.Empty:
+                return
             self._reserved.pop(token, None)
 
     def submit(self, capture: Capture, reservation: int | None) -> None:

@@ -217,7 +217,7 @@ sglang-writers)
   # the GIL its sink's writer threads share? SmolLM2 (where that time limits extraction), one
   # server per writer count, each's `aerie capture stats` line in its raw JSON (server.capture_stats)
   for n in ${WRITER_COUNTS:-2 4 8}; do
-    PROMPTS=${PROMPTS:-1024} PASSES=${PASSES:-bare,binary-posted} WORKERS=${WORKERS:-4} ROUNDS=${ROUNDS:-1} \
+    PROMPTS=${PROMPTS:-1024} PASSES=${PASSES:-bare,binary-posted} WORKERS=${WORKERS:-4} ROUNDS=${ROUNDS:-2} \
       CAPTURE_WRITERS=$n CAPTURE_MAX_UNCLAIMED=${CAPTURE_MAX_UNCLAIMED:-17179869184} TAG=smollm2-writers$n \
       bash "$0" sglang smollm2 > /dev/null 2>&1 || echo "writers $n: failed ($?)"
     grep -h "aerie capture stats" "$OUT/sglang-smollm2-writers$n.log" | tail -1 | sed "s/^/writers $n: /"

@@ -366,7 +366,8 @@ class Sinks:
         """A request's finalizer. It runs inside a garbage collection, in whichever thread the
         collection happened to start, which may hold `_lock` at that moment (SGLang's Req is in a
         reference cycle, so only the cyclic collector frees it, and Python 3.12 runs it at any
-        bytecode): taking `_lock` here deadlocked that thread, and with it SGLang's scheduler.
+        bytecode): taking `_lock` here deadlocks that thread, and SGLang's scheduler with it (the
+        likely cause of two hung servers on the H200, BENCHMARKS.md session 13).
         SimpleQueue.put is reentrant, made for such callbacks; the token is dropped under the lock
         by its next user."""
         self._released.put(token)

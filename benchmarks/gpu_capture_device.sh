@@ -16,6 +16,7 @@
 #   (or, first, `... verify`: the plugin's values against HF, plugin_on_device.py; then `sglang` with no carry)
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
+#    carry .devtools/pyspy (py-spy's wheel, from `pip download py-spy`) for stacks of a hung server;
 #    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds;
 #    `sglang-writers` runs SmolLM2 once per writer count in WRITER_COUNTS, default 2 4 8)
 #
@@ -166,6 +167,14 @@ sglang)
     SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
   fi
   cold /tmp/sgsite/.installed_chunk2
+  # py-spy on the servers' PATH when carried (.devtools/pyspy/*.whl): SGLang's watchdog then logs every
+  # thread's stack of a hung scheduler (session 13's two hangs left none); the watchdog fires after
+  # WATCHDOG_S (SGLang's default 300 s is device time lost)
+  if ls .devtools/pyspy/*.whl >/dev/null 2>&1 && [ ! -d /tmp/pyspy ]; then
+    mkdir -p /tmp/pyspy && python3 -m zipfile -e .devtools/pyspy/*.whl /tmp/pyspy
+    spy=$(find /tmp/pyspy -name py-spy -type f | head -1) && chmod +x "$spy" && mkdir -p /tmp/pyspy/bin && ln -sf "$spy" /tmp/pyspy/bin/py-spy
+  fi
+  [ ! -d /tmp/pyspy/bin ] || export PATH=/tmp/pyspy/bin:$PATH
   smol=$(python3 -c "from aerie.target import smollm2; print(smollm2('/tmp/aerie-cache'))")
   # the plugin's sink: writer threads and the back-pressure bound (its defaults 4 and 2 GiB unless set)
   sink=()
@@ -177,7 +186,7 @@ sglang)
   common=("${sink[@]}" --sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
           --concurrency 32 --batch 32 --rounds "${ROUNDS:-2}" --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
-          --server-arg=--mem-fraction-static --server-arg=0.5)
+          --server-arg=--mem-fraction-static --server-arg=0.5 --server-arg=--watchdog-timeout --server-arg="${WATCHDOG_S:-120}")
   case $model in
   smollm2) extra=(--prompts "${PROMPTS:-256}" --json-share 0.125) ;;
   llama8b) extra=(--prompts "${PROMPTS:-256}" --json-share 0.03125 --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b) ;;

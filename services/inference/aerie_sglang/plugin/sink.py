@@ -441,11 +441,7 @@ class Sinks:
             final = self.config.shm_dir / f"{capture.capture_id}{SUFFIX}"
             partial = self.config.shm_dir / f"{PARTIAL_PREFIX}{capture.capture_id}.partial"
             try:
-                fd = _open_private(partial)
-                try:
-                    _write_all(fd, [header, *parts])  # one system call (and one GIL release) for the whole file
-                finally:
-                    os.close(fd)
+                _write_private(partial, [header, *parts])
                 os.replace(partial, final)
                 with self._lock:
                     self._shm_since += capture.nbytes
@@ -453,8 +449,7 @@ class Sinks:
                 partial.unlink(missing_ok=True)
                 error = self.config.shm_dir / f"{capture.capture_id}{ERROR_SUFFIX}"
                 try:
-                    with _create_private(error) as f:
-                        f.write(f"the SGLang server could not write {final}: {e}".encode())
+                    _write_private(error, [f"the SGLang server could not write {final}: {e}".encode()])
                 except OSError:
                     pass
                 raise
@@ -528,17 +523,18 @@ class Sinks:
             pass
 
 
-def _open_private(path: Path) -> int:
-    """A new file for writing, mode 0600, never through a symlink and never over an existing file."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-
-
-def _create_private(path: Path):
-    return os.fdopen(_open_private(path), "wb")
+def _write_private(path: Path, buffers: list) -> None:
+    """A new file of `buffers`, mode 0600, never through a symlink and never over an existing
+    file, written by os.writev: one system call (and one GIL release) for a whole capture."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        _write_all(fd, buffers)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, buffers: list) -> None:
-    """Every byte of `buffers`, in order, by os.writev (which may write less than asked)."""
+    """Every byte of `buffers`, in order (os.writev may write less than asked)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     while views:
         done = os.writev(fd, views)

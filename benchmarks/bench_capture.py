@@ -244,7 +244,11 @@ class ServerLog:
             return None
         line = lines[-1][lines[-1].index("aerie capture stats:"):]
         found = _STATS.search(line)
-        return {"line": line, **({k: float(v) for k, v in found.groupdict().items()} if found else {})}
+        stats = {"line": line, **({k: float(v) for k, v in found.groupdict().items()} if found else {})}
+        process = [ln for ln in self.path.read_text(errors="replace").splitlines() if "aerie capture writer process:" in ln]
+        if process:  # AERIE_CAPTURE_WRITER=process: how many captures went over per group (ProcessStats.line)
+            stats["writer_process"] = process[-1][process[-1].index("aerie capture writer process:"):]
+        return stats
 
 
 def sink_only(args) -> dict:
@@ -648,6 +652,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
             scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
+            if "bare" in names:  # bare again, right after: the server's speed around the extraction, not only before it
+                n, t, _ = run_pass(bare, url, prompts, args.concurrency)
+                scaling["bare_after"] = {"tokens": n, "seconds": t, "tokens_per_s": n / t}
+                print(f"bare after the workers: {n / t:.1f} tok/s", flush=True)
         if log.path is not None:
             time.sleep(STATS_WAIT_S)  # the plugin's cost line of the last captures
             server_info["capture_stats"] = log.capture_stats()

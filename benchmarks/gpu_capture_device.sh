@@ -18,7 +18,7 @@
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
 #    carry .devtools/pyspy (py-spy's wheel, from `pip download py-spy`) for stacks of a hung server;
 #    PROMPTS=256 the prompts of each pass and worker count, PASSES the interleaved passes, ROUNDS=2 their rounds;
-#    `sglang-writers` runs SmolLM2 once per writer count in WRITER_COUNTS, default 2 4 8)
+#    `sglang-writers` runs SmolLM2 once per writer count in WRITER_COUNTS, default 2 4 8, process:N a writer process)
 #
 # (here, once: `bash benchmarks/gpu_carry.sh --all` and the SGLang 0.5.17 device recipe, as
 # gpu_drafter_device.sh's header says.)
@@ -183,6 +183,7 @@ sglang)
   # the plugin's sink: writer threads and the back-pressure bound (its defaults 4 and 2 GiB unless set)
   sink=()
   [ -z "${CAPTURE_WRITERS:-}" ] || sink+=(--server-env "AERIE_CAPTURE_WRITERS=$CAPTURE_WRITERS")
+  [ -z "${CAPTURE_WRITER:-}" ] || sink+=(--server-env "AERIE_CAPTURE_WRITER=$CAPTURE_WRITER")
   [ -z "${CAPTURE_MAX_UNCLAIMED:-}" ] || sink+=(--server-env "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES=$CAPTURE_MAX_UNCLAIMED")
   # another commit's plugin (e.g. `git archive HEAD~1 services/inference | tar x -C .devtools/before`)
   [ -z "${PLUGIN_DIR:-}" ] || sink+=(--plugin-dir "$PLUGIN_DIR")
@@ -223,13 +224,18 @@ verify)
   ;;
 sglang-writers)
   # session 12's question: how much of the plugin's time on SGLang's scheduler thread is waiting for
-  # the GIL its sink's writer threads share? SmolLM2 (where that time limits extraction), one
-  # server per writer count, each's `aerie capture stats` line in its raw JSON (server.capture_stats)
-  for n in ${WRITER_COUNTS:-2 4 8}; do
+  # the GIL its sink's writers share? SmolLM2 (where that time limits extraction), one server per
+  # entry of WRITER_COUNTS: N writer threads, or process:N (AERIE_CAPTURE_WRITER=process, N threads
+  # in the writer process); each's `aerie capture stats` line in its raw JSON (server.capture_stats)
+  for entry in ${WRITER_COUNTS:-2 4 8}; do
+    n=${entry#*:}; mode=threads; [ "$entry" = "$n" ] || mode=${entry%%:*}
+    tag=smollm2-writers$n; [ "$mode" = threads ] || tag=smollm2-$mode$n
     PROMPTS=${PROMPTS:-1024} PASSES=${PASSES:-bare,binary-posted} WORKERS=${WORKERS:-4} ROUNDS=${ROUNDS:-2} \
-      CAPTURE_WRITERS=$n CAPTURE_MAX_UNCLAIMED=${CAPTURE_MAX_UNCLAIMED:-17179869184} TAG=smollm2-writers$n \
-      bash "$0" sglang smollm2 > /dev/null 2>&1 || echo "writers $n: failed ($?)"
-    grep -h "aerie capture stats" "$OUT/sglang-smollm2-writers$n.log" | tail -1 | sed "s/^/writers $n: /"
+      CAPTURE_WRITERS=$n CAPTURE_WRITER=$mode CAPTURE_MAX_UNCLAIMED=${CAPTURE_MAX_UNCLAIMED:-17179869184} TAG=$tag \
+      bash "$0" sglang smollm2 > /dev/null 2>&1 || echo "$entry: failed ($?)"
+    grep -h "aerie capture stats\|aerie capture writer process" "$OUT/sglang-$tag.log" | tail -2 | sed "s/^/$entry: /"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], {k: round(v) for k, v in r.get('tokens_per_s', {}).items()}, r.get('per_round'), {k: round(w['tokens_per_s']) for k, w in r.get('workers', {}).items()})" \
+      "$OUT/capture-$tag.json" "$entry" 2>/dev/null || true
   done
   ;;
 *)

@@ -13,7 +13,8 @@ an extractor killed mid-way leaves at most the bound behind.
 
 Two server starts, side by side: stock SGLang (the plugin excluded through SGLANG_PLUGINS)
 records reference responses and what the engine makes of a stock server, and stops; the plugin
-server (`AERIE_SGLANG_BINARY=1`) serves every test of the module. Both prefill in chunks of 32 tokens,
+server (`AERIE_SGLANG_BINARY=1`, its shm captures written by the sink's writer process) serves
+every test of the module. Both prefill in chunks of 32 tokens,
 so that captures spanning several chunks are tested too.
 """
 
@@ -206,6 +207,9 @@ def plugin_starting(smollm2_path, bucket, s3_server, tmp_path_factory):
         "AERIE_SGLANG_BINARY": "1",
         "AERIE_CAPTURE_DIR": str(shm_dir),
         "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES": str(BOUND),
+        # shm captures through the writer process (the DeepSeek plugin servers run the default,
+        # writer threads); s3 captures still go through the threads
+        "AERIE_CAPTURE_WRITER": "process",
         "AERIE_STORE": s3_server.endpoint,
         "AERIE_BUCKET": bucket.bucket,
         "AERIE_S3_ACCESS_KEY": s3_server.access_key,
@@ -398,6 +402,10 @@ def test_the_server_logs_what_captures_cost(client, server, shm):
     assert 0 < float(scheduler_cpu) <= float(scheduler) * 1.05 + 0.002  # thread CPU time within its wall time
     assert float(writers) >= float(sha256) > 0 and 0 < float(writers_cpu) <= float(writers) * 1.05 + 0.002
     assert int(listings) >= 1
+    # this server's shm captures went through the writer process (AERIE_CAPTURE_WRITER=process)
+    process = re.findall(r"aerie capture writer process: (\d+) groups, ([\d.]+) captures per group",
+                         server.log_path.read_text(errors="replace"))
+    assert process and int(process[-1][0]) >= 1 and float(process[-1][1]) >= 1, "no writer process line in the server's log"
 
 
 def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):

@@ -40,7 +40,9 @@ Configuration, read from the environment of the SGLang server when the plugin lo
 | `AERIE_CAPTURE_DIR`                 | directory of the `shm` sink (use a tmpfs)        | `/dev/shm/aerie-capture` |
 | `AERIE_CAPTURE_MAX_UNCLAIMED_BYTES` | the back-pressure bound                          | 2 GiB                    |
 | `AERIE_CAPTURE_TTL_S`               | unclaimed captures older than this are deleted   | 900                      |
-| `AERIE_CAPTURE_WRITERS`             | writer threads per scheduler                     | 8                        |
+| `AERIE_CAPTURE_WRITERS`             | writer threads per scheduler (or in its writer process) | 8                 |
+| `AERIE_CAPTURE_WRITER`              | `threads`, or `process`: shm captures hashed and written by a writer process, handed over per batch through a shared-memory ring (writer_process.py) | `threads` |
+| `AERIE_CAPTURE_RING_BYTES`          | that ring's size (memory taken as it is used)    | 1 GiB                    |
 | `AERIE_STORE`                       | `http(s)://host:port` enables the `s3` sink      | (none: no `s3` sink)     |
 | `AERIE_BUCKET`                      | bucket of the `s3` sink                          | `aerie`                  |
 | `AERIE_S3_ACCESS_KEY`, `AERIE_S3_SECRET_KEY`, `AERIE_S3_REGION` | credentials    | (required with s3)       |
@@ -54,7 +56,6 @@ import json
 import logging
 import os
 import queue
-import re
 import stat
 import threading
 import time
@@ -64,16 +65,14 @@ from pathlib import Path
 
 import torch
 
+from aerie_sglang.plugin.capture_files import (  # noqa: F401 (FORMAT_VERSION, SUFFIX: the hooks' names)
+    ERROR_SUFFIX, FORMAT_VERSION, OWN_NAME, SUFFIX, header, write_capture,
+)
 from aerie_sglang.plugin.s3 import S3Client
+from aerie_sglang.plugin.writer_process import ProcessWriter, WriterProcessError
 
 logger = logging.getLogger("aerie_sglang.capture")
 
-FORMAT_VERSION = 1
-SUFFIX = ".safetensors"
-ERROR_SUFFIX = ".error"  # next to a capture that could not be written: the reason, for the client
-PARTIAL_PREFIX = "."
-# the only names the sink counts, sweeps or writes: a capture, its partial file, its error note
-OWN_NAME = re.compile(r"(?:[0-9a-f]{32}(?:\.safetensors|\.error)|\.[0-9a-f]{32}\.partial)")
 S3_REFRESH_S = 1.0  # how often uploads waiting to be claimed are re-listed
 SHM_LIST_S = 1.0  # how often the shm directory is listed while the sink runs
 STATS_LOG_S = 2.0  # how often the cost of captures is logged while they run
@@ -104,7 +103,9 @@ class CaptureSinkSettings:
     max_unclaimed_bytes: int
     ttl_s: float
     s3: S3Target | None = None
-    writers: int = 8  # writer threads (hashing and file writes release the GIL)
+    writers: int = 8  # writer threads (hashing and file writes release the GIL), or the writer process's
+    writer: str = "threads"  # "process": shm captures hashed and written in a writer process (writer_process.py)
+    ring_bytes: int = 1 << 30  # the process writer's shared-memory ring
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "CaptureSinkSettings":
@@ -142,12 +143,17 @@ class CaptureSinkSettings:
                 region=env.get("AERIE_S3_REGION") or "us-east-1",
                 prefix=prefix,
             )
+        writer = (env.get("AERIE_CAPTURE_WRITER") or "threads").strip().lower()
+        if writer not in ("threads", "process"):
+            raise CaptureConfigError(f"AERIE_CAPTURE_WRITER={env['AERIE_CAPTURE_WRITER']!r} is not one of threads, process")
         return cls(
             shm_dir=Path(env.get("AERIE_CAPTURE_DIR") or "/dev/shm/aerie-capture"),
             max_unclaimed_bytes=number("AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", 2 << 30),
             ttl_s=number("AERIE_CAPTURE_TTL_S", 900.0, float),
             s3=s3,
             writers=number("AERIE_CAPTURE_WRITERS", 8),
+            writer=writer,
+            ring_bytes=number("AERIE_CAPTURE_RING_BYTES", 1 << 30),
         )
 
     @property
@@ -203,15 +209,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """The safetensors header (8-byte length + JSON, space-padded to 8 bytes) for these tensors
     laid out in the given order."""
-    entries: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
+    return header([(name, _DTYPES[t.dtype], list(t.shape)) for name, t in tensors.items()], metadata)
 
 
 def planned_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
@@ -283,6 +281,8 @@ class Sinks:
     _shm_listed: int = 0  # bytes of the plugin's files in the shm directory at the last listing
     _shm_since: int = 0  # bytes the writers put there since that listing began
     _listed_at: float = float("-inf")  # monotonic
+    _process: ProcessWriter | None = None  # AERIE_CAPTURE_WRITER=process: shm captures go there
+    _process_wait: tuple[float, float] = (0.0, 0.0)  # the batcher's wait and CPU seconds counted so far
     stats: SinkStats = field(default_factory=SinkStats)
 
     def start(self) -> None:
@@ -290,7 +290,19 @@ class Sinks:
             return
         self.config.prepare()
         self.list_shm()  # what an earlier server left there counts from the first admission
-        for i in range(self.config.writers):
+        threads = self.config.writers
+        if self.config.writer == "process":
+            process = ProcessWriter(self.config.shm_dir, self.config.ring_bytes, self.config.writers,
+                                    self._process_done, self._queue.put)
+            try:
+                process.start()
+            except WriterProcessError as e:
+                raise CaptureConfigError(str(e)) from None
+            self._process = process
+            # in-process threads now write only s3 captures and what the ring cannot hold; the
+            # first also lists, sweeps and logs
+            threads = self.config.writers if self.config.s3 else 1
+        for i in range(threads):
             thread = threading.Thread(target=self._run, args=(i == 0,), name=f"aerie-capture-writer-{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -386,7 +398,24 @@ class Sinks:
             if reservation is not None:
                 self._reserved.pop(reservation, None)
             self._queued_bytes += capture.nbytes
-        self._queue.put(capture)
+        if self._process is not None and capture.sink == "shm":
+            self._process.submit(capture)
+        else:
+            self._queue.put(capture)
+
+    def _process_done(self, captures: list[Capture], written: set[str], reply: dict) -> None:
+        """The writer process is done with these captures: those in `written` are files in the
+        shm directory now, the others error notes (the writer process, or its end, wrote them)."""
+        done = [c for c in captures if c.capture_id in written]
+        nbytes = sum(c.nbytes for c in done)
+        with self._lock:
+            self._queued_bytes -= sum(c.nbytes for c in captures)
+            self._shm_since += nbytes
+            self.stats.captures += len(done)
+            self.stats.bytes += nbytes
+            self.stats.hash_s += float(reply.get("hash_s", 0.0))
+            self.stats.write_s += float(reply.get("write_s", 0.0))
+            self.stats.writers_cpu_s += float(reply.get("cpu_s", 0.0))
 
     # --- writer thread --------------------------------------------------------------------
     def _run(self, sweeper: bool) -> None:
@@ -416,7 +445,15 @@ class Sinks:
                 self.list_shm()
             if self.stats.captures != logged and now - last_log > STATS_LOG_S:
                 last_log, logged = now, self.stats.captures
+                process = self._process
+                if process is not None:  # the batcher's time and CPU are the writers' "device copy"
+                    with self._lock:
+                        self.stats.wait_s += process.wait_s - self._process_wait[0]
+                        self.stats.writers_cpu_s += process.cpu_s - self._process_wait[1]
+                        self._process_wait = (process.wait_s, process.cpu_s)
                 logger.info(self.stats.line())
+                if process is not None:
+                    logger.info(process.stats.line())
             sweep = now - last_sweep > min(5.0, self.config.ttl_s / 4)
             if s3 is not None and (sweep or (self._s3_waiting and now - last_listing > S3_REFRESH_S)):
                 last_listing = now
@@ -436,30 +473,18 @@ class Sinks:
             data_sha.update(p)
         hashed = time.perf_counter()
         metadata = dict(capture.metadata, sha256=data_sha.hexdigest())
-        header = safetensors_header(capture.tensors, metadata)
+        head = safetensors_header(capture.tensors, metadata)
         if capture.sink == "shm":
-            final = self.config.shm_dir / f"{capture.capture_id}{SUFFIX}"
-            partial = self.config.shm_dir / f"{PARTIAL_PREFIX}{capture.capture_id}.partial"
-            try:
-                _write_private(partial, [header, *parts])
-                os.replace(partial, final)
-                with self._lock:
-                    self._shm_since += capture.nbytes
-            except OSError as e:  # typically a full tmpfs: tell the waiting client, keep nothing
-                partial.unlink(missing_ok=True)
-                error = self.config.shm_dir / f"{capture.capture_id}{ERROR_SUFFIX}"
-                try:
-                    _write_private(error, [f"the SGLang server could not write {final}: {e}".encode()])
-                except OSError:
-                    pass
-                raise
+            write_capture(self.config.shm_dir, capture.capture_id, [head, *parts])
+            with self._lock:
+                self._shm_since += capture.nbytes
         elif capture.sink == "s3":
             assert s3 is not None and self.config.s3 is not None
-            body_sha = hashlib.sha256(header)
+            body_sha = hashlib.sha256(head)
             for p in parts:
                 body_sha.update(p)
             key = self.config.s3.prefix + capture.capture_id + SUFFIX
-            s3.put(self.config.s3.bucket, key, [header, *parts], body_sha.hexdigest())
+            s3.put(self.config.s3.bucket, key, [head, *parts], body_sha.hexdigest())
             with self._lock:  # unclaimed until a listing no longer shows it
                 self._s3_waiting[key] = (capture.nbytes, time.monotonic())
         else:
@@ -522,26 +547,3 @@ class Sinks:
         except FileNotFoundError:
             pass
 
-
-def _write_private(path: Path, buffers: list) -> None:
-    """A new file of `buffers`, mode 0600, never through a symlink and never over an existing
-    file, written by os.writev: one system call (and one GIL release) for a whole capture."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        _write_all(fd, buffers)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    """Every byte of `buffers`, in order (os.writev may write less than asked)."""
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-    while views:
-        done = os.writev(fd, views)
-        if done <= 0:
-            raise OSError(f"writev wrote nothing of {sum(map(len, views))} bytes")
-        while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]

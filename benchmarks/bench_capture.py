@@ -651,8 +651,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                       "tokens_per_s": {k: tokens[k] / seconds[k] for k in names}}, indent=1))  # fmt: skip
             print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
+            before = run_pass(bare, url, prompts, args.concurrency) if "bare" in names else None
             scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
-            if "bare" in names:  # bare again, right after: the server's speed around the extraction, not only before it
+            if before is not None:  # bare right before and right after: the server's speed around the extraction
+                scaling["bare_before"] = {"tokens": before[0], "seconds": before[1], "tokens_per_s": before[0] / before[1]}
                 n, t, _ = run_pass(bare, url, prompts, args.concurrency)
                 scaling["bare_after"] = {"tokens": n, "seconds": t, "tokens_per_s": n / t}
                 print(f"bare after the workers: {n / t:.1f} tok/s", flush=True)

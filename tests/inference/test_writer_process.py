@@ -169,3 +169,38 @@ def test_a_misspelt_writer_setting_refuses_the_sink_naming_it(tmp_path):
     assert "REFUSED AERIE_CAPTURE_WRITER='fork' is not one of threads, process" in out, out
     assert "REFUSED AERIE_CAPTURE_RING_BYTES='0' must be greater than 0" in out, out
     assert "DEFAULT threads process" in out, out
+
+
+def test_the_writer_process_lists_and_sweeps_the_directory_instead_of_the_server(tmp_path):
+    """With the writer process on, the server never lists the shm directory on its own (a listing
+    stats every file, each stat a GIL release in the server): the writer process lists it every
+    second and the bound follows what clients claim, and it deletes the plugin's old captures
+    and nothing else."""
+    out = _batch_run("""
+        import os
+        root = Path.cwd() / "cap"
+        sinks = Sinks(CaptureSinkSettings(shm_dir=root, max_unclaimed_bytes=1 << 30, ttl_s=60, writers=1,
+                                          writer="process", ring_bytes=1 << 20))
+        sinks.start()                                  # one listing of its own, at start
+        own = []
+        real_list = Sinks.list_shm
+        Sinks.list_shm = lambda self: own.append(1) or real_list(self)
+        ids = batch(sinks, "a", None, spans=((0, 20), (20, 40)))
+        wait(lambda: sinks.stats.captures == 2, "the captures")
+        sizes = [(root / f"{cid}.safetensors").stat().st_size for cid in ids]
+        listings = sinks.stats.listings
+        wait(lambda: sinks.stats.listings > listings + 1, "the writer process's listings")
+        print("COUNTED", sinks.unclaimed_bytes(fresh=False) == sum(sizes))
+        (root / f"{ids[0]}.safetensors").unlink()      # a client claims one
+        wait(lambda: sinks.unclaimed_bytes(fresh=False) == sizes[1], "the claim seen")
+        print("CLAIMED-SEEN", "SERVER-LISTINGS", len(own))
+        old = root / ("9" * 32 + ".safetensors")       # a capture its client never claimed
+        for path in (old, root / "keep.txt"):
+            path.write_bytes(b"x" * 100)
+            os.utime(path, (time.time() - 3600, time.time() - 3600))
+        wait(lambda: not old.exists(), "the old capture swept")
+        print("SWEPT", sorted(p.name for p in root.iterdir()) == sorted(["keep.txt", f"{ids[1]}.safetensors"]))
+    """, tmp_path)
+    assert "COUNTED True" in out, out
+    assert "CLAIMED-SEEN SERVER-LISTINGS 0" in out, out
+    assert "SWEPT True" in out, out

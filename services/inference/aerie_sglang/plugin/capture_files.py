@@ -8,8 +8,11 @@ capture is the same bytes whichever wrote it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import stat
+import time
 from pathlib import Path
 
 FORMAT_VERSION = 1
@@ -91,3 +94,39 @@ def write_all(fd: int, buffers: list) -> None:
             views.pop(0)
         if views and done:
             views[0] = views[0][done:]
+
+
+def own_bytes(directory: Path) -> int:
+    """Bytes of the plugin's captures and partial files in `directory` (error notes do not count)."""
+    total = 0
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if OWN_NAME.fullmatch(entry.name) and not entry.name.endswith(ERROR_SUFFIX):
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:  # claimed meanwhile
+                        pass
+    except FileNotFoundError:
+        pass
+    return total
+
+
+def sweep(directory: Path, ttl_s: float, log: logging.Logger) -> None:
+    """Delete captures nobody claimed within ttl_s (their client died): the plugin's own names
+    only, never through a symlink."""
+    cutoff = time.time() - ttl_s
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if not OWN_NAME.fullmatch(entry.name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        log.warning("aerie capture: deleted unclaimed %s (older than %ss)", entry.path, ttl_s)
+                except FileNotFoundError:
+                    pass
+    except FileNotFoundError:
+        pass

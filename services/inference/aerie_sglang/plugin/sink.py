@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 from aerie_sglang.plugin.capture_files import (  # noqa: F401 (FORMAT_VERSION, SUFFIX: the hooks' names)
-    ERROR_SUFFIX, FORMAT_VERSION, OWN_NAME, SUFFIX, header, write_capture,
+    FORMAT_VERSION, OWN_NAME, SUFFIX, header, own_bytes, sweep as sweep_dir, write_capture,
 )
 from aerie_sglang.plugin.s3 import S3Client
 from aerie_sglang.plugin.writer_process import ProcessWriter, WriterProcessError
@@ -283,6 +283,8 @@ class Sinks:
     _listed_at: float = float("-inf")  # monotonic
     _process: ProcessWriter | None = None  # AERIE_CAPTURE_WRITER=process: shm captures go there
     _process_wait: tuple[float, float] = (0.0, 0.0)  # the batcher's wait and CPU seconds counted so far
+    _threads_wrote: int = 0  # bytes the writer threads put in the shm directory, all told
+    _threads_wrote_listed: int = 0  # ... when the writer process's last listing arrived
     stats: SinkStats = field(default_factory=SinkStats)
 
     def start(self) -> None:
@@ -293,7 +295,8 @@ class Sinks:
         threads = self.config.writers
         if self.config.writer == "process":
             process = ProcessWriter(self.config.shm_dir, self.config.ring_bytes, self.config.writers,
-                                    self._process_done, self._queue.put)
+                                    self._process_done, self._queue.put, self._process_listed,
+                                    list_s=SHM_LIST_S, ttl_s=self.config.ttl_s)
             try:
                 process.start()
             except WriterProcessError as e:
@@ -309,18 +312,7 @@ class Sinks:
 
     # --- accounting (scheduler thread) ----------------------------------------------------
     def shm_bytes(self) -> int:
-        total = 0
-        try:
-            with os.scandir(self.config.shm_dir) as it:
-                for entry in it:
-                    if OWN_NAME.fullmatch(entry.name) and not entry.name.endswith(ERROR_SUFFIX):
-                        try:
-                            total += entry.stat(follow_symlinks=False).st_size
-                        except FileNotFoundError:  # claimed meanwhile
-                            pass
-        except FileNotFoundError:
-            pass
-        return total
+        return own_bytes(self.config.shm_dir)
 
     def list_shm(self) -> None:
         """List the shm directory: its figure becomes what is there now, plus what the writers put
@@ -403,6 +395,20 @@ class Sinks:
         else:
             self._queue.put(capture)
 
+    def _process_listed(self, listed: int, process_since: int, seconds: float) -> None:
+        """The writer process listed the shm directory (it lists and sweeps it every SHM_LIST_S in
+        this mode: a listing stats every file, and each stat in the server would let the
+        scheduler thread's GIL go): `listed` bytes, and `process_since` bytes it wrote since that
+        listing began. What the writer threads wrote since the previous listing counts on top
+        (counted twice if the listing saw it too: never less)."""
+        with self._lock:
+            self._shm_listed = listed
+            self._shm_since = process_since + self._threads_wrote - self._threads_wrote_listed
+            self._threads_wrote_listed = self._threads_wrote
+            self._listed_at = time.monotonic()
+            self.stats.listings += 1
+            self.stats.listing_s += seconds
+
     def _process_done(self, captures: list[Capture], written: set[str], reply: dict) -> None:
         """The writer process is done with these captures: those in `written` are files in the
         shm directory now, the others error notes (the writer process, or its end, wrote them)."""
@@ -441,7 +447,7 @@ class Sinks:
             now = time.monotonic()
             if not sweeper:
                 continue
-            if now - self._listed_at > SHM_LIST_S:
+            if now - self._listed_at > SHM_LIST_S and self._process is None:  # the writer process lists it
                 self.list_shm()
             if self.stats.captures != logged and now - last_log > STATS_LOG_S:
                 last_log, logged = now, self.stats.captures
@@ -458,7 +464,7 @@ class Sinks:
             if s3 is not None and (sweep or (self._s3_waiting and now - last_listing > S3_REFRESH_S)):
                 last_listing = now
                 self._sweep_s3(s3, expire=sweep)
-            if sweep:
+            if sweep and self._process is None:  # the writer process sweeps it
                 last_sweep = now
                 self._sweep()
 
@@ -478,6 +484,7 @@ class Sinks:
             write_capture(self.config.shm_dir, capture.capture_id, [head, *parts])
             with self._lock:
                 self._shm_since += capture.nbytes
+                self._threads_wrote += capture.nbytes
         elif capture.sink == "s3":
             assert s3 is not None and self.config.s3 is not None
             body_sha = hashlib.sha256(head)
@@ -529,21 +536,6 @@ class Sinks:
                 self._s3_waiting.pop(o.key, None)
 
     def _sweep(self) -> None:
-        """Delete captures nobody claimed within ttl_s (their client died): the plugin's own
-        names only, never through a symlink."""
-        cutoff = time.time() - self.config.ttl_s
-        try:
-            with os.scandir(self.config.shm_dir) as it:
-                for entry in it:
-                    if not OWN_NAME.fullmatch(entry.name):
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                            os.unlink(entry.path)
-                            logger.warning("aerie capture: deleted unclaimed %s (older than %ss)", entry.path, self.config.ttl_s)
-                    except FileNotFoundError:
-                        pass
-        except FileNotFoundError:
-            pass
+        """Delete captures nobody claimed within ttl_s (capture_files.sweep)."""
+        sweep_dir(self.config.shm_dir, self.config.ttl_s, logger)
 

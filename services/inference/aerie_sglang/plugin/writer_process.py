@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aerie_sglang.plugin.capture_files import ITEMSIZE, header, write_capture, write_error_note
+from aerie_sglang.plugin.capture_files import ITEMSIZE, header, own_bytes, sweep, write_capture, write_error_note
 
 logger = logging.getLogger("aerie_sglang.capture")
 
@@ -121,6 +121,7 @@ class _Channel:
     proc: subprocess.Popen
     inflight: dict[int, tuple[_Region, list]] = field(default_factory=dict)
     dead: bool = False
+    wrote: int = 0  # bytes of the files its replies said it wrote, all told
 
 
 @dataclass
@@ -142,11 +143,15 @@ class ProcessWriter:
     """The server's side of the writer process: `submit` takes captures from the scheduler thread
     (a queue put), the batcher and reader threads do the rest (the module docstring)."""
 
-    def __init__(self, directory: Path, ring_bytes: int, threads: int, on_done, fallback):
+    def __init__(self, directory: Path, ring_bytes: int, threads: int, on_done, fallback, on_listed,
+                 list_s: float = 1.0, ttl_s: float = 900.0):
         """`on_done(captures, written_ids, reply)` settles the sink's accounting for a group;
-        `fallback(capture)` writes a capture in-process (one larger than the ring)."""
+        `fallback(capture)` writes a capture in-process (one larger than the ring);
+        `on_listed(bytes listed, bytes written since, seconds)` takes the writer process's listing
+        of the directory (it lists it every `list_s` and deletes captures older than `ttl_s`)."""
         self.directory, self.ring_bytes, self.threads = directory, ring_bytes, threads
-        self._on_done, self._fallback = on_done, fallback
+        self.list_s, self.ttl_s = list_s, ttl_s
+        self._on_done, self._fallback, self._on_listed = on_done, fallback, on_listed
         self._queue: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._seq = 0
@@ -178,7 +183,8 @@ class ProcessWriter:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "aerie_sglang.plugin.writer_process", "--fd", str(self.ring.fd),
-                 "--size", str(self.ring.size), "--dir", str(self.directory), "--threads", str(self.threads)],
+                 "--size", str(self.ring.size), "--dir", str(self.directory), "--threads", str(self.threads),
+                 "--list-s", str(self.list_s), "--ttl-s", str(self.ttl_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.ring.fd,), env=env)
         except OSError as e:
             raise WriterProcessError(f"AERIE_CAPTURE_WRITER=process: the writer process could not start ({e})") from None
@@ -274,11 +280,17 @@ class ProcessWriter:
         for raw in channel.proc.stdout:
             try:
                 reply = json.loads(raw)
+                if "listed" in reply:  # its listing of the directory
+                    with self._cond:
+                        since = max(0, channel.wrote - int(reply["wrote_before"]))
+                    self._on_listed(int(reply["listed"]), since, float(reply.get("seconds", 0.0)))
+                    continue
                 seq = int(reply["seq"])
             except (ValueError, KeyError, TypeError):
                 logger.error("aerie capture: the writer process said %r, not a reply", raw[:200])
                 continue
             with self._cond:
+                channel.wrote += int(reply.get("bytes", 0))
                 held = channel.inflight.pop(seq, None)
                 if held is not None:
                     assert self.ring is not None
@@ -349,14 +361,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--dir", type=Path, required=True)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--list-s", type=float, default=1.0, help="how often the directory is listed (and its total sent)")
+    p.add_argument("--ttl-s", type=float, default=900.0, help="captures older than this are deleted")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s aerie capture writer process: %(message)s")
     ring = memoryview(mmap.mmap(args.fd, args.size, prot=mmap.PROT_READ))
     out = sys.stdout.buffer
     out_lock = threading.Lock()
+    wrote = [0]  # bytes of the files written, all told (under out_lock)
+
+    def say(message: dict) -> None:
+        with out_lock:
+            out.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            out.flush()
     pool = ThreadPoolExecutor(max(1, args.threads), thread_name_prefix="aerie-capture-writer")
 
-    def write_one(capture: dict) -> tuple[bool, float, float, float]:
+    def write_one(capture: dict) -> tuple[bool, float, float, float, int]:
         started, cpu = time.perf_counter(), time.thread_time()
         capture_id = str(capture.get("id"))
         try:
@@ -373,8 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             for part in parts:
                 sha.update(part)
             hashed = time.perf_counter()
-            write_capture(args.dir, capture_id, [header(entries, dict(capture["metadata"], sha256=sha.hexdigest())), *parts])
-            return True, hashed - started, time.perf_counter() - hashed, time.thread_time() - cpu
+            head = header(entries, dict(capture["metadata"], sha256=sha.hexdigest()))
+            write_capture(args.dir, capture_id, [head, *parts])
+            with out_lock:
+                wrote[0] += len(head) + sum(len(part) for part in parts)
+            return True, hashed - started, time.perf_counter() - hashed, time.thread_time() - cpu, len(head) + sum(map(len, parts))
         except OSError as e:  # write_capture left an error note
             logging.error("capture %s: %s", capture_id, e)
         except Exception as e:  # a malformed request: the server's bug, but its client must not wait forever
@@ -383,20 +406,35 @@ def main(argv: list[str] | None = None) -> int:
                 write_error_note(args.dir, capture_id, f"the SGLang server's capture writer process refused it: {e}")
             except ValueError:  # not even a capture id
                 pass
-        return False, time.perf_counter() - started, 0.0, time.thread_time() - cpu
+        return False, time.perf_counter() - started, 0.0, time.thread_time() - cpu, 0
 
     def write_group(request: dict) -> None:
         futures = [(c.get("id"), pool.submit(write_one, c)) for c in request.get("captures", ())]
-        written, hash_s, write_s, cpu_s = [], 0.0, 0.0, 0.0
+        written, hash_s, write_s, cpu_s, nbytes = [], 0.0, 0.0, 0.0, 0
         for capture_id, future in futures:
-            ok, h, w, c = future.result()
-            hash_s, write_s, cpu_s = hash_s + h, write_s + w, cpu_s + c
+            ok, h, w, c, n = future.result()
+            hash_s, write_s, cpu_s, nbytes = hash_s + h, write_s + w, cpu_s + c, nbytes + n
             if ok:
                 written.append(capture_id)
-        reply = {"seq": request["seq"], "written": written, "hash_s": hash_s, "write_s": write_s, "cpu_s": cpu_s}
-        with out_lock:
-            out.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
-            out.flush()
+        say({"seq": request["seq"], "written": written, "bytes": nbytes, "hash_s": hash_s, "write_s": write_s, "cpu_s": cpu_s})
+
+    def housekeeping() -> None:
+        """The directory listed every --list-s (a listing stats every file: here, not in the
+        server, where each stat would let the scheduler thread's GIL go) and swept of captures
+        older than --ttl-s."""
+        last_sweep = time.monotonic()
+        while True:
+            time.sleep(args.list_s)
+            started = time.perf_counter()
+            with out_lock:
+                before = wrote[0]
+            listed = own_bytes(args.dir)
+            say({"listed": listed, "wrote_before": before, "seconds": time.perf_counter() - started})
+            if time.monotonic() - last_sweep > min(5.0, args.ttl_s / 4):
+                last_sweep = time.monotonic()
+                sweep(args.dir, args.ttl_s, logging.getLogger("aerie_sglang.capture"))
+
+    threading.Thread(target=housekeeping, name="aerie-capture-housekeeping", daemon=True).start()
 
     # A group's captures run on the pool; a thread per group waits for them and replies, so groups
     # overlap (the server frees ring regions in any order).

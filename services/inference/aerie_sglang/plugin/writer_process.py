@@ -247,28 +247,36 @@ class ProcessWriter:
             while (region := self.ring.take(total)) is None:
                 self._cond.wait(1.0)
         self.stats.ring_wait_s += time.perf_counter() - waited
-        offsets, at = {}, region.start
-        for key, (pointer, n) in spans.items():
-            ctypes.memmove(self.ring.address + at, pointer, n)
-            offsets[key] = at
-            at += -(-n // ALIGN) * ALIGN
-        captures = []
+        try:
+            offsets, at = {}, region.start
+            for key, (pointer, n) in spans.items():
+                ctypes.memmove(self.ring.address + at, pointer, n)
+                offsets[key] = at
+                at += -(-n // ALIGN) * ALIGN
+            captures = [{"id": c.capture_id, "metadata": c.metadata, "tensors": [
+                [name, dtype, shape, offsets[key] + within, n] for name, dtype, shape, key, within, n in layout[id(c)]]}
+                for c in group]
+            with self._cond:
+                if self._channel is None or self._channel.dead:
+                    self.stats.restarts += self._channel is not None
+                    self._channel = self._spawn()
+                self._seq += 1
+                seq = self._seq
+                line = json.dumps({"seq": seq, "captures": captures}, separators=(",", ":")).encode() + b"\n"
+                channel = self._channel
+                channel.inflight[seq] = (region, group)  # from here on its reader settles the group
+                self.stats.groups += 1
+                self.stats.captures += len(group)
+                self.stats.copied_bytes += total
+        except Exception as e:  # nothing of the group went out: its ring space back, error notes
+            with self._cond:
+                self.ring.give_back(region)
+                self._cond.notify_all()
+            logger.exception("aerie capture: %d captures could not go to the writer process", len(group))
+            self._fail(group, f"the SGLang server could not hand it to its capture writer process ({e})")
+            return
         for capture in group:
-            captures.append({"id": capture.capture_id, "metadata": capture.metadata, "tensors": [
-                [name, dtype, shape, offsets[key] + within, n] for name, dtype, shape, key, within, n in layout[id(capture)]]})
             capture.tensors = {}  # the host buffers may go: the ring holds the rows
-        with self._cond:
-            self._seq += 1
-            seq = self._seq
-            if self._channel is None or self._channel.dead:
-                self.stats.restarts += self._channel is not None
-                self._channel = self._spawn()
-            channel = self._channel
-            channel.inflight[seq] = (region, group)
-            self.stats.groups += 1
-            self.stats.captures += len(group)
-            self.stats.copied_bytes += total
-        line = json.dumps({"seq": seq, "captures": captures}, separators=(",", ":")).encode() + b"\n"
         try:
             channel.proc.stdin.write(line)
             channel.proc.stdin.flush()
@@ -299,8 +307,10 @@ class ProcessWriter:
             if held is None:
                 logger.error("aerie capture: the writer process replied for group %d, which it does not hold", seq)
                 continue
-            group = held[1]
-            self._on_done(group, set(reply.get("written", ())), reply)
+            try:
+                self._on_done(held[1], set(reply.get("written", ())), reply)
+            except Exception:  # the reader must go on: the ring space is back already
+                logger.exception("aerie capture: settling a group of the writer process failed")
         code = channel.proc.wait()
         with self._cond:
             channel.dead = True

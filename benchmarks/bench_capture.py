@@ -215,6 +215,52 @@ def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[
         return sum(n for n, _ in done), time.perf_counter() - start, sum(t for _, t in done)
 
 
+class ProcessCPU:
+    """CPU seconds of the server's processes (its HTTP process, scheduler, detokenizer, the
+    plugin's writer process: the launched process and its descendants, from /proc) and of this
+    client, between `take()`s: which process is busy during a pass. A process at ~1 CPU-second
+    per second through a pass is the likely limit (SGLang's HTTP process is one asyncio loop)."""
+
+    def __init__(self, root: int | None):
+        self.root, self.tick = root, os.sysconf("SC_CLK_TCK")
+        self.last = self._now()
+
+    def _now(self) -> dict[str, float]:
+        if self.root is None:
+            return {"client": time.process_time()}
+        stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+        tree, frontier = {self.root}, [self.root]
+        while frontier:
+            parent = frontier.pop()
+            for pid, (ppid, _) in stats.items():
+                if ppid == parent and pid not in tree:
+                    tree.add(pid)
+                    frontier.append(pid)
+        out = {"client": time.process_time()}
+        for pid in sorted(tree & stats.keys()):
+            try:
+                words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            name = " ".join(w.decode(errors="replace") for w in words[:3] if w)[:60] or str(pid)
+            out[name if name not in out else f"{name} [{pid}]"] = stats[pid][1]
+        return out
+
+    def take(self) -> dict[str, float]:
+        now = self._now()
+        spent = {k: round(v - self.last.get(k, 0.0), 3) for k, v in now.items()}
+        self.last = now
+        return spent
+
+
 _PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
 
 
@@ -587,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [rng.integers(100, min(40000, target.vocab_size), args.tokens).tolist() for _ in range(args.prompts)]
     server_info: dict = {}
     with contextlib.ExitStack() as stack:
-        url, log = args.url, ServerLog(None)
+        url, log, cpu = args.url, ServerLog(None), ProcessCPU(None)
         if url is None:
             shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
             if args.sglang_python:
@@ -599,7 +645,7 @@ def main(argv: list[str] | None = None) -> dict:
 
                 env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
                 server = stack.enter_context(capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env))
-            url, log = server.url, ServerLog(server.log_path)
+            url, log, cpu = server.url, ServerLog(server.log_path), ProcessCPU(server.process.pid)
             server_info["start_s"] = server.extra.get("start_s")
         info = httpx.get(url + "/server_info", timeout=30).json()
         served_dtype = args.serve_dtype or ("bfloat16" if args.sglang_python or args.url else "float32")
@@ -619,6 +665,8 @@ def main(argv: list[str] | None = None) -> dict:
             if hasattr(fn, "settle"):
                 fn.settle()
         log.take()
+        cpu.take()
+        cpu_s: dict[str, dict[str, float]] = {name: {} for name in names}  # pass -> process -> CPU seconds
         # Interleaved batch by batch (`--batch` prompts, pass order rotating): a neighbour's load
         # on a shared machine falls on every pass alike, not on whichever pass ran during it.
         tokens = {name: 0 for name in names}
@@ -640,8 +688,11 @@ def main(argv: list[str] | None = None) -> dict:
                     batches = log.take()
                     if batches is not None:
                         batching[name] += batches
+                    spent = cpu.take()  # the pass and its settle (a posted pass's claims: the client's)
+                    for proc, seconds in spent.items():
+                        cpu_s[name][proc] = cpu_s[name].get(proc, 0.0) + seconds
                     samples.append({"round": r, "batch": b, "position": pos, "pass": name, "tokens": n, "seconds": t,
-                                    "server_s": srv, "prefill_batches": batches})  # fmt: skip
+                                    "server_s": srv, "prefill_batches": batches, "cpu_s": spent})  # fmt: skip
             for name, (n, t) in got.items():
                 tokens[name] += n
                 seconds[name] += t
@@ -652,7 +703,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r}: " + ", ".join(f"{k} {got[k][0] / got[k][1]:.1f} tok/s" for k in names), flush=True)
         if args.workers:
             before = run_pass(bare, url, prompts, args.concurrency) if "bare" in names else None
+            cpu.take()
             scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
+            scaling["server_cpu_s"] = {k: v for k, v in cpu.take().items() if k != "client"}  # every worker count's run
             if before is not None:  # bare right before and right after: the server's speed around the extraction
                 scaling["bare_before"] = {"tokens": before[0], "seconds": before[1], "tokens_per_s": before[0] / before[1]}
                 n, t, _ = run_pass(bare, url, prompts, args.concurrency)
@@ -681,6 +734,8 @@ def main(argv: list[str] | None = None) -> dict:
     for s in samples:
         by_pos.setdefault(s["position"], []).append(s["tokens"] / s["seconds"] / tps[s["pass"]])
     result["rate_by_position"] = {str(k): statistics.mean(v) for k, v in sorted(by_pos.items())}  # 1 = the pass's mean
+    # each process's CPU-seconds per second of the pass (the pass's wall time, its settle not counted)
+    result["cpu_per_s"] = {name: {proc: round(v / seconds[name], 3) for proc, v in procs.items()} for name, procs in cpu_s.items()}
     result["server_seconds_per_request"] = {name: server_s[name] / (tokens[name] / args.tokens) for name in names if server_s[name]}
     result["prefill_batches"] = {name: {"count": len(v), "seqs_per_batch": statistics.mean(a for a, _ in v) if v else None,
                                         "tokens_per_batch": statistics.mean(t for _, t in v) if v else None}

@@ -52,7 +52,6 @@ Configuration, read from the environment of the SGLang server when the plugin lo
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue

@@ -42,6 +42,10 @@ time: the post, the wait for the file, the check, the parse; summed over request
         --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
     # the 8B shape: add --make-llama 4096,32 --device cuda --model-dir /tmp/llama8b (SMOLLM2_DIR gives the tokenizer)
 
+Each pass also records each server process's CPU seconds (and the client's) from /proc:
+`cpu_per_s` is CPU-seconds per second of the pass, per process (the HTTP process, the scheduler,
+the detokenizer, the plugin's writer process); a process near 1 is the likely limit.
+
 Checked on the CPU only, at tiny sizes (the CPU launcher through the same path:
 `--sglang-python .venv-sglang/bin/python --launcher aerie_sglang.cpu.launch --serve-dtype float32
 --server-arg=--device --server-arg=cpu ...`); not yet run on a GPU.
@@ -689,8 +693,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if batches is not None:
                         batching[name] += batches
                     spent = cpu.take()  # the pass and its settle (a posted pass's claims: the client's)
-                    for proc, seconds in spent.items():
-                        cpu_s[name][proc] = cpu_s[name].get(proc, 0.0) + seconds
+                    for proc, used in spent.items():
+                        cpu_s[name][proc] = cpu_s[name].get(proc, 0.0) + used
                     samples.append({"round": r, "batch": b, "position": pos, "pass": name, "tokens": n, "seconds": t,
                                     "server_s": srv, "prefill_batches": batches, "cpu_s": spent})  # fmt: skip
             for name, (n, t) in got.items():

@@ -24,6 +24,8 @@ CAPTURE_ID = re.compile(r"[0-9a-f]{32}")
 OWN_NAME = re.compile(r"(?:[0-9a-f]{32}(?:\.safetensors|\.error)|\.[0-9a-f]{32}\.partial)")
 # safetensors' dtype names of the dtypes a capture holds, by the itemsize of each
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+# ... by torch's name of each (`str(tensor.dtype)`: no torch import here)
+DTYPE_NAMES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
 def header(entries: list[tuple[str, str, list[int]]], metadata: dict[str, str]) -> bytes:

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 from aerie_sglang.plugin.capture_files import (  # noqa: F401 (FORMAT_VERSION, SUFFIX: the hooks' names)
-    FORMAT_VERSION, OWN_NAME, SUFFIX, header, own_bytes, sweep as sweep_dir, write_capture,
+    DTYPE_NAMES, FORMAT_VERSION, OWN_NAME, SUFFIX, header, own_bytes, sweep as sweep_dir, write_capture,
 )
 from aerie_sglang.plugin.s3 import S3Client
 from aerie_sglang.plugin.writer_process import ProcessWriter, WriterProcessError
@@ -75,7 +75,6 @@ logger = logging.getLogger("aerie_sglang.capture")
 S3_REFRESH_S = 1.0  # how often uploads waiting to be claimed are re-listed
 SHM_LIST_S = 1.0  # how often the shm directory is listed while the sink runs
 STATS_LOG_S = 2.0  # how often the cost of captures is logged while they run
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class CaptureConfigError(ValueError):
@@ -208,7 +207,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """The safetensors header (8-byte length + JSON, space-padded to 8 bytes) for these tensors
     laid out in the given order."""
-    return header([(name, _DTYPES[t.dtype], list(t.shape)) for name, t in tensors.items()], metadata)
+    return header([(name, DTYPE_NAMES[str(t.dtype)], list(t.shape)) for name, t in tensors.items()], metadata)
 
 
 def planned_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:

@@ -44,13 +44,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aerie_sglang.plugin.capture_files import ITEMSIZE, header, own_bytes, sweep, write_capture, write_error_note
+from aerie_sglang.plugin.capture_files import (
+    DTYPE_NAMES, ITEMSIZE, header, own_bytes, sweep, write_capture, write_error_note,
+)
 
 logger = logging.getLogger("aerie_sglang.capture")
 
 ALIGN = 64  # each host buffer's span starts at a multiple of this in the ring
 GATHER_S = 0.002  # a batch's captures come this close together: a longer gap ends the group
-_SAFETENSORS = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
 class WriterProcessError(RuntimeError):
@@ -344,7 +345,7 @@ def _layout(group: list) -> tuple[dict, dict, list]:
     odd = []
     for capture in group:
         tensors = capture.tensors.values()
-        if not all(t.is_contiguous() and not t.is_cuda and str(t.dtype) in _SAFETENSORS for t in tensors):
+        if not all(t.is_contiguous() and not t.is_cuda and str(t.dtype) in DTYPE_NAMES for t in tensors):
             odd.append(capture)
             continue
         rows = []
@@ -353,7 +354,7 @@ def _layout(group: list) -> tuple[dict, dict, list]:
             pointer, n = t.data_ptr(), t.numel() * t.element_size()
             extent = extents.setdefault(key, [pointer, pointer + n])
             extent[0], extent[1] = min(extent[0], pointer), max(extent[1], pointer + n)
-            rows.append((name, _SAFETENSORS[str(t.dtype)], list(t.shape), key, pointer, n))
+            rows.append((name, DTYPE_NAMES[str(t.dtype)], list(t.shape), key, pointer, n))
         layout[id(capture)] = rows
     spans = {key: (lo, hi - lo) for key, (lo, hi) in extents.items()}
     for rows in layout.values():

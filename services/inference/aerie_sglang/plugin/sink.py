@@ -5,7 +5,9 @@
   write or upload them. The scheduler loop never waits for a disk or the network. One thread
   hashes ~0.75 GB/s on an H200 host. Inside SGLang on the H200, 4 writers and a 2 GiB bound held an
   8B-shaped target's extraction to 0.43-0.69x its bare prefill, 8 writers and 16 GiB to 0.79-0.93x
-  (BENCHMARKS.md, "the sink's writers and bound"): the default is 8 writers.
+  (BENCHMARKS.md, "the sink's writers and bound"): the default is 8 writers. With
+  `AERIE_CAPTURE_WRITER=process` a writer process does this for the shm sink instead, a batch at a
+  time (writer_process.py); the writer threads then write only s3 captures.
 - A capture appears atomically: `shm` writes `.<id>.partial` and renames it to `<id>.safetensors`;
   an S3 PUT is atomic. A client that holds a descriptor waits for the object, reads it, checks it
   (capture id and sha256 in the safetensors header) and deletes it: that is "claiming" it.
@@ -13,7 +15,7 @@
   sink and not yet seen claimed + captures queued in memory + bytes reserved by admitted
   requests. A request that would push them past `max_unclaimed_bytes` is refused at admission
   (`Sinks.admit`), never half-written. The shm directory's share is its last listing plus what
-  the writers put there since: the first writer thread lists it every second, and an admission
+  the writers put there since: the first writer thread (or the writer process) lists it every second, and an admission
   lists it only when that figure would refuse, so a refusal is decided on a fresh listing. A
   listing stats every file: listed at every admission (as it was until 2026-12-04), 256 waiting
   files cost the scheduler thread 0.8 ms per request on a 2-core VM
@@ -25,7 +27,8 @@
   scheduler thread's time in the plugin per capture (admission, rows), the writers' (waiting for
   the device copy, sha256, write) and the listings'.
 - Orphans (a client that died before claiming) stay within that bound, and captures older than
-  `ttl_s` are deleted by the first writer thread, in the shm directory and under the s3 prefix.
+  `ttl_s` are deleted by the first writer thread (in the shm directory: the writer process, when
+  it runs), in the shm directory and under the s3 prefix.
 - Only the plugin's own names are ever counted or deleted: `<32 hex>.safetensors`, its
   `.<32 hex>.partial` and `<32 hex>.error`. The shm directory is private: created 0700 (an
   existing one must be a real directory of the server's user, and is narrowed to 0700), files

@@ -13,6 +13,9 @@ Passes over the same prompts against the same capture server (plugin installed a
           each capture; aux **and** the final state, i.e. (K+1)/K times the JSON path's data
 - binary-posted: the same requests, their captures not read while the pass is timed (claimed
           after it): the server's own ceiling, its sink hashing and writing, no client reading
+- bare-batched, binary-posted-batched: bare and binary-posted with `--post-batch` prompts per
+          HTTP request (SGLang's batch form of /generate), `--concurrency` prompts still in
+          flight: whether SGLang's HTTP process (or this client) limits the per-prompt passes
 - extract-json:   the extractor's `sglang` engine on a JSON run (`SGLangEngine.capture`): aux
                   floats + the top-20 log-probs a JSON run needs as its target signal
 - extract-binary: the same engine on a binary run: aux + final state through the plugin, read
@@ -164,6 +167,46 @@ class Posted(Binary):
         self.posted.clear()
 
 
+class BareBatched:
+    """bare, `post_batch` prompts per HTTP request (SGLang's batch form of `/generate`: a list of
+    `input_ids`, one response per prompt): the same prompts in flight over fewer requests, so that
+    SGLang's HTTP process and this client handle fewer requests a second."""
+
+    def __init__(self, post_batch: int):
+        self.post_batch = post_batch
+
+    def __call__(self, client, batch: list[list[int]]) -> tuple[int, float]:
+        r = client.post("/generate", json={"input_ids": batch, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        r.raise_for_status()
+        out = r.json()
+        assert len(out) == len(batch), (len(out), len(batch))
+        return sum(map(len, batch)), sum(map(_server_s, out))
+
+
+class PostedBatched(Posted):
+    """binary-posted, `post_batch` prompts per HTTP request (as BareBatched): one descriptor per prompt."""
+
+    def __init__(self, post_batch: int):
+        super().__init__()
+        self.post_batch = post_batch
+
+    def __call__(self, client, batch: list[list[int]]) -> tuple[int, float]:
+        import orjson
+
+        from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, reader_for
+
+        if self.reader is None:
+            self.reader = reader_for(client.get("/server_info").json(), "shm")
+        body = capture_body(batch[0], "shm")
+        body["input_ids"] = [list(ids) for ids in batch]
+        r = client.post("/generate", json=body)
+        r.raise_for_status()
+        out = orjson.loads(r.content)
+        assert len(out) == len(batch), (len(out), len(batch))
+        self.posted += [(descriptor_of(one), len(ids)) for one, ids in zip(out, batch)]
+        return sum(map(len, batch)), sum(map(_server_s, out))
+
+
 class EnginePass:
     """The extractor's engine on a run of `transport` (checked once, here): one call captures
     all prompts, `concurrency` requests in flight (`AERIE_ENGINE_CONCURRENCY`), as extraction
@@ -213,9 +256,11 @@ def run_pass(fn, url: str, prompts: list[list[int]], concurrency: int) -> tuple[
     if isinstance(fn, EnginePass):
         start = time.perf_counter()
         return fn(prompts), time.perf_counter() - start, 0.0
-    with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
+    group = getattr(fn, "post_batch", 1)  # prompts per request: `concurrency` prompts in flight either way
+    items = [prompts[i : i + group] for i in range(0, len(prompts), group)] if group > 1 else prompts
+    with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(max(1, concurrency // group)) as pool:
         start = time.perf_counter()
-        done = list(pool.map(lambda ids: fn(client, ids), prompts))
+        done = list(pool.map(lambda item: fn(client, item), items))
         return sum(n for n, _ in done), time.perf_counter() - start, sum(t for _, t in done)
 
 
@@ -223,11 +268,18 @@ class ProcessCPU:
     """CPU seconds of the server's processes (its HTTP process, scheduler, detokenizer, the
     plugin's writer process: the launched process and its descendants, from /proc) and of this
     client, between `take()`s: which process is busy during a pass. A process at ~1 CPU-second
-    per second through a pass is the likely limit (SGLang's HTTP process is one asyncio loop)."""
+    per second through a pass is the likely limit (SGLang's HTTP process is one asyncio loop).
+    Each server process's main thread is also counted alone ("(main thread)"): the scheduler's
+    loop runs there, and its process's figure also holds the plugin's threads."""
 
     def __init__(self, root: int | None):
         self.root, self.tick = root, os.sysconf("SC_CLK_TCK")
         self.last = self._now()
+
+    def _cpu(self, stat: Path) -> tuple[int, float]:
+        """(parent pid, CPU seconds) from a /proc stat file (a process's or one thread's)."""
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick
 
     def _now(self) -> dict[str, float]:
         if self.root is None:
@@ -237,8 +289,7 @@ class ProcessCPU:
             if not entry.name.isdigit():
                 continue
             try:
-                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
-                stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+                stats[int(entry.name)] = self._cpu(Path(entry.path, "stat"))
             except (OSError, IndexError, ValueError):  # gone meanwhile
                 continue
         tree, frontier = {self.root}, [self.root]
@@ -255,7 +306,12 @@ class ProcessCPU:
             except OSError:
                 continue
             name = " ".join(w.decode(errors="replace") for w in words[:3] if w)[:60] or str(pid)
-            out[name if name not in out else f"{name} [{pid}]"] = stats[pid][1]
+            name = name if name not in out else f"{name} [{pid}]"
+            out[name] = stats[pid][1]
+            try:  # its main thread alone: SGLang's scheduler loop runs there, the plugin's writer threads beside it
+                out[f"{name} (main thread)"] = self._cpu(Path(f"/proc/{pid}/task/{pid}/stat"))[1]
+            except (OSError, IndexError, ValueError):
+                pass
         return out
 
     def take(self) -> dict[str, float]:
@@ -576,6 +632,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="prompts per interleaved batch (each pass runs each batch)")
     p.add_argument("--passes", default=",".join(PASSES), help=f"which passes, of {','.join(PASSES)}")
+    p.add_argument("--post-batch", type=int, default=8, help="bare-batched, binary-posted-batched: prompts per HTTP "
+                   "request (--concurrency prompts stay in flight: --concurrency/N requests)")
     p.add_argument("--json-share", type=float, default=1.0, help="the JSON passes (json, extract-json) run this share of "
                    "each batch's prompts (at least one): on a GPU they run at ~1%% of bare, and a whole batch would take minutes")
     p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
@@ -658,6 +716,7 @@ def main(argv: list[str] | None = None) -> dict:
         if advertised(info) is None:
             raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1")
         makers = {"bare": lambda: bare, "json": lambda: as_json, "binary": Binary, "binary-posted": Posted,
+                  "bare-batched": lambda: BareBatched(args.post_batch), "binary-posted-batched": lambda: PostedBatched(args.post_batch),
                   "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency, served_dtype),
                   "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency, served_dtype)}  # fmt: skip
         passes = {name: makers[name]() for name in names}
@@ -725,7 +784,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(sys.argv),
     }  # fmt: skip
     for a, b in (("binary", "json"), ("binary", "bare"), ("binary-posted", "bare"), ("extract-binary", "extract-json"), ("extract-binary", "bare"),
-                 ("json", "bare")):  # fmt: skip
+                 ("json", "bare"), ("binary-posted-batched", "bare-batched"), ("bare-batched", "bare")):  # fmt: skip
         if a in tps and b in tps:
             key = f"{a}_over_{b}".replace("-", "_")
             result[key] = tps[a] / tps[b]
@@ -762,7 +821,7 @@ _STATS = re.compile(  # SinkStats.line: tests/inference/test_plugin_capture.py h
     rf"ms/capture, (?P<writers_cpu_ms>{_F}) on their CPU \(device copy (?P<device_copy_ms>{_F}), sha256 "
     rf"(?P<sha256_ms>{_F}), write (?P<write_ms>{_F})\); (?P<shm_listings>\d+) listings of the shm directory, "
     rf"(?P<ms_per_listing>{_F}) ms each")
-PASSES = ("bare", "json", "binary", "binary-posted", "extract-json", "extract-binary")
+PASSES = ("bare", "json", "binary", "binary-posted", "extract-json", "extract-binary", "bare-batched", "binary-posted-batched")
 REPO = Path(__file__).resolve().parents[1]
 
 if __name__ == "__main__":

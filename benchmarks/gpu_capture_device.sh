@@ -199,6 +199,9 @@ sglang)
   esac
   # PASSES (bench_capture.py's --passes) narrows the interleaved passes, e.g. bare,binary-posted
   [ -z "${PASSES:-}" ] || extra+=(--passes "$PASSES")
+  # POST_BATCH: prompts per HTTP request of the *-batched passes; SERVER_ARGS: more launch_server arguments
+  [ -z "${POST_BATCH:-}" ] || extra+=(--post-batch "$POST_BATCH")
+  for a in ${SERVER_ARGS:-}; do extra+=(--server-arg="$a"); done
   status=0
   python3 benchmarks/bench_capture.py "${common[@]}" "${extra[@]}" --out "$OUT/capture-$tag.json" 2>&1 \
     | tee "$OUT/capture-$tag.log" || status=$?

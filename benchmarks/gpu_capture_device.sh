@@ -189,7 +189,7 @@ sglang)
   [ -z "${PLUGIN_DIR:-}" ] || sink+=(--plugin-dir "$PLUGIN_DIR")
   tag=${TAG:-$model}
   common=("${sink[@]}" --sglang-python python3 --server-env PYTHONPATH=/tmp/sgsite:/tmp/site_dg --model "$smol" --tokens 512
-          --concurrency 32 --batch 32 --rounds "${ROUNDS:-2}" --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
+          --concurrency 32 --batch "${BATCH:-32}" --rounds "${ROUNDS:-2}" --workers "${WORKERS:-1,2,4,8}" --log-dir "$OUT/logs-$tag"
           --server-arg=--attention-backend --server-arg=triton --server-arg=--sampling-backend --server-arg=pytorch
           --server-arg=--mem-fraction-static --server-arg=0.5 --server-arg=--watchdog-timeout --server-arg="${WATCHDOG_S:-120}")
   case $model in

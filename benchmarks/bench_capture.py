@@ -49,9 +49,12 @@ Each pass also records each server process's CPU seconds (and the client's) from
 `cpu_per_s` is CPU-seconds per second of the pass, per process (the HTTP process, the scheduler,
 the detokenizer, the plugin's writer process); a process near 1 is the likely limit.
 
-Checked on the CPU only, at tiny sizes (the CPU launcher through the same path:
+Checked on the CPU at tiny sizes through the same path (the CPU launcher:
 `--sglang-python .venv-sglang/bin/python --launcher aerie_sglang.cpu.launch --serve-dtype float32
---server-arg=--device --server-arg=cpu ...`); not yet run on a GPU.
+--server-arg=--device --server-arg=cpu ...`), and run on the H200 by `gpu_capture_device.sh sglang`
+(BENCHMARKS.md, sessions 8-15). In session 15's runs and before, `cpu_per_s` also counted the
+gap after each pass (its settle, the log's reading): SGLang's scheduler loop polls while idle,
+so its figure was inflated where samples are short. It now counts the pass alone.
 
 Measured 2026-12-02:
 - 2-core CPU shared with other jobs (load average 6-15), SmolLM2 fp32, 8 prompts, c=4, 2 rounds:
@@ -742,7 +745,9 @@ def main(argv: list[str] | None = None) -> dict:
             got = {name: [0, 0.0] for name in names}
             for b, start in enumerate(range(0, len(prompts), args.batch)):
                 for pos, name in enumerate(names[b % len(names) :] + names[: b % len(names)]):
+                    cpu.take()  # the gap since the last pass (its settle, the log's reading) is no pass's
                     n, t, srv = run_pass(passes[name], url, prompts[start : start + share(name, args.batch)], args.concurrency)
+                    spent = cpu.take()  # the pass alone: SGLang's scheduler loop polls while idle, so a gap would count too
                     if hasattr(passes[name], "settle"):  # outside the pass's timing
                         passes[name].settle()
                     got[name][0] += n
@@ -751,7 +756,6 @@ def main(argv: list[str] | None = None) -> dict:
                     batches = log.take()
                     if batches is not None:
                         batching[name] += batches
-                    spent = cpu.take()  # the pass and its settle (a posted pass's claims: the client's)
                     for proc, used in spent.items():
                         cpu_s[name][proc] = cpu_s[name].get(proc, 0.0) + used
                     samples.append({"round": r, "batch": b, "position": pos, "pass": name, "tokens": n, "seconds": t,
@@ -797,7 +801,7 @@ def main(argv: list[str] | None = None) -> dict:
     for s in samples:
         by_pos.setdefault(s["position"], []).append(s["tokens"] / s["seconds"] / tps[s["pass"]])
     result["rate_by_position"] = {str(k): statistics.mean(v) for k, v in sorted(by_pos.items())}  # 1 = the pass's mean
-    # each process's CPU-seconds per second of the pass (the pass's wall time, its settle not counted)
+    # each process's CPU-seconds per second of the pass (from right before to right after it: its settle not counted)
     result["cpu_per_s"] = {name: {proc: round(v / seconds[name], 3) for proc, v in procs.items()} for name, procs in cpu_s.items()}
     result["server_seconds_per_request"] = {name: server_s[name] / (tokens[name] / args.tokens) for name in names if server_s[name]}
     result["prefill_batches"] = {name: {"count": len(v), "seqs_per_batch": statistics.mean(a for a, _ in v) if v else None,

@@ -406,9 +406,10 @@ def main(argv: list[str] | None = None) -> int:
             hashed = time.perf_counter()
             head = header(entries, dict(capture["metadata"], sha256=sha.hexdigest()))
             write_capture(args.dir, capture_id, [head, *parts])
+            nbytes = len(head) + sum(map(len, parts))
             with out_lock:
-                wrote[0] += len(head) + sum(len(part) for part in parts)
-            return True, hashed - started, time.perf_counter() - hashed, time.thread_time() - cpu, len(head) + sum(map(len, parts))
+                wrote[0] += nbytes
+            return True, hashed - started, time.perf_counter() - hashed, time.thread_time() - cpu, nbytes
         except OSError as e:  # write_capture left an error note
             logging.error("capture %s: %s", capture_id, e)
         except Exception as e:  # a malformed request: the server's bug, but its client must not wait forever

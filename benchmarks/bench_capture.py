@@ -127,16 +127,25 @@ class Binary:
 
     def _post(self, client, ids: list[int]) -> tuple[object, float]:
         """Post one capture request -> (its capture's descriptor, the server's seconds for it)."""
+        return self._post_all(client, [ids], batched=False)[0]
+
+    def _post_all(self, client, prompts: list[list[int]], batched: bool = True) -> list[tuple[object, float]]:
+        """Post `prompts` in one request (SGLang's batch form of /generate unless `batched` is
+        False and there is one) -> (descriptor, the server's seconds) for each."""
         import orjson
 
         from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, reader_for
 
         if self.reader is None:
             self.reader = reader_for(client.get("/server_info").json(), "shm")
-        r = client.post("/generate", json=capture_body(ids, "shm"))
+        body = capture_body(prompts[0], "shm")
+        if batched:
+            body["input_ids"] = [list(ids) for ids in prompts]
+        r = client.post("/generate", json=body)
         r.raise_for_status()
-        body = orjson.loads(r.content)
-        return descriptor_of(body), _server_s(body)
+        out = orjson.loads(r.content) if batched else [orjson.loads(r.content)]
+        assert len(out) == len(prompts), (len(out), len(prompts))
+        return [(descriptor_of(one), _server_s(one)) for one in out]
 
     def _claim(self, descriptor, n: int) -> None:
         """Wait for, check (sha256) and delete one capture of n tokens."""
@@ -194,20 +203,9 @@ class PostedBatched(Posted):
         self.post_batch = post_batch
 
     def __call__(self, client, batch: list[list[int]]) -> tuple[int, float]:
-        import orjson
-
-        from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, reader_for
-
-        if self.reader is None:
-            self.reader = reader_for(client.get("/server_info").json(), "shm")
-        body = capture_body(batch[0], "shm")
-        body["input_ids"] = [list(ids) for ids in batch]
-        r = client.post("/generate", json=body)
-        r.raise_for_status()
-        out = orjson.loads(r.content)
-        assert len(out) == len(batch), (len(out), len(batch))
-        self.posted += [(descriptor_of(one), len(ids)) for one, ids in zip(out, batch)]
-        return sum(map(len, batch)), sum(map(_server_s, out))
+        posted = self._post_all(client, batch)
+        self.posted += [(descriptor, len(ids)) for (descriptor, _), ids in zip(posted, batch)]
+        return sum(map(len, batch)), sum(server_s for _, server_s in posted)
 
 
 class EnginePass:

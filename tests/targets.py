@@ -22,7 +22,9 @@ in the checkpoint layout of the real models (one tensor per expert projection:
 `mlp.experts.{e}.gate_proj.weight`; transformers 5 fuses them in memory and SGLang reads them one by
 one). Some defaults are changed so that a wrong wiring shows: random norm weights (not ones),
 a random `e_score_correction_bias` (not zeros) and a router with a wide score spread (no near-ties
-between experts, so both engines route every token the same way).
+between experts, so both engines route every token the same way). And some so that a drafter has
+something to learn and learns it from the states (`_SPREAD`): peaked next-token logits, states made
+by the layers.
 
 The tokenizer is SmolLM2's (from the converted default target), so the vocab is 49152 and the
 project's data and chat template apply. Built once per source of this module under
@@ -75,6 +77,19 @@ MINIATURE = {
     "topk_group": 2,
     "torch_dtype": "float32",
 }
+
+
+# Weights drawn at another spread than transformers' init (normal, std `initializer_range` 0.02
+# everywhere), by module name: std. At 0.02 the target's next-token distribution is flat (entropy
+# 10.79 nats, ln 49152 = 10.80): a drafter has nothing to learn (its loss stays at 15.2, its
+# first draft is the target's next token at 0.19 of held-out positions) and its served acceptance
+# is whichever way the near-ties fall on the machine (1.15 with AVX2 kernels, 2.21 with AVX-512,
+# one source). `lm_head` at 0.4 makes the logits peaked (entropy 6.4 nats); the residual writers
+# `o_proj` and `down_proj` (dense, shared and routed experts) at 0.16 and the embeddings at 0.002
+# make the states the layers' work rather than the current token's embedding, so the drafter reads
+# them (first draft right at 0.73 of positions fed the trained points, 0.58 fed the neighbouring
+# layers, 0.55 fed zeros). Measured with benchmarks/bench_tiny_target.py (BENCHMARKS.md).
+_SPREAD = {"lm_head": 0.4, "o_proj": 0.16, "down_proj": 0.16, "embed_tokens": 0.002}
 
 
 def real_config() -> dict:
@@ -145,6 +160,13 @@ def checkpoint_tensors(model) -> dict:
     return tensors
 
 
+def _module_name(param: str) -> str:
+    """`model.layers.1.mlp.shared_experts.down_proj.weight` -> `down_proj`; a fused expert tensor
+    (`model.layers.1.mlp.experts.down_proj`) is a parameter of its own name."""
+    parts = param.split(".")
+    return parts[-2] if parts[-1] == "weight" else parts[-1]
+
+
 def _build(out: Path, smollm2_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -163,6 +185,8 @@ def _build(out: Path, smollm2_path: Path) -> None:
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
             elif name.endswith("mlp.gate.weight"):  # router: scores well apart
                 param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            elif std := _SPREAD.get(_module_name(name)):
+                param.copy_(std * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))

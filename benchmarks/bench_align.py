@@ -56,7 +56,7 @@ def measure(work: Path, args) -> dict[str, dict]:
     from aerie.store import FsStore
     from aerie.target import smollm2
     from aerie_extractor.align import neighbour_layer_ids
-    from tests.quantized import PER_CHANNEL, smollm2_int4
+    from tests.quantized import PER_CHANNEL, smollm2_quantized
     from tests.runs import hidden_run_folder, upload_run
     from tests.sglang_server import capture_server
 
@@ -74,8 +74,8 @@ def measure(work: Path, args) -> dict[str, dict]:
     ids = neighbour_layer_ids(POINTS, "sglang-llama", 30)
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(work / "shm")}
     configurations = [("float32", model, "float32", ["sharegpt", "deeper", "f32"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
-                      ("int4-g32", smollm2_int4(cache, model), "float32", ["sharegpt"]),
-                      ("int4-channel", smollm2_int4(cache, model, PER_CHANNEL), "float32", ["sharegpt"])]
+                      ("int4-g32", smollm2_quantized(cache, model), "float32", ["sharegpt"]),
+                      ("int4-channel", smollm2_quantized(cache, model, PER_CHANNEL), "float32", ["sharegpt"])]
     figures: dict[str, dict] = {}
     for name, folder, dtype, runs in [c for c in configurations if not args.only or c[0] in args.only]:
         with capture_server(folder, layer_ids=ids, dtype=dtype, env=env, log_dir=work / "logs") as server:

@@ -1,19 +1,20 @@
-"""Quantized serving targets for the tests: SmolLM2-135M's weights round-tripped through 4-bit
-quantization, saved as plain model folders.
+"""Quantized serving targets for the tests: SmolLM2-135M's weights round-tripped through 4- or
+3-bit quantization, saved as plain model folders.
 
-    folder = smollm2_int4(cache_dir, smollm2_path)               # groups of 32 (test_align.py)
-    folder = smollm2_int4(cache_dir, smollm2_path, PER_CHANNEL)  # one group per output row
+    folder = smollm2_quantized(cache_dir, smollm2_path)                  # 4 bits, groups of 32 (test_align.py)
+    folder = smollm2_quantized(cache_dir, smollm2_path, PER_CHANNEL, 3)  # 3 bits, one group per output row
 
 The seed's failure in miniature: a drafter is trained on states of the unquantized model and
-served on an INT4 one (the seed's Kimi-K2 deployment is INT4 with 32-weight groups). Every linear
-weight of the decoder layers (q, k, v, o, gate, up, down) is quantized round-to-nearest,
-asymmetric, 4 bits per weight with one scale and zero point per `group` consecutive input weights
-(GROUP = 32; PER_CHANNEL: a whole row, the coarser INT4 layout), then dequantized back and stored
-in the source's dtype (bf16). Measured (BENCHMARKS.md "Alignment"): groups of 32 keep the residual
-stream at cosine 0.9965 / 0.980 / 0.969 (points 2 / 15 / 27), per-channel at 0.991 / 0.963 / 0.935. Embeddings (tied with the lm_head)
-and norms stay as they are, as INT4 checkpoints keep them. The folder has no
-`quantization_config`: SGLang serves the dequantized weights as a plain model, so it computes
-what an INT4 kernel computes up to the kernel's own rounding.
+served on a quantized one (the seed's Kimi-K2 deployment is INT4 with 32-weight groups). Every
+linear weight of the decoder layers (q, k, v, o, gate, up, down) is quantized round-to-nearest,
+asymmetric, `bits` per weight (BITS = 4) with one scale and zero point per `group` consecutive
+input weights (GROUP = 32; PER_CHANNEL: a whole row, the coarser layout), then dequantized back and
+stored in the source's dtype (bf16). Measured (BENCHMARKS.md "Alignment"): 4 bits in groups of 32
+keep the residual stream at cosine 0.9965 / 0.980 / 0.969 (points 2 / 15 / 27), 4 bits per channel
+at 0.991 / 0.963 / 0.935. Embeddings (tied with the lm_head) and norms stay as they are, as INT4
+checkpoints keep them. The folder has no `quantization_config`: SGLang serves the dequantized
+weights as a plain model, so it computes what an integer kernel computes up to the kernel's own
+rounding.
 
 Only safetensors and torch tensors: no transformers model load. Built once per source of this
 module and per source weights under `<cache>/test-targets/`, like the SmolLM2 conversion.
@@ -58,7 +59,7 @@ def is_quantized(name: str) -> bool:
     return ".layers." in name and name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED
 
 
-def smollm2_int4(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = GROUP) -> Path:
+def smollm2_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = GROUP, bits: int = BITS) -> Path:
     """The quantized SmolLM2 folder (config, tokenizer, model.safetensors), built once."""
     source = Path(smollm2_path)
     h = hashlib.sha256(Path(__file__).read_bytes())
@@ -66,16 +67,16 @@ def smollm2_int4(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, 
 
     h.update(describe(source).weights_sha256.encode())
     layout = f"g{group}" if group else "channel"
-    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{BITS}-{layout}-{h.hexdigest()[:16]}"
+    out = Path(cache_dir).expanduser() / "test-targets" / f"smollm2-int{bits}-{layout}-{h.hexdigest()[:16]}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building it: wait for it
         if not (out / "model.safetensors").is_file():
-            _build(out, source, group)
+            _build(out, source, group, bits)
     return out
 
 
-def _build(out: Path, source: Path, group: int) -> None:
+def _build(out: Path, source: Path, group: int, bits: int) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(source / "model.safetensors"))
@@ -83,7 +84,7 @@ def _build(out: Path, source: Path, group: int) -> None:
     if len(done) != 7 * json.loads((source / "config.json").read_text())["num_hidden_layers"]:
         raise AssertionError(f"{source}: found {len(done)} decoder linear weights to quantize")
     for name in done:
-        tensors[name] = quantize_dequantize(tensors[name], BITS, group).contiguous()
+        tensors[name] = quantize_dequantize(tensors[name], bits, group).contiguous()
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -95,7 +96,8 @@ def _build(out: Path, source: Path, group: int) -> None:
     os.replace(tmp, out)
 
 
-def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = PER_CHANNEL):
+def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = PER_CHANNEL,
+                         bits: int = BITS):
     """The shared trained drafter's twin (tests/trained.py: same conversations, same training), its
     states and target signal taken from the quantized SmolLM2: the drafter that matches a quantized
     serving target. No speculative-decoding evaluation in training (the test serves it instead).
@@ -108,7 +110,7 @@ def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.Pa
     from tests.runs import hidden_run_folder, upload_run
     from tests.trained import SIZE, Trained, source_digest, train_config
 
-    target = smollm2_int4(cache_dir, smollm2_path, group)
+    target = smollm2_quantized(cache_dir, smollm2_path, group, bits)
     size = SIZES[SIZE]
     run_folder = hidden_run_folder(cache_dir, target, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
     config = train_config().model_copy(update={"eval_prompts": 0})
@@ -122,9 +124,9 @@ def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.Pa
 
             shutil.rmtree(folder, ignore_errors=True)
             store = FsStore(folder / "store")
-            upload_run(store, run_folder, "sharegpt-int4")
+            upload_run(store, run_folder, f"sharegpt-int{bits}")
             started = time.monotonic()
-            request = TrainRequest(runs=["sharegpt-int4"], drafter="smol-int4-eagle3", model=str(target), config=config)
+            request = TrainRequest(runs=[f"sharegpt-int{bits}"], drafter=f"smol-int{bits}-eagle3", model=str(target), config=config)
             result = stages.train(store, Settings(store=f"file://{store.root}"), request).model_dump(mode="json")
             result["train_wall_s"] = time.monotonic() - started
             stages.pull(store, request.drafter, folder / "pulled")

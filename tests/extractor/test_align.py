@@ -62,9 +62,9 @@ def server_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def int4_folder(cache_dir, smollm2_path) -> Path:
-    from tests.quantized import smollm2_int4
+    from tests.quantized import smollm2_quantized
 
-    return smollm2_int4(cache_dir, smollm2_path)
+    return smollm2_quantized(cache_dir, smollm2_path)
 
 
 @pytest.fixture(scope="module")

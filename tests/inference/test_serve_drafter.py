@@ -128,14 +128,14 @@ def trained_drafter(trained_smol) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- helpers
 
 
-def generate(url: str, prompt_ids: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict]:
+def generate(url: str, prompt_ids: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS, ignore_eos: bool = False) -> list[dict]:
     """Greedy completions through SGLang's /generate (token ids in, ids + meta_info out)."""
     outputs = []
     with httpx.Client(timeout=600.0) as client:
         for ids in prompt_ids:
             started = time.perf_counter()
             response = client.post(url + "/generate", json={
-                "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+                "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos},
             })  # fmt: skip
             response.raise_for_status()
             body = response.json()

@@ -16,10 +16,11 @@ SGLang 0.5.23 through aerie's CPU launcher, and:
   capture points [2, 3, 5]: every state is the one a layer earlier, far from point k (and exactly
   what aerie's DeepSeek rule says those ids mean).
 
-Measured (2026-12-03, `bash scripts/test.sh tests/inference/test_sglang_deepseek.py -s` prints
-them): max abs difference to transformers, float32, 3 prompts (5, 40 and 60 tokens): aux at
-points 2/4/5 at most 1.1e-8 / 2.2e-8 / 3.0e-8 by either path, final state 1.2e-6; the
-Llama-rule capture is 3.6e-2 .. 4.9e-2 from point k and at most 3.0e-8 from point k-1. Two
+Measured (2026-12-04, the target of tests/targets.py with its drawn spreads, state norms ~0.4-3;
+`bash scripts/test.sh tests/inference/test_sglang_deepseek.py -s` prints them): max abs difference
+to transformers, float32, 3 prompts (5, 40 and 60 tokens): aux at points 2/4/5 at most 1.2e-7 /
+2.4e-7 / 2.7e-7 by either path, final state 1.1e-6; the Llama-rule capture is 0.28 .. 0.49 from
+point k and at most 2.5e-7 from point k-1. Two
 servers, started side by side (~25-35 s each to start one after the other; the module took ~95 s
 on a loaded machine that way).
 """

@@ -20,7 +20,7 @@ draft is right at 0.182 against the shared drafter's 0.178 at 4 bits (+0.002 per
 The earlier 4-bit version of this test measured served gaps of +0.075, +0.059 and +0.015 on three
 machines: noise around a small effect.
 
-Cost: training the twin (once per trainer source: ~5 min on 2 idle cores) and two servers side by
+Cost: training the twin (once per trainer source: 157-196 s on 2 idle cores) and two servers side by
 side (a start is mostly one core importing SGLang), each with its prompts in flight at once (one
 batch per verify step instead of one per prompt; measured on the random drafter: outputs and
 verify counts identical to one prompt at a time, 43.4 s -> 13.5 s for six).

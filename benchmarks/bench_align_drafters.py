@@ -39,9 +39,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from aerie.target import smollm2
+    from aerie_trainer import evaluate
     from aerie_trainer.export import load_exported
     from tests.quantized import smollm2_quantized, trained_on_quantized
-    from tests.runs import sharegpt_conversations
+    from tests.runs import held_out_chats
     from tests.trained import trained_drafter
 
     cache = Path(args.cache)
@@ -49,29 +50,11 @@ def main() -> None:
     shared = trained_drafter(cache, source).folder
     points = json.loads((shared / "aerie.json").read_text())["capture_points"]
     tok = AutoTokenizer.from_pretrained(str(source))
-    held_out = []
-    for conv in sharegpt_conversations(args.conversations, 800):
-        messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:600]} for t in conv[:2]]
-        ids = tok.apply_chat_template(messages, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:192]
-        if len(ids) > 32:
-            held_out.append(ids)
+    held_out = held_out_chats(tok, args.conversations, 800, chars=600, max_tokens=192, min_tokens=32)
 
     def first_draft_hits(target: Path, drafter_folder: Path) -> list[float]:
-        """Per conversation: the share of positions where the first draft is the target's next token."""
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        drafter = load_exported(drafter_folder, target)
-        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        shares = []
-        with torch.no_grad():
-            for ids in held_out:
-                o = model(torch.tensor([ids]), output_hidden_states=True)
-                greedy = o.logits[0].argmax(-1)
-                aux = torch.cat([o.hidden_states[p] for p in points], -1)
-                t = len(ids) - 1  # slot j = (token j+1, state j): drafts the token after j+1
-                logits, _, _ = drafter(torch.tensor([ids[1:]]), drafter.project(aux[:, :t].to(device, dtype)), torch.arange(t))
-                shares.append(float((drafter.draft_to_target(logits[0].argmax(-1)) == greedy[1:]).float().mean()))
-        return shares
+        return evaluate.first_draft_right(model, load_exported(drafter_folder, target), held_out, points)
 
     def pooled(shares: list[float]) -> float:
         lengths = [len(ids) - 1 for ids in held_out]

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,13 +54,12 @@ def main() -> None:
     from aerie.target import smollm2
     from aerie_trainer import evaluate
     from aerie_trainer.export import load_exported
-    from tests.runs import hidden_run_folder, sharegpt_conversations, upload_run
+    from tests.runs import held_out_chats, hidden_run_folder, upload_run
 
-    if os.environ.get("AERIE_BENCH_SEED"):
-        targets.SEED = int(os.environ["AERIE_BENCH_SEED"])
+    seed = int(os.environ.get("AERIE_BENCH_SEED") or targets.SEED)
     cache = Path(args.cache)
     smol = smollm2(cache)
-    folder = targets.deepseek_v3_tiny(cache, smol) if not os.environ.get("AERIE_BENCH_SEED") else _seeded(targets, cache, smol)
+    folder = targets.deepseek_v3_tiny(cache, smol, seed)
     model = targets.load_reference(folder)
     tok = AutoTokenizer.from_pretrained(str(folder))
 
@@ -70,7 +68,7 @@ def main() -> None:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     prompt_ids = [chat([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
-    out: dict = {"target": folder.name, "seed": targets.SEED}
+    out: dict = {"target": folder.name, "seed": seed}
     with torch.no_grad():
         o = model(torch.tensor([prompt_ids[0]]), output_hidden_states=True)
         logp = o.logits[0].log_softmax(-1)
@@ -91,29 +89,13 @@ def main() -> None:
         out["final_loss"], out["simulated_acceptance"] = round(result.final_loss, 4), round(result.simulated_acceptance, 4)
         drafter = load_exported(stages.pull(store, "ds-eagle3", Path(tmp) / "pulled"), folder)
 
-        held_out = []
-        for conv in sharegpt_conversations(24, 500):
-            messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:400]} for t in conv[:2]]
-            ids = chat(messages)[:128]
-            if len(ids) > 16:
-                held_out.append(ids)
-        device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        held_out = held_out_chats(tok, 24, 500, chars=400, max_tokens=128, min_tokens=16)
+        n = out["held_out_positions"] = sum(len(ids) - 1 for ids in held_out)
         teacher_forced = {}
-        with torch.no_grad():
-            for name, points in (("trained_points", POINTS), ("neighbours", NEIGHBOURS), ("deeper", DEEPER), ("zeros", None)):
-                hits = n = 0
-                for ids in held_out:
-                    o = model(torch.tensor([ids]), output_hidden_states=True)
-                    greedy = o.logits[0].argmax(-1)  # the target's token after each position
-                    aux = (torch.cat([o.hidden_states[p] for p in points], -1) if points
-                           else torch.zeros(1, len(ids), len(POINTS) * o.hidden_states[0].shape[-1]))
-                    t = len(ids) - 1  # slot j = (token j+1, state j): drafts the token after j+1
-                    logits, _, _ = drafter(torch.tensor([ids[1:]]), drafter.project(aux[:, :t].to(device, dtype)), torch.arange(t))
-                    hits += int((drafter.draft_to_target(logits[0].argmax(-1)) == greedy[1:]).sum())
-                    n += t
-                teacher_forced[name] = round(hits / n, 4)
+        for name, points in (("trained_points", POINTS), ("neighbours", NEIGHBOURS), ("deeper", DEEPER), ("zeros", POINTS)):
+            shares = evaluate.first_draft_right(model, drafter, held_out, points, zero_states=name == "zeros")
+            teacher_forced[name] = round(sum(a * (len(ids) - 1) for a, ids in zip(shares, held_out)) / n, 4)
         out["teacher_forced_top1"] = teacher_forced
-        out["held_out_positions"] = n
         for name, points in (("trained_points", POINTS), ("neighbours", NEIGHBOURS)):
             r = evaluate.acceptance_length(model, drafter, prompt_ids, points, 32, 3)
             out[f"acceptance_{name}"] = {"acceptance": round(r["acceptance"], 4), "per_prompt": r["acceptance_per_prompt"]}
@@ -121,15 +103,6 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
-
-
-def _seeded(targets, cache: Path, smol: Path) -> Path:
-    """The target from AERIE_BENCH_SEED, in its own folder (the tests' folder is keyed by source only)."""
-    folder = cache / "test-targets" / f"deepseek-v3-tiny-seed{targets.SEED}-{targets.source_key(smol)}"
-    if not (folder / "model.safetensors").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        targets._build(folder, smol)
-    return folder
 
 
 if __name__ == "__main__":

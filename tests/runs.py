@@ -62,6 +62,20 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
     return out
 
 
+def held_out_chats(tokenizer, n: int, skip: int, chars: int, max_tokens: int, min_tokens: int) -> list[list[int]]:
+    """Token ids of ShareGPT conversations after the first `skip` (their first user turn and answer,
+    each cut to `chars` characters, in the tokenizer's chat template; at most `max_tokens`), those
+    longer than `min_tokens`: held-out text for the benchmarks' teacher-forced measures."""
+    out = []
+    for conv in sharegpt_conversations(n, skip):
+        messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:chars]} for t in conv[:2]]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_tokens]
+        if len(ids) > min_tokens:
+            out.append(ids)
+    return out
+
+
 def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
                       shard_sequences: int = 16, signal: str = "final", topk: int = 20, points: list[int] | None = None,
                       dtype: str = "bfloat16") -> Path:

@@ -113,15 +113,17 @@ def source_key(tokenizer_folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike) -> Path:
-    """The tiny DeepSeek-V3 folder (config.json, model.safetensors, SmolLM2's tokenizer), built once."""
+def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, seed: int = SEED) -> Path:
+    """The tiny DeepSeek-V3 folder (config.json, model.safetensors, SmolLM2's tokenizer), built once
+    (another `seed`: another folder)."""
     smollm2_path = Path(smollm2_path)
-    out = Path(cache_dir).expanduser() / "test-targets" / f"deepseek-v3-tiny-{source_key(smollm2_path)}"
+    name = f"deepseek-v3-tiny-{source_key(smollm2_path)}" if seed == SEED else f"deepseek-v3-tiny-seed{seed}-{source_key(smollm2_path)}"
+    out = Path(cache_dir).expanduser() / "test-targets" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process building the same target: wait for it
         if not (out / "model.safetensors").is_file():
-            _build(out, smollm2_path)
+            _build(out, smollm2_path, seed)
     return out
 
 
@@ -167,7 +169,7 @@ def _module_name(param: str) -> str:
     return parts[-2] if parts[-1] == "weight" else parts[-1]
 
 
-def _build(out: Path, smollm2_path: Path) -> None:
+def _build(out: Path, smollm2_path: Path, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
@@ -176,9 +178,9 @@ def _build(out: Path, smollm2_path: Path) -> None:
     smol = json.loads((smollm2_path / "config.json").read_text())  # its special ids (eos = <|im_end|>)
     config = tiny_config(len(tokenizer), smol["bos_token_id"], smol["eos_token_id"])
     hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version")})
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(hf_config).to(torch.float32).eval()
-    generator = torch.Generator().manual_seed(SEED + 1)
+    generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # RMSNorm weights: around 1, not exactly 1

@@ -137,6 +137,27 @@ class HFTarget:
 
 
 @torch.no_grad()
+def first_draft_right(model, drafter: Eagle3Drafter, sequences: list[list[int]], capture_points: list[int],
+                      zero_states: bool = False) -> list[float]:
+    """Teacher-forced, per sequence: the share of positions where the drafter's first draft is the
+    target's greedy next token, given the target's states at `capture_points` (zeros of their
+    shape with `zero_states`: what the drafter gets from the tokens alone). Slot j = (token j+1,
+    state j) drafts the token after position j+1."""
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    shares = []
+    for ids in sequences:
+        aux, greedy = HFTarget(model, capture_points).prefill(ids)
+        if zero_states:
+            aux = torch.zeros_like(aux)
+        t = len(ids) - 1
+        logits, _, _ = drafter(torch.tensor([ids[1:]], device=device), drafter.project(aux[:, :t].to(device, dtype)),
+                               torch.arange(t, device=device))
+        drafts = drafter.draft_to_target(logits[0].argmax(-1)).tolist()
+        shares.append(sum(d == g for d, g in zip(drafts, greedy[1:])) / t)
+    return shares
+
+
+@torch.no_grad()
 def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], capture_points: list[int],
                          max_new_tokens: int, draft_tokens: int, eos_ids: list[int] = ()) -> tuple[list[int], int]:
     """-> (completion token ids, verify count). Greedy, chain drafts (topk 1).

@@ -64,35 +64,63 @@ def measure(work: Path, args) -> dict[str, dict]:
     model = smollm2(cache)
     size = SIZES["default"]
     store = FsStore(work / "store")
-    upload_run(store, hidden_run_folder(cache, model, records=size.records, max_tokens=size.max_tokens, shard_sequences=16),
-               "sharegpt")
+    upload_run(
+        store,
+        hidden_run_folder(cache, model, records=size.records, max_tokens=size.max_tokens, shard_sequences=16),
+        "sharegpt",
+    )
     upload_run(store, hidden_run_folder(cache, model, records=8, max_tokens=96, dtype="float32"), "f32")
-    spec = upload_run(store, hidden_run_folder(cache, model, records=8, max_tokens=96, points=[p + 1 for p in POINTS]), "deeper")
-    store.put_json(layout.run_spec("deeper"), spec.model_copy(update={  # labelled one layer too shallow
-        "capture_points": POINTS, "engine": spec.engine.model_copy(update={"layer_ids": POINTS})}))
+    spec = upload_run(
+        store, hidden_run_folder(cache, model, records=8, max_tokens=96, points=[p + 1 for p in POINTS]), "deeper"
+    )
+    store.put_json(
+        layout.run_spec("deeper"),
+        spec.model_copy(
+            update={  # labelled one layer too shallow
+                "capture_points": POINTS,
+                "engine": spec.engine.model_copy(update={"layer_ids": POINTS}),
+            }
+        ),
+    )
     settings = Settings(store=f"file://{store.root}")
     ids = neighbour_layer_ids(POINTS, "sglang-llama", 30)
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(work / "shm")}
-    configurations = [("float32", model, "float32", ["sharegpt", "deeper", "f32"]), ("bfloat16", model, "bfloat16", ["sharegpt"]),
-                      ("int4-g32", smollm2_quantized(cache, model), "float32", ["sharegpt"]),
-                      ("int4-channel", smollm2_quantized(cache, model, PER_CHANNEL), "float32", ["sharegpt"])]
+    configurations = [
+        ("float32", model, "float32", ["sharegpt", "deeper", "f32"]),
+        ("bfloat16", model, "bfloat16", ["sharegpt"]),
+        ("int4-g32", smollm2_quantized(cache, model), "float32", ["sharegpt"]),
+        ("int4-channel", smollm2_quantized(cache, model, PER_CHANNEL), "float32", ["sharegpt"]),
+    ]
     figures: dict[str, dict] = {}
     for name, folder, dtype, runs in [c for c in configurations if not args.only or c[0] in args.only]:
         with capture_server(folder, layer_ids=ids, dtype=dtype, env=env, log_dir=work / "logs") as server:
             for run_name in runs:
                 started = time.monotonic()
-                report = stages.align(store, settings, AlignRequest(run=run_name, server=server.url, samples=args.samples,
-                                                                     max_tokens=args.max_tokens))
+                report = stages.align(
+                    store,
+                    settings,
+                    AlignRequest(run=run_name, server=server.url, samples=args.samples, max_tokens=args.max_tokens),
+                )
                 label = {"deeper": "off-by-one", "f32": "float32-states"}.get(run_name, name)
                 figures[label] = {
-                    "passed": report.passed, "tokens": report.tokens, "seconds": round(time.monotonic() - started, 1),
-                    "points": {p.point: {"mean": p.at_point.mean, "p1": p.at_point.p1, "min": p.at_point.min,
-                                         "best": p.best_point, "best_cos": p.cosines[p.best_point],
-                                         "neighbours": {q: c for q, c in p.cosines.items() if abs(q - p.point) == 1}}
-                               for p in report.points},
+                    "passed": report.passed,
+                    "tokens": report.tokens,
+                    "seconds": round(time.monotonic() - started, 1),
+                    "points": {
+                        p.point: {
+                            "mean": p.at_point.mean,
+                            "p1": p.at_point.p1,
+                            "min": p.at_point.min,
+                            "best": p.best_point,
+                            "best_cos": p.cosines[p.best_point],
+                            "neighbours": {q: c for q, c in p.cosines.items() if abs(q - p.point) == 1},
+                        }
+                        for p in report.points
+                    },
                     "final": report.signal.final.mean if report.signal and report.signal.final else None,
                     "final_p1": report.signal.final.p1 if report.signal and report.signal.final else None,
-                    "top1": report.signal.top1_agreement if report.signal else None, "causes": report.causes,
+                    "top1": report.signal.top1_agreement if report.signal else None,
+                    "causes": report.causes,
                 }
                 show(label, report.passed, figures[label])
     return figures
@@ -102,8 +130,10 @@ def show(label: str, passed: bool, f: dict) -> None:
     print(f"\n== {label} ({'pass' if passed else 'FAIL'}; {f['tokens']} tokens)")
     for point, p in f["points"].items():
         near = " ".join(f"{q}:{c:.4f}" for q, c in p["neighbours"].items())
-        print(f"  point {point}: mean {p['mean']:.6f} p1 {p['p1']:.6f} min {p['min']:.6f} best {p['best']} "
-              f"({p['best_cos']:.6f}) neighbours {near}")
+        print(
+            f"  point {point}: mean {p['mean']:.6f} p1 {p['p1']:.6f} min {p['min']:.6f} best {p['best']} "
+            f"({p['best_cos']:.6f}) neighbours {near}"
+        )
     print(f"  final: mean {f['final']}, p1 {f['final_p1']}; top-1 {f['top1']:.4f}")
     for cause in f["causes"]:
         print(f"  - {cause}")

@@ -60,8 +60,13 @@ def main() -> None:
         lengths = [len(ids) - 1 for ids in held_out]
         return round(sum(s * n for s, n in zip(shares, lengths)) / sum(lengths), 4)
 
-    out = {"points": points, "conversations": len(held_out), "positions": sum(len(ids) - 1 for ids in held_out),
-           "shared_on_source": pooled(first_draft_hits(source, shared)), "configs": {}}
+    out = {
+        "points": points,
+        "conversations": len(held_out),
+        "positions": sum(len(ids) - 1 for ids in held_out),
+        "shared_on_source": pooled(first_draft_hits(source, shared)),
+        "configs": {},
+    }
     for spec in args.configs.split(","):
         bits, group = (int(x) for x in spec.split(":"))
         target = smollm2_quantized(cache, source, group, bits)
@@ -69,9 +74,13 @@ def main() -> None:
         mine, theirs = first_draft_hits(target, shared), first_draft_hits(target, twin)
         diff = [b - a for a, b in zip(mine, theirs)]
         out["configs"][f"int{bits}-{'channel' if group == 0 else f'g{group}'}"] = {
-            "shared": pooled(mine), "twin": pooled(theirs), "twin_minus_shared_mean": round(statistics.mean(diff), 4),
-            "twin_minus_shared_sd": round(statistics.stdev(diff), 4), "twin_wins": sum(d > 0 for d in diff),
-            "twin_loses": sum(d < 0 for d in diff)}
+            "shared": pooled(mine),
+            "twin": pooled(theirs),
+            "twin_minus_shared_mean": round(statistics.mean(diff), 4),
+            "twin_minus_shared_sd": round(statistics.stdev(diff), 4),
+            "twin_wins": sum(d > 0 for d in diff),
+            "twin_loses": sum(d < 0 for d in diff),
+        }
         print(json.dumps(out["configs"]), flush=True)
     print(json.dumps(out, indent=1))
     if args.json:

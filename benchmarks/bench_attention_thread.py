@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out")
     args = p.parse_args(argv)
 
+    import bench_capture_path  # beside this script: its timing
     import torch
 
-    import bench_capture_path  # beside this script: its timing
     from aerie.contracts import IngestOptions, IngestRequest
     from aerie.settings import Settings
     from aerie.shard import np_dtype
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie_extractor.ingest import build_run_spec
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-attention-thread-")
-    settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
+    settings = Settings(
+        store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf"
+    )
     if args.cache:
         settings = settings.model_copy(update={"cache_dir": Path(args.cache)})
     model = str(smollm2(settings.cache_dir))
@@ -83,7 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
             total += n
         offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
         T = int(offsets[-1])
-        arrays = [np.zeros((T, K, H), fp8), np.zeros((T, H), fp8), np.zeros((T, K, H // block), np.float32), np.zeros((T, H // block), np.float32)]
+        arrays = [
+            np.zeros((T, K, H), fp8),
+            np.zeros((T, H), fp8),
+            np.zeros((T, K, H // block), np.float32),
+            np.zeros((T, H // block), np.float32),
+        ]
         return seqs, offsets, arrays
 
     def bare(s) -> None:
@@ -130,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
         cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(choice != "no-cudnn")
         try:
-            t = timed(capture, warm_set) + timed(bare, warm_set)  # every shape of the warm set once (the engine's thread, this one)
+            t = timed(capture, warm_set) + timed(
+                bare, warm_set
+            )  # every shape of the warm set once (the engine's thread, this one)
             print(f"{choice}: warm-up {t:.3f} s", flush=True)
             samples: dict[str, list[float]] = {}
             for _ in range(args.repeat):
@@ -139,7 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "bare, warm shapes": (bare, warm_set),
                     "capture, warm shapes": (capture, warm_set),
                     "capture, warm shapes, asked by a fresh pool thread": (on_fresh_thread(capture), warm_set),
-                    "capture, warm shapes, run on a fresh pool thread": (on_fresh_thread(on_that_thread(capture)), warm_set),
+                    "capture, warm shapes, run on a fresh pool thread": (
+                        on_fresh_thread(on_that_thread(capture)),
+                        warm_set,
+                    ),
                     "bare, new shapes": (bare, sequences(seed)),
                     "capture, new shapes": (capture, sequences(seed + 1)),
                 }

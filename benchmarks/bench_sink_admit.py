@@ -76,17 +76,34 @@ def main() -> None:
             for _ in range(a.rounds):
                 listing.append(_admit_listing(sinks, a.admissions))
                 now.append(_admit_now(sinks, a.admissions))
-            row = {"files_waiting": files, "us_per_admission_listing_each": [x * 1e6 for x in listing],
-                   "us_per_admission_now": [x * 1e6 for x in now],
-                   "median_listing_each_us": statistics.median(listing) * 1e6, "median_now_us": statistics.median(now) * 1e6}
+            row = {
+                "files_waiting": files,
+                "us_per_admission_listing_each": [x * 1e6 for x in listing],
+                "us_per_admission_now": [x * 1e6 for x in now],
+                "median_listing_each_us": statistics.median(listing) * 1e6,
+                "median_now_us": statistics.median(now) * 1e6,
+            }
             row["now_over_listing_each"] = row["median_now_us"] / row["median_listing_each_us"]
             rows.append(row)
-            print(f"{files:5d} files waiting: listing at each admission {row['median_listing_each_us']:8.1f} us, "
-                  f"now {row['median_now_us']:6.1f} us per admission ({row['now_over_listing_each']:.3f}x)", flush=True)
+            print(
+                f"{files:5d} files waiting: listing at each admission {row['median_listing_each_us']:8.1f} us, "
+                f"now {row['median_now_us']:6.1f} us per admission ({row['now_over_listing_each']:.3f}x)",
+                flush=True,
+            )
     if a.out:
-        Path(a.out).write_text(json.dumps({
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": platform.platform(),
-            "admissions": a.admissions, "rounds": a.rounds, "rows": rows}, indent=1) + "\n")
+        Path(a.out).write_text(
+            json.dumps(
+                {
+                    "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                    "machine": platform.platform(),
+                    "admissions": a.admissions,
+                    "rounds": a.rounds,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

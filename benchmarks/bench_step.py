@@ -147,10 +147,19 @@ def aerie_drafter(shape: dict, device):
     from aerie_trainer.model import DrafterConfig, Eagle3Drafter
 
     H = shape["H"]
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, num_aux=shape["K"], intermediate_size=shape["I"],
-                        num_attention_heads=shape["nh"], num_key_value_heads=shape["nkv"], head_dim=shape["hd"],
-                        rms_norm_eps=1e-5, max_position_embeddings=MAX_POS, vocab_size=shape["V"],
-                        draft_vocab_size=shape["Vd"])
+    cfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=H,
+        num_aux=shape["K"],
+        intermediate_size=shape["I"],
+        num_attention_heads=shape["nh"],
+        num_key_value_heads=shape["nkv"],
+        head_dim=shape["hd"],
+        rms_norm_eps=1e-5,
+        max_position_embeddings=MAX_POS,
+        vocab_size=shape["V"],
+        draft_vocab_size=shape["Vd"],
+    )
     torch.manual_seed(0)
     return construct(lambda: Eagle3Drafter(cfg), device)
 
@@ -172,7 +181,6 @@ def aerie_batch(inp: dict, L: int, steps: int, device):
 
 def build_aerie(shape: dict, B: int, L: int, inp: dict, device, phases: Phases):
     from aerie.contracts import TrainConfig
-
     from aerie_trainer.precision import compute_dtype
     from aerie_trainer.trainer import clip_and_step, lr_at, make_optimizer, pack_stats, read_stats
     from aerie_trainer.ttt import TTT, TargetHead, TTTOutput
@@ -210,9 +218,12 @@ def build_aerie(shape: dict, B: int, L: int, inp: dict, device, phases: Phases):
         state["step"] += 1
         return loss
 
-    info = dict(weights="float32 masters, bf16 compute (one cast per forward)" if dtype else "float32",
-                optimizer=f"AdamW(0.9, 0.95) fused={device.type == 'cuda'} + clip {cfg.grad_clip}",
-                trainable_params=sum(p.numel() for p in params), lr=cfg.lr)
+    info = dict(
+        weights="float32 masters, bf16 compute (one cast per forward)" if dtype else "float32",
+        optimizer=f"AdamW(0.9, 0.95) fused={device.type == 'cuda'} + clip {cfg.grad_clip}",
+        trainable_params=sum(p.numel() for p in params),
+        lr=cfg.lr,
+    )
     return step, info, [drafter, optimizer, target, model, batch]
 
 
@@ -220,8 +231,6 @@ def build_aerie(shape: dict, B: int, L: int, inp: dict, device, phases: Phases):
 # SpecForge (its own modules, imported from the carried source)
 # --------------------------------------------------------------------------------------
 def build_specforge(shape: dict, B: int, L: int, inp: dict, device, phases: Phases, backend: str = "flex_attention"):
-    from transformers import LlamaConfig
-
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
@@ -230,11 +239,23 @@ def build_specforge(shape: dict, B: int, L: int, inp: dict, device, phases: Phas
     from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
     from specforge.training.controller import TrainerCore
     from specforge.training.strategies.base import Eagle3TrainStrategy
+    from transformers import LlamaConfig
 
     H, V = shape["H"], shape["V"]
-    common = dict(hidden_size=H, num_attention_heads=shape["nh"], num_key_value_heads=shape["nkv"],
-                  head_dim=shape["hd"], intermediate_size=shape["I"], vocab_size=V, max_position_embeddings=MAX_POS,
-                  rms_norm_eps=1e-5, hidden_act="silu", num_hidden_layers=1, pad_token_id=0, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=H,
+        num_attention_heads=shape["nh"],
+        num_key_value_heads=shape["nkv"],
+        head_dim=shape["hd"],
+        intermediate_size=shape["I"],
+        vocab_size=V,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        num_hidden_layers=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     dcfg = LlamaConfig(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=shape["Vd"], **common)
     torch.manual_seed(0)
     # build_eagle3_draft: from_config(torch_dtype=bf16) -> freeze_embedding -> .to(device, bf16)
@@ -247,7 +268,8 @@ def build_specforge(shape: dict, B: int, L: int, inp: dict, device, phases: Phas
     draft.freeze_embedding()
     draft = draft.to(device=device, dtype=torch.bfloat16)
     model = OnlineEagle3Model(draft_model=draft, length=TTT_STEPS, attention_backend=backend).to(
-        device=device, dtype=torch.bfloat16)
+        device=device, dtype=torch.bfloat16
+    )
     tmp = tempfile.mkdtemp(prefix="sf_target_")  # TargetHead reads a config folder; the weight is ours
     LlamaConfig(**common).save_pretrained(tmp)
     target_head = construct(lambda: TargetHead(tmp), device)
@@ -257,8 +279,15 @@ def build_specforge(shape: dict, B: int, L: int, inp: dict, device, phases: Phas
     target_head = target_head.eval().to(device=device, dtype=torch.bfloat16)
 
     def optimizer_factory(module):  # its assembly defaults: lr 1e-4, clip 0.5, warmup 0.015, cosine
-        return BF16Optimizer(module, lr=1e-4, max_grad_norm=0.5, warmup_ratio=0.015, lr_scheduler="cosine",
-                             total_steps=10000, offload_master=False)
+        return BF16Optimizer(
+            module,
+            lr=1e-4,
+            max_grad_norm=0.5,
+            warmup_ratio=0.015,
+            lr_scheduler="cosine",
+            total_steps=10000,
+            offload_master=False,
+        )
 
     be = FSDPTrainingBackend(ParallelConfig.from_distributed(), optimizer_factory=optimizer_factory)
     wrapped = be.prepare_model(model, wrap=False, optimizer_target=model.draft_model)
@@ -276,15 +305,24 @@ def build_specforge(shape: dict, B: int, L: int, inp: dict, device, phases: Phas
         "hidden_state": aux[:, :L].contiguous(),
         "target": final[:, :L].contiguous(),
     }
-    batch = TrainBatch(sample_ids=[str(i) for i in range(B)], strategy="eagle3", tensors=tensors,
-                       metadata={"target_repr": "hidden_state"})
+    batch = TrainBatch(
+        sample_ids=[str(i) for i in range(B)],
+        strategy="eagle3",
+        tensors=tensors,
+        metadata={"target_repr": "hidden_state"},
+    )
 
     def step():
         return core.train_step(batch)
 
-    info = dict(attention_backend=backend, weights="bf16 params + fp32 master (BF16Optimizer)",
-                optimizer="BF16Optimizer: AdamW on fp32 masters, clip 0.5", loss="Triton LogSoftmaxLoss",
-                trainable_params=sum(p.numel() for p in draft.parameters() if p.requires_grad), lr=1e-4)
+    info = dict(
+        attention_backend=backend,
+        weights="bf16 params + fp32 master (BF16Optimizer)",
+        optimizer="BF16Optimizer: AdamW on fp32 masters, clip 0.5",
+        loss="Triton LogSoftmaxLoss",
+        trainable_params=sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        lr=1e-4,
+    )
     return step, info, [draft, model, target_head, be, strategy, core, batch]
 
 
@@ -358,11 +396,14 @@ def profile_one(step, device, top=25):
         if t > 0:
             ops.append((t, ev.count, ev.key))
     ops.sort(reverse=True)
-    return dict(wall_ms=round(wall * 1e3, 2), gpu_kernel_ms=round(total / 1e3, 2),
-                kernels=sum(r[1] for r in rows),
-                categories_ms={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-                top_kernels=[dict(ms=round(t / 1e3, 3), n=c, name=k[:140]) for t, c, k in rows[:top]],
-                top_ops_inclusive=[dict(ms=round(t / 1e3, 3), n=c, name=k[:100]) for t, c, k in ops[:top]])
+    return dict(
+        wall_ms=round(wall * 1e3, 2),
+        gpu_kernel_ms=round(total / 1e3, 2),
+        kernels=sum(r[1] for r in rows),
+        categories_ms={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        top_kernels=[dict(ms=round(t / 1e3, 3), n=c, name=k[:140]) for t, c, k in rows[:top]],
+        top_ops_inclusive=[dict(ms=round(t / 1e3, 3), n=c, name=k[:100]) for t, c, k in ops[:top]],
+    )
 
 
 def run_item(item: dict, device, args) -> dict:
@@ -391,8 +432,11 @@ def run_item(item: dict, device, args) -> dict:
         losses.append(loss_of(step()))
     sync(device)
     res["warmup_s"] = round(time.perf_counter() - t0, 2)  # torch.compile / Triton JIT / autotuning happen here
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(args.iters)] if device.type == "cuda" else []
+    events = (
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
+        if device.type == "cuda"
+        else []
+    )
     t1 = time.perf_counter()
     for i in range(args.iters):
         if events:
@@ -460,12 +504,20 @@ def guard_kernels(device) -> dict:
     def teacher():
         full = rnd(3, 5000)
         ids = torch.arange(0, 5000, 7, device=device)
-        kernels.teacher_rows(full, ids, torch.empty(3, len(ids), dtype=full.dtype, device=device),
-                             torch.empty(3, device=device), torch.empty(3, dtype=torch.int64, device=device))
+        kernels.teacher_rows(
+            full,
+            ids,
+            torch.empty(3, len(ids), dtype=full.dtype, device=device),
+            torch.empty(3, device=device),
+            torch.empty(3, dtype=torch.int64, device=device),
+        )
 
     fallbacks = {}
-    for name, run, module in (("chain merge", chain, attention), ("soft cross-entropy", soft_ce, loss),
-                              ("teacher rows", teacher, ttt)):
+    for name, run, module in (
+        ("chain merge", chain, attention),
+        ("soft cross-entropy", soft_ce, loss),
+        ("teacher rows", teacher, ttt),
+    ):
         try:
             run()
             sync(device)
@@ -495,7 +547,7 @@ def check_gpu(device) -> dict:
         k, v = (rnd(B, T, nkv, hd).transpose(1, 2) for _ in range(2))
         ck, cv = rnd(n, B, T, nkv, hd), rnd(n, B, T, nkv, hd)
         res = {"flash_mode": A.flash_mode(q, k)}
-        scale = hd ** -0.5
+        scale = hd**-0.5
         # the merge kernels against the torch merge, same inputs
         o_p, lse_p = A._math_forward(q, k, v, None, scale)
         ko, kl = kernels.chain_merge_forward(q, o_p, lse_p, ck, cv, scale)
@@ -529,16 +581,27 @@ def check_gpu(device) -> dict:
     go = torch.tensor(0.7, device=device)
     kg = kernels.soft_ce_backward(z, t, t_lse, w, tf[1], tf[2], go)
     tg = loss.soft_ce_backward_torch(z, t, t_lse, w, tf[1], tf[2], go)
-    out["loss"] = dict(rows_rel=rel(kf[0], tf[0]), lse_rel=rel(kf[1], tf[1]), sum_p_rel=rel(kf[2], tf[2]),
-                       argmax_equal=bool((kf[3] == tf[3]).all()), grad_rel=rel(kg, tg))
+    out["loss"] = dict(
+        rows_rel=rel(kf[0], tf[0]),
+        lse_rel=rel(kf[1], tf[1]),
+        sum_p_rel=rel(kf[2], tf[2]),
+        argmax_equal=bool((kf[3] == tf[3]).all()),
+        grad_rel=rel(kg, tg),
+    )
     # the teacher kernel against torch's argmax / index_select / logsumexp
     full = rnd(300, 128256) * 3
     ids = torch.randperm(128256, generator=g, device=device)[:32000].sort().values
-    lo, ls, am = torch.empty(300, 32000, dtype=full.dtype, device=device), torch.empty(300, device=device), \
-        torch.empty(300, dtype=torch.int64, device=device)
+    lo, ls, am = (
+        torch.empty(300, 32000, dtype=full.dtype, device=device),
+        torch.empty(300, device=device),
+        torch.empty(300, dtype=torch.int64, device=device),
+    )
     kernels.teacher_rows(full, ids, lo, ls, am)
-    out["teacher"] = dict(logits_equal=bool(torch.equal(lo, full[:, ids])), argmax_equal=bool(torch.equal(am, full.argmax(-1))),
-                          lse_rel=rel(ls, torch.logsumexp(full[:, ids].float(), -1)))
+    out["teacher"] = dict(
+        logits_equal=bool(torch.equal(lo, full[:, ids])),
+        argmax_equal=bool(torch.equal(am, full.argmax(-1))),
+        lse_rel=rel(ls, torch.logsumexp(full[:, ids].float(), -1)),
+    )
     # a linear layer's weight gradient summed in float32 by the matmuls, against bf16 matmuls + float32 sums
     from aerie_trainer import precision
 
@@ -551,7 +614,6 @@ def check_gpu(device) -> dict:
     out["weight_grad_sum"] = dict(rel=rel(w.grad, want), out_dtype_matmuls=precision._MM_OUT_DTYPE.get("cuda", True))
     # the clip folded into the fused AdamW against clip_grad_norm_ then the step
     from aerie.contracts import TrainConfig
-
     from aerie_trainer.trainer import clip_and_step, make_optimizer
 
     start = [torch.randn(300, 200, generator=g, device=device) for _ in range(3)]
@@ -578,13 +640,17 @@ def check_gpu(device) -> dict:
         drafter.set_vocab(inp["draft_ids"])
         drafter.to(device)
         target = TargetHead(inp["head"], drafter.t2d, drafter.d2t, torch.bfloat16)
-        o = ttt_forward(TTT(drafter, TTT_STEPS, 0.8, compute_dtype=dtype), aerie_batch(inp, ttt_L, TTT_STEPS, device), target)
+        o = ttt_forward(
+            TTT(drafter, TTT_STEPS, 0.8, compute_dtype=dtype), aerie_batch(inp, ttt_L, TTT_STEPS, device), target
+        )
         o.loss.backward()
         results.append((o, {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
     (fast, gf), (ref, gr) = results
-    out["ttt_step_bf16_vs_fp32"] = dict(loss=[float(fast.loss), float(ref.loss)],
-                                        step_loss_rel=rel(fast.step_loss, ref.step_loss),
-                                        grad_rel={n: round(rel(gf[n], gr[n]), 5) for n in gr})
+    out["ttt_step_bf16_vs_fp32"] = dict(
+        loss=[float(fast.loss), float(ref.loss)],
+        step_loss_rel=rel(fast.step_loss, ref.step_loss),
+        grad_rel={n: round(rel(gf[n], gr[n]), 5) for n in gr},
+    )
     return out
 
 
@@ -627,12 +693,14 @@ def attention_variants(device):
         if not chain:
             rep = q.shape[1] // base[0].shape[1]
             return torch.nn.functional.scaled_dot_product_attention(
-                q, base[0].repeat_interleave(rep, 1), base[1].repeat_interleave(rep, 1), is_causal=True)
+                q, base[0].repeat_interleave(rep, 1), base[1].repeat_interleave(rep, 1), is_causal=True
+            )
         return reference_chain_step(q, base, chain, causal)
 
     def flex_cache(q, base, chain, L):
         n = len(chain)
         if n not in masks:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return (kv_idx <= q_idx) | ((kv_idx >= L) & (kv_idx % L == q_idx))
 
@@ -641,8 +709,11 @@ def attention_variants(device):
         v = torch.cat([base[1], *[c for _, c in chain]], dim=2)
         return flex(q, k, v, block_mask=masks[n], enable_gqa=True)
 
-    return {"aerie (flash + chain merge)": aerie, "flex attention, growing KV cache": flex_cache,
-            "first implementation (expanded K/V, dense mask)": first}
+    return {
+        "aerie (flash + chain merge)": aerie,
+        "flex attention, growing KV cache": flex_cache,
+        "first implementation (expanded K/V, dense mask)": first,
+    }
 
 
 def bench_attention(device, deadline: float) -> list[dict]:
@@ -730,11 +801,12 @@ def main():
     if device.type != "cuda" and args.plan != "tiny":
         ap.error(f"--device {args.device}: only --tiny runs off a GPU (SpecForge's Triton loss needs one)")
     start = time.perf_counter()
-    env = dict(torch=torch.__version__, python=sys.version.split()[0], device=str(device),
-               command=" ".join(sys.argv))
+    env = dict(torch=torch.__version__, python=sys.version.split()[0], device=str(device), command=" ".join(sys.argv))
     if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(0),
-                   gpu_mem_GiB=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+        env.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_mem_GiB=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        )
     out = dict(env=env, warmup=args.warmup, iters=args.iters, ttt_steps=TTT_STEPS, results=[], skipped=[])
 
     def save():
@@ -772,8 +844,25 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
         out["results"].append(r)
-        log("DONE", json.dumps({k: r.get(k) for k in ("trainer", "shape", "B", "tokens_per_s", "step_ms_mean",
-                                                      "peak_mem_own_GiB", "warmup_s", "losses_first_last", "error")}))
+        log(
+            "DONE",
+            json.dumps(
+                {
+                    k: r.get(k)
+                    for k in (
+                        "trainer",
+                        "shape",
+                        "B",
+                        "tokens_per_s",
+                        "step_ms_mean",
+                        "peak_mem_own_GiB",
+                        "warmup_s",
+                        "losses_first_last",
+                        "error",
+                    )
+                }
+            ),
+        )
         save()
     if args.attention and device.type == "cuda":
         if time.perf_counter() - start > args.deadline:
@@ -815,9 +904,11 @@ def floor_rows(out: dict) -> list[str]:
         tflops = gemm_flops_per_token(SHAPES[r["shape"]]) * r["tokens_per_step"] / (gemm / 1e3) / 1e12
         sf_ms = sorted(sf.get((r["shape"], r["B"]), [float("nan")]))
         sf_mid = sf_ms[len(sf_ms) // 2]
-        lines.append(f"{r['shape']:<18} {r['B']:<2} GEMM {gemm:7.1f} ms at {tflops:5.0f} TFLOP/s, other kernels "
-                     f"{other:6.1f} ms; SpecForge step {sf_mid:6.1f} ms -> ratio at most {sf_mid / gemm:.2f} "
-                     f"with nothing but the matmuls; 1.5x needs the others <= {sf_mid / 1.5 - gemm:.1f} ms")
+        lines.append(
+            f"{r['shape']:<18} {r['B']:<2} GEMM {gemm:7.1f} ms at {tflops:5.0f} TFLOP/s, other kernels "
+            f"{other:6.1f} ms; SpecForge step {sf_mid:6.1f} ms -> ratio at most {sf_mid / gemm:.2f} "
+            f"with nothing but the matmuls; 1.5x needs the others <= {sf_mid / 1.5 - gemm:.1f} ms"
+        )
     return lines
 
 
@@ -830,9 +921,11 @@ def table(out: dict) -> str:
         a, s = pair.get("aerie", {}), pair.get("specforge", {})
         at, st = a.get("tokens_per_s"), s.get("tokens_per_s")
         ratio = f"{at / st:.2f}" if at and st else "-"
-        lines.append(f"{shape:<18} {B:<2} {at or a.get('error', '-')!s:<12} {st or s.get('error', '-')!s:<16} "
-                     f"{ratio:<6} {a.get('peak_mem_own_GiB', '-')!s:<10} {s.get('peak_mem_own_GiB', '-')!s:<14} "
-                     f"{a.get('warmup_s', '-')}")
+        lines.append(
+            f"{shape:<18} {B:<2} {at or a.get('error', '-')!s:<12} {st or s.get('error', '-')!s:<16} "
+            f"{ratio:<6} {a.get('peak_mem_own_GiB', '-')!s:<10} {s.get('peak_mem_own_GiB', '-')!s:<14} "
+            f"{a.get('warmup_s', '-')}"
+        )
     floor = floor_rows(out)
     if floor:
         lines += ["", "matmul floor (profiled items; the profile's kernel times):", *floor]

@@ -32,8 +32,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 POINTS, NEIGHBOURS, DEEPER = [3, 4, 6], [2, 3, 5], [4, 5, 7]
-PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "Name three prime numbers.",
-           "How do I boil an egg?"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Name three prime numbers.",
+    "How do I boil an egg?",
+]
 
 
 def main() -> None:
@@ -75,30 +79,56 @@ def main() -> None:
         out["entropy_nats"] = round(float(-(logp.exp() * logp).sum(-1).mean()), 3)
         out["flat_entropy_nats"] = round(math.log(o.logits.shape[-1]), 3)
         hs = o.hidden_states
-        out["cosine_layer_to_next"] = [round(float(torch.cosine_similarity(hs[i][0], hs[i + 1][0], dim=-1).mean()), 3)
-                                       for i in range(1, len(hs) - 1)]
+        out["cosine_layer_to_next"] = [
+            round(float(torch.cosine_similarity(hs[i][0], hs[i + 1][0], dim=-1).mean()), 3)
+            for i in range(1, len(hs) - 1)
+        ]
 
     with tempfile.TemporaryDirectory() as tmp:
         run = hidden_run_folder(cache, folder, records=96, max_tokens=128, shard_sequences=16, points=POINTS)
         store = FsStore(Path(tmp) / "store")
         upload_run(store, run, "ds")
-        config = TrainConfig(draft_vocab_size=512, ttt_steps=3, steps=160, batch_tokens=512, max_seq_tokens=128, lr=3e-3,
-                             warmup_steps=8, checkpoint_every=80, eval_prompts=0, holdout_fraction=0.1)
-        result = stages.train(store, Settings(store=f"file://{store.root}"),
-                              TrainRequest(runs=["ds"], drafter="ds-eagle3", model=str(folder), config=config))
-        out["final_loss"], out["simulated_acceptance"] = round(result.final_loss, 4), round(result.simulated_acceptance, 4)
+        config = TrainConfig(
+            draft_vocab_size=512,
+            ttt_steps=3,
+            steps=160,
+            batch_tokens=512,
+            max_seq_tokens=128,
+            lr=3e-3,
+            warmup_steps=8,
+            checkpoint_every=80,
+            eval_prompts=0,
+            holdout_fraction=0.1,
+        )
+        result = stages.train(
+            store,
+            Settings(store=f"file://{store.root}"),
+            TrainRequest(runs=["ds"], drafter="ds-eagle3", model=str(folder), config=config),
+        )
+        out["final_loss"], out["simulated_acceptance"] = (
+            round(result.final_loss, 4),
+            round(result.simulated_acceptance, 4),
+        )
         drafter = load_exported(stages.pull(store, "ds-eagle3", Path(tmp) / "pulled"), folder)
 
         held_out = held_out_chats(tok, 24, 500, chars=400, max_tokens=128, min_tokens=16)
         n = out["held_out_positions"] = sum(len(ids) - 1 for ids in held_out)
         teacher_forced = {}
-        for name, points in (("trained_points", POINTS), ("neighbours", NEIGHBOURS), ("deeper", DEEPER), ("zeros", POINTS)):
+        for name, points in (
+            ("trained_points", POINTS),
+            ("neighbours", NEIGHBOURS),
+            ("deeper", DEEPER),
+            ("zeros", POINTS),
+        ):
             shares = evaluate.first_draft_right(model, drafter, held_out, points, zero_states=name == "zeros")
             teacher_forced[name] = round(sum(a * (len(ids) - 1) for a, ids in zip(shares, held_out)) / n, 4)
         out["teacher_forced_top1"] = teacher_forced
         for name, points in (("trained_points", POINTS), ("neighbours", NEIGHBOURS)):
             r = evaluate.acceptance_length(model, drafter, prompt_ids, points, 32, 3)
-            out[f"acceptance_{name}"] = {"acceptance": round(r["acceptance"], 4), "per_prompt": r["acceptance_per_prompt"]}
+            out[f"acceptance_{name}"] = {
+                "acceptance": round(r["acceptance"], 4),
+                "per_prompt": r["acceptance_per_prompt"],
+            }
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

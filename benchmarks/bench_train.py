@@ -44,26 +44,48 @@ def synthetic_run(store, model: str, run: str, shards: int, seq_tokens: int, sha
     target = describe(model)
     points = default_capture_points(target.num_layers)
     rng = np.random.default_rng(seed)
-    engine = EngineSpec(name="hf", version="synthetic", convention=convention_for("hf", target.architecture), layer_ids=points)
+    engine = EngineSpec(
+        name="hf", version="synthetic", convention=convention_for("hf", target.architecture), layer_ids=points
+    )
     for s in range(shards):
         seqs = []
         for _ in range(max(1, shard_tokens // seq_tokens)):
             T = seq_tokens
-            seqs.append({
-                "input_ids": rng.integers(0, target.vocab_size, T, dtype=np.int32),
-                "loss_mask": (np.arange(T) > T // 8).astype(np.uint8),
-                "aux": rng.standard_normal((T, len(points), target.hidden_size), dtype=np.float32).astype(ml_dtypes.bfloat16),
-                "final": rng.standard_normal((T, target.hidden_size), dtype=np.float32).astype(ml_dtypes.bfloat16),
-            })
+            seqs.append(
+                {
+                    "input_ids": rng.integers(0, target.vocab_size, T, dtype=np.int32),
+                    "loss_mask": (np.arange(T) > T // 8).astype(np.uint8),
+                    "aux": rng.standard_normal((T, len(points), target.hidden_size), dtype=np.float32).astype(
+                        ml_dtypes.bfloat16
+                    ),
+                    "final": rng.standard_normal((T, target.hidden_size), dtype=np.float32).astype(ml_dtypes.bfloat16),
+                }
+            )
         shard = pack(seqs, points)
         name = layout.shard_name(s)
         data = shard.to_bytes()
         sha = store.put_bytes(layout.shard(run, "hidden", name), data)
-        store.put_json(layout.shard_record(run, "hidden", name), ShardRecord(
-            run=run, shard=name, kind="hidden", key=layout.shard(run, "hidden", name), sha256=sha, bytes=len(data),
-            sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()), engine=engine))
-    store.put_json(layout.run_spec(run), RunSpec(run=run, dataset="synthetic", target=target, engine=engine,
-                                                 capture_points=points, ingest=IngestOptions()))
+        store.put_json(
+            layout.shard_record(run, "hidden", name),
+            ShardRecord(
+                run=run,
+                shard=name,
+                kind="hidden",
+                key=layout.shard(run, "hidden", name),
+                sha256=sha,
+                bytes=len(data),
+                sequences=shard.num_sequences,
+                tokens=shard.num_tokens,
+                loss_tokens=int(shard.loss_mask.sum()),
+                engine=engine,
+            ),
+        )
+    store.put_json(
+        layout.run_spec(run),
+        RunSpec(
+            run=run, dataset="synthetic", target=target, engine=engine, capture_points=points, ingest=IngestOptions()
+        ),
+    )
 
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, layers
@@ -81,17 +103,33 @@ def synthetic_target(shape: str, folder: str) -> str:
 
     H, I, nh, nkv, V, N = SHAPES[shape]
     os.makedirs(folder, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
-              "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": N, "vocab_size": V,
-              "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-              "max_position_embeddings": 8192, "hidden_act": "silu", "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "num_hidden_layers": N,
+        "vocab_size": V,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "max_position_embeddings": 8192,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         f.write("{}")  # hashed by describe(), never used
     g = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).bfloat16(),
-               "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).bfloat16()}, os.path.join(folder, "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).bfloat16(),
+            "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).bfloat16(),
+        },
+        os.path.join(folder, "model.safetensors"),
+    )
     return folder
 
 
@@ -120,7 +158,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="*", default=[])
     ap.add_argument("--model", help="target model folder")
-    ap.add_argument("--synthetic-target", choices=sorted(SHAPES), help="random target weights of this shape instead of --model")
+    ap.add_argument(
+        "--synthetic-target", choices=sorted(SHAPES), help="random target weights of this shape instead of --model"
+    )
     ap.add_argument("--synthetic", type=int, default=0, help="write this many random shards and train on them")
     ap.add_argument("--in-store", action="store_true", help="write synthetic shards to AERIE_STORE, not a temp folder")
     ap.add_argument("--device", default="cpu")
@@ -130,26 +170,44 @@ def main() -> None:
     ap.add_argument("--seq-tokens", type=int, default=512)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--sharding", choices=("single", "ddp", "fsdp"), default="single",
-                    help="wrap the drafter as the job's ranks do (a process group of one unless under torchrun)")
+    ap.add_argument(
+        "--sharding",
+        choices=("single", "ddp", "fsdp"),
+        default="single",
+        help="wrap the drafter as the job's ranks do (a process group of one unless under torchrun)",
+    )
     args = ap.parse_args()
 
-    from aerie_trainer.trainer import Trainer, setup_dist
+    from aerie_trainer.trainer import Trainer
 
     if args.synthetic_target:
         args.model = synthetic_target(args.synthetic_target, tempfile.mkdtemp(prefix="aerie-target-"))
     if not args.model:
         ap.error("--model or --synthetic-target is required")
     settings = Settings.load(device=args.device)
-    store = open_store(settings) if (args.in_store or not args.synthetic) else FsStore(tempfile.mkdtemp(prefix="aerie-bench-"))
+    store = (
+        open_store(settings)
+        if (args.in_store or not args.synthetic)
+        else FsStore(tempfile.mkdtemp(prefix="aerie-bench-"))
+    )
     runs = list(args.runs)
     if args.synthetic:
         synthetic_run(store, args.model, "bench-synthetic", args.synthetic, args.seq_tokens, 8 * args.batch_tokens)
         runs = ["bench-synthetic"]
-    cfg = TrainConfig(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps, steps=args.warmup + args.steps,
-                      batch_tokens=args.batch_tokens, max_seq_tokens=args.seq_tokens, checkpoint_every=10**9,
-                      eval_prompts=0, holdout_fraction=0.0, warmup_steps=2)
-    request = TrainRequest(runs=runs, drafter="bench", model=args.model, config=cfg, train_id=f"bench-{time.time_ns()}", publish=False)
+    cfg = TrainConfig(
+        draft_vocab_size=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
+        steps=args.warmup + args.steps,
+        batch_tokens=args.batch_tokens,
+        max_seq_tokens=args.seq_tokens,
+        checkpoint_every=10**9,
+        eval_prompts=0,
+        holdout_fraction=0.0,
+        warmup_steps=2,
+    )
+    request = TrainRequest(
+        runs=runs, drafter="bench", model=args.model, config=cfg, train_id=f"bench-{time.time_ns()}", publish=False
+    )
     trainer = Trainer(store, request, dist_for(args.sharding, settings.device), sharding=args.sharding, trackers=[])
     trainer.save = lambda: None  # a benchmark does not checkpoint
 
@@ -172,15 +230,24 @@ def main() -> None:
     elapsed = time.perf_counter() - marks["t"]
     tokens = state.tokens - marks["tokens"]
     wait = trainer.data.wait_s - marks["wait"]
-    print(json.dumps({
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "step_s": round(elapsed / args.steps, 4),
-        "data_wait_fraction": round(wait / elapsed, 4),
-        "device": str(trainer.dist.device),
-        "store": store.url.split("://")[0],
-        "sharding": args.sharding, "batch_tokens": args.batch_tokens, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
-        "timed_steps": args.steps, "runs": runs, "final_loss": round(state.losses[-1], 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": round(tokens / elapsed, 1),
+                "step_s": round(elapsed / args.steps, 4),
+                "data_wait_fraction": round(wait / elapsed, 4),
+                "device": str(trainer.dist.device),
+                "store": store.url.split("://")[0],
+                "sharding": args.sharding,
+                "batch_tokens": args.batch_tokens,
+                "ttt_steps": args.ttt_steps,
+                "draft_vocab": cfg.draft_vocab_size,
+                "timed_steps": args.steps,
+                "runs": runs,
+                "final_loss": round(state.losses[-1], 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,12 +56,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -76,8 +76,16 @@ ARMS = {  # name: (fraction of the parts, bf16 states, fraction of main's steps)
     "data-1/8": (0.125, False, 0.125),
     "bf16-1/4": (0.25, True, 0.25),
 }
-SPEC = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4"]
+SPEC = [
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 
 
 def log(*a) -> None:
@@ -93,7 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/aerie-drafter-work")
     ap.add_argument("--store", default="/tmp/aerie-drafter-store")
     ap.add_argument("--cache", default="/tmp/aerie-cache")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds this call may use (training stops in time)")
+    ap.add_argument(
+        "--budget-s", type=float, default=540.0, help="wall seconds this call may use (training stops in time)"
+    )
     # regen
     ap.add_argument("--records", type=int, default=None, help="ShareGPT records used (default: all)")
     ap.add_argument("--parts", type=int, default=8)
@@ -106,18 +116,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", type=int, default=4, help="shards regenerated at once (processes, as Celery workers)")
     ap.add_argument("--concurrency", type=int, default=128, help="requests in flight per shard task")
     ap.add_argument("--baseline-records", type=int, default=24, help="0: no one-at-a-time baseline")
-    ap.add_argument("--answers", default=None, help="answers.jsonl.xz an earlier regen stage wrote to OUT: regen ingests them")
+    ap.add_argument(
+        "--answers", default=None, help="answers.jsonl.xz an earlier regen stage wrote to OUT: regen ingests them"
+    )
     ap.add_argument("--sglang-python", default="python3")
     ap.add_argument("--sglang-module", default="sglang.launch_server")
-    ap.add_argument("--sglang-eagle-module", default=None, help="the EAGLE-3 server's module (default: --sglang-module)")
-    ap.add_argument("--server-args", default="--attention-backend triton --sampling-backend pytorch --dtype bfloat16",
-                    help="flags of every server")
-    ap.add_argument("--regen-args", default="--mem-fraction-static 0.5 --max-running-requests 512 --cuda-graph-max-bs-decode 512",
-                    help="extra flags of the regeneration server")
+    ap.add_argument(
+        "--sglang-eagle-module", default=None, help="the EAGLE-3 server's module (default: --sglang-module)"
+    )
+    ap.add_argument(
+        "--server-args",
+        default="--attention-backend triton --sampling-backend pytorch --dtype bfloat16",
+        help="flags of every server",
+    )
+    ap.add_argument(
+        "--regen-args",
+        default="--mem-fraction-static 0.5 --max-running-requests 512 --cuda-graph-max-bs-decode 512",
+        help="extra flags of the regeneration server",
+    )
     # servers run side by side: SGLang 0.5.17 sizes its KV pool as the memory free now minus
     # (1 - fraction) x the memory free before its weights, so a high fraction and a token cap
-    ap.add_argument("--serve-mem", default="--mem-fraction-static 0.9 --max-total-tokens 131072 --max-running-requests 64 "
-                    "--cuda-graph-max-bs-decode 64", help="memory flags of each serving server")
+    ap.add_argument(
+        "--serve-mem",
+        default="--mem-fraction-static 0.9 --max-total-tokens 131072 --max-running-requests 64 "
+        "--cuda-graph-max-bs-decode 64",
+        help="memory flags of each serving server",
+    )
     ap.add_argument("--serve-parallel", type=int, default=8, help="servers at once (the plain one and the arms')")
     # train
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -127,8 +151,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--draft-vocab", type=int, default=16384)
-    ap.add_argument("--eval-prompts", type=int, default=8,
-                    help="main's own evaluation in the project loop, before and after training (the other arms: held-out figures only; SGLang serves them all)")
+    ap.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=8,
+        help="main's own evaluation in the project loop, before and after training (the other arms: held-out figures only; SGLang serves them all)",
+    )
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--train-arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child process
     # serve
@@ -160,13 +188,20 @@ class Bench:
         self.model_dir = smollm2(a.cache)
         self.dtype = "float32" if a.device == "cpu" else "bfloat16"
         self.store = FsStore(a.store)
-        self.settings = Settings(store=f"file://{a.store}", device=a.device, engine="hf", ingest_local_dirs=[self.work],
-                                 tokens_per_batch=65536 if a.device != "cpu" else 2048,
-                                 train_trackers=[])  # the device has no tensorboardX; the figures go to figures.json
+        self.settings = Settings(
+            store=f"file://{a.store}",
+            device=a.device,
+            engine="hf",
+            ingest_local_dirs=[self.work],
+            tokens_per_batch=65536 if a.device != "cpu" else 2048,
+            train_trackers=[],
+        )  # the device has no tensorboardX; the figures go to figures.json
         fig = self.out / "figures.json"
         prior = self.work / "figures.json"  # what earlier calls on this machine measured
         self.figures = json.loads(prior.read_text()) if prior.is_file() else {"calls": []}
-        self.figures["calls"].append({"stages": a.stage_list, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self.figures["calls"].append(
+            {"stages": a.stage_list, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        )
         self.fig_paths = (fig, prior)
 
     def save(self) -> None:
@@ -190,7 +225,11 @@ class Bench:
         import lzma
 
         keep, src = [], Path(self.a.data) / "sharegpt.jsonl"
-        with (open(src, encoding="utf-8") if src.is_file() else lzma.open(src.with_suffix(".jsonl.xz"), "rt", encoding="utf-8")) as f:
+        with (
+            open(src, encoding="utf-8")
+            if src.is_file()
+            else lzma.open(src.with_suffix(".jsonl.xz"), "rt", encoding="utf-8")
+        ) as f:
             for line in f:
                 rec = part_record(json.loads(line), self.a.max_chars)
                 if rec is None:
@@ -216,13 +255,29 @@ class Bench:
         if a.answers:  # answers regenerated by an earlier session: no server, the parts ingested from them
             return self.from_answers()
         files = self.write_parts()
-        options = IngestOptions(regenerate=True, regenerate_max_tokens=a.max_new_tokens, regenerate_max_turns=a.turns,
-                                max_tokens=a.max_seq, regenerate_shard_records=a.shard_records)
+        options = IngestOptions(
+            regenerate=True,
+            regenerate_max_tokens=a.max_new_tokens,
+            regenerate_max_turns=a.turns,
+            max_tokens=a.max_seq,
+            regenerate_shard_records=a.shard_records,
+        )
         todo = []
         for run, path in zip(self.part_runs(), files):
-            result = stages.ingest(self.store, self.settings, IngestRequest(
-                run=run, dataset=str(path), model=str(self.model_dir), engine="hf", dtype=self.dtype,
-                storage_dtype="float8_e4m3fn", options=options, fan_out=False))
+            result = stages.ingest(
+                self.store,
+                self.settings,
+                IngestRequest(
+                    run=run,
+                    dataset=str(path),
+                    model=str(self.model_dir),
+                    engine="hf",
+                    dtype=self.dtype,
+                    storage_dtype="float8_e4m3fn",
+                    options=options,
+                    fan_out=False,
+                ),
+            )
             done = set(shard_names(self.store, run, "tokens"))
             todo += [(run, s) for s in result.regenerate_shards if s not in done]
         log("regen: shards to answer", len(todo))
@@ -234,18 +289,30 @@ class Bench:
             if "regen_baseline" not in self.figures and a.baseline_records:
                 self.figures["regen_baseline"] = self.baseline(url, files[0])
                 self.save()
-            settings = self.settings.model_copy(update={"regenerate_urls": [url], "regenerate_concurrency": a.concurrency})
+            settings = self.settings.model_copy(
+                update={"regenerate_urls": [url], "regenerate_concurrency": a.concurrency}
+            )
             started, results = time.monotonic(), []
             # one process per task, as Celery's prefork workers run them (threads would share one GIL
             # between the tasks' event loops and their tokenizing)
             with ProcessPoolExecutor(a.tasks, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = [pool.submit(regen_task, a.store, settings.model_dump_json(), run, shard) for run, shard in todo]
+                futures = [
+                    pool.submit(regen_task, a.store, settings.model_dump_json(), run, shard) for run, shard in todo
+                ]
                 for future in as_completed(futures):
                     results.append(future.result())
                     tokens = sum(x["completion_tokens"] for x in results)
-                    log(f"regen {len(results)}/{len(todo)} shards, {tokens} tokens, {tokens / (time.monotonic() - started):.0f} tok/s")
+                    log(
+                        f"regen {len(results)}/{len(todo)} shards, {tokens} tokens, {tokens / (time.monotonic() - started):.0f} tok/s"
+                    )
             seconds = time.monotonic() - started
-        prev = self.figures.get("regen") or {"shards": 0, "seconds": 0.0, "completion_tokens": 0, "conversations": 0, "rejects": 0}
+        prev = self.figures.get("regen") or {
+            "shards": 0,
+            "seconds": 0.0,
+            "completion_tokens": 0,
+            "conversations": 0,
+            "rejects": 0,
+        }
         prev["shards"] += len(results)
         prev["seconds"] += seconds
         prev["completion_tokens"] += sum(r["completion_tokens"] for r in results)
@@ -254,8 +321,13 @@ class Bench:
         prev["turns"] = prev.get("turns", 0) + sum(r["turns"] for r in results)
         prev["tokens"] = prev.get("tokens", 0) + sum(r["tokens"] for r in results)
         prev["tok_per_s"] = prev["completion_tokens"] / prev["seconds"]
-        prev.update(tasks=a.tasks, concurrency_per_task=a.concurrency, max_new_tokens=a.max_new_tokens, turns_limit=a.turns,
-                    mean_in_flight_per_task=sum(r["mean_in_flight"] for r in results) / len(results))
+        prev.update(
+            tasks=a.tasks,
+            concurrency_per_task=a.concurrency,
+            max_new_tokens=a.max_new_tokens,
+            turns_limit=a.turns,
+            mean_in_flight_per_task=sum(r["mean_in_flight"] for r in results) / len(results),
+        )
         self.figures["regen"] = prev
         log("regen", json.dumps(prev))
         self.save()
@@ -271,7 +343,11 @@ class Bench:
             run, rows = self.part_runs()[p], []
             for shard in shard_names(self.store, run, "tokens"):
                 _, answered = stored_answers(self.store, run, shard)  # the stage's reader: sha256 checked
-                rows += [json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n" for row in answered if "messages" in row]
+                rows += [
+                    json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n"
+                    for row in answered
+                    if "messages" in row
+                ]
             path.write_text("".join(rows))
         return path
 
@@ -302,14 +378,27 @@ class Bench:
                 row = json.loads(line)
                 parts.setdefault(row.pop("part"), []).append(json.dumps(row, ensure_ascii=False) + "\n")
         if sorted(parts) != list(range(self.a.parts)):
-            raise SystemExit(f"{self.a.answers} holds parts {sorted(parts)}, not 0..{self.a.parts - 1}: pass --parts {len(parts)}")
+            raise SystemExit(
+                f"{self.a.answers} holds parts {sorted(parts)}, not 0..{self.a.parts - 1}: pass --parts {len(parts)}"
+            )
         for p, run in enumerate(self.part_runs()):
             path = self.work / f"answers-p{p}.jsonl"
             if not path.is_file():
                 path.write_text("".join(parts[p]), encoding="utf-8")
-            stages.ingest(self.store, self.settings, IngestRequest(
-                run=run, dataset=str(path), model=str(self.model_dir), engine="hf", dtype=self.dtype,
-                storage_dtype="float8_e4m3fn", options=IngestOptions(max_tokens=self.a.max_seq), fan_out=False))
+            stages.ingest(
+                self.store,
+                self.settings,
+                IngestRequest(
+                    run=run,
+                    dataset=str(path),
+                    model=str(self.model_dir),
+                    engine="hf",
+                    dtype=self.dtype,
+                    storage_dtype="float8_e4m3fn",
+                    options=IngestOptions(max_tokens=self.a.max_seq),
+                    fan_out=False,
+                ),
+            )
         self.figures["regen_from"] = str(self.a.answers)
         self.save()
 
@@ -343,12 +432,26 @@ class Bench:
         a = self.a
         quarter = max(1, a.parts // 4)
         for p, bf16_run in enumerate(self.part_runs(bf16=True)[:quarter]):
-            stages.ingest(self.store, self.settings, IngestRequest(
-                run=bf16_run, dataset=str(self.answers(p)), model=str(self.model_dir), engine="hf", dtype=self.dtype,
-                options=IngestOptions(max_tokens=a.max_seq), fan_out=False))
+            stages.ingest(
+                self.store,
+                self.settings,
+                IngestRequest(
+                    run=bf16_run,
+                    dataset=str(self.answers(p)),
+                    model=str(self.model_dir),
+                    engine="hf",
+                    dtype=self.dtype,
+                    options=IngestOptions(max_tokens=a.max_seq),
+                    fan_out=False,
+                ),
+            )
         runs = self.part_runs() + self.part_runs(bf16=True)[:quarter]
-        requests = [ExtractRequest(run=r, shard=s) for r in runs for s in shard_names(self.store, r, "tokens")
-                    if not self.store.exists(layout.shard_record(r, "hidden", s))]
+        requests = [
+            ExtractRequest(run=r, shard=s)
+            for r in runs
+            for s in shard_names(self.store, r, "tokens")
+            if not self.store.exists(layout.shard_record(r, "hidden", s))
+        ]
         log("extract: shards", len(requests))
         if requests:
             t0 = time.monotonic()
@@ -356,9 +459,16 @@ class Bench:
             seconds = time.monotonic() - t0
             drop_engine()
             tokens = sum(d.tokens for d in done)
-            self.figures.setdefault("extract", []).append({
-                "shards": len(done), "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
-                "capture_s": sum(d.capture_seconds for d in done), "store_s": sum(d.store_seconds for d in done)})
+            self.figures.setdefault("extract", []).append(
+                {
+                    "shards": len(done),
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tok_per_s": tokens / seconds,
+                    "capture_s": sum(d.capture_seconds for d in done),
+                    "store_s": sum(d.store_seconds for d in done),
+                }
+            )
         self.figures["runs"] = {r: self.run_tokens(r) for r in runs}
         log("extract", json.dumps(self.figures.get("extract")), json.dumps(self.figures["runs"]))
         self.save()
@@ -368,9 +478,17 @@ class Bench:
         from aerie.contracts import ShardRecord
         from aerie.runs import shard_names
 
-        recs = [self.store.get_json(layout.shard_record(run, "hidden", s), ShardRecord) for s in shard_names(self.store, run, "hidden")]
-        return {"shards": len(recs), "sequences": sum(r.sequences for r in recs), "tokens": sum(r.tokens for r in recs),
-                "loss_tokens": sum(r.loss_tokens for r in recs), "bytes": sum(r.bytes for r in recs)}
+        recs = [
+            self.store.get_json(layout.shard_record(run, "hidden", s), ShardRecord)
+            for s in shard_names(self.store, run, "hidden")
+        ]
+        return {
+            "shards": len(recs),
+            "sequences": sum(r.sequences for r in recs),
+            "tokens": sum(r.tokens for r in recs),
+            "loss_tokens": sum(r.loss_tokens for r in recs),
+            "bytes": sum(r.bytes for r in recs),
+        }
 
     # ---------------------------------------------------------------- train
     def arm_request(self, name: str):
@@ -383,11 +501,22 @@ class Bench:
         main_steps = max(10, int(a.epochs * all_tokens / a.batch_tokens))
         steps = max(10, int(main_steps * step_frac))
         eval_file = self.eval_files()["mtbench"]
-        cfg = TrainConfig(draft_vocab_size=a.draft_vocab, steps=steps, batch_tokens=a.batch_tokens, max_seq_tokens=a.max_seq,
-                          lr=a.lr, checkpoint_every=max(50, min(400, steps // 10)), holdout_fraction=0.02,
-                          eval_prompts=a.eval_prompts if name == "main" else 0, eval_new_tokens=a.eval_tokens, eval_draft_tokens=3)
+        cfg = TrainConfig(
+            draft_vocab_size=a.draft_vocab,
+            steps=steps,
+            batch_tokens=a.batch_tokens,
+            max_seq_tokens=a.max_seq,
+            lr=a.lr,
+            checkpoint_every=max(50, min(400, steps // 10)),
+            holdout_fraction=0.02,
+            eval_prompts=a.eval_prompts if name == "main" else 0,
+            eval_new_tokens=a.eval_tokens,
+            eval_draft_tokens=3,
+        )
         drafter = "smollm2-" + name.replace("/", "of")
-        return TrainRequest(runs=runs, drafter=drafter, model=str(self.model_dir), config=cfg, eval_prompts_file=str(eval_file))
+        return TrainRequest(
+            runs=runs, drafter=drafter, model=str(self.model_dir), config=cfg, eval_prompts_file=str(eval_file)
+        )
 
     def train_one(self, name: str) -> None:
         """In a child process: one arm, resumed from its checkpoint if an earlier call began it."""
@@ -399,10 +528,26 @@ class Bench:
         def progress(event) -> None:  # a line every 15 s: a stopped arm's log says how far it got
             if time.monotonic() - said[0] >= 15 or event.stage != "train":
                 said[0] = time.monotonic()
-                log(name, event.stage, event.step, "/", event.steps, "loss", event.loss, "tok/s", event.tokens_per_second, event.message)
+                log(
+                    name,
+                    event.stage,
+                    event.step,
+                    "/",
+                    event.steps,
+                    "loss",
+                    event.loss,
+                    "tok/s",
+                    event.tokens_per_second,
+                    event.message,
+                )
 
         result = stages.train(self.store, self.settings, request, progress).model_dump(exclude={"losses"})
-        result.update(arm=name, wall_s=time.monotonic() - t0, runs=request.runs, config=request.config.model_dump(exclude={"drafter"}))
+        result.update(
+            arm=name,
+            wall_s=time.monotonic() - t0,
+            runs=request.runs,
+            config=request.config.model_dump(exclude={"drafter"}),
+        )
         (self.work / f"arm-{name.replace('/', 'of')}.json").write_text(json.dumps(result))
 
     def train(self) -> None:
@@ -411,13 +556,18 @@ class Bench:
         another arm has ended. Arms still running at the deadline are stopped (a later call resumes them)."""
         arms = [n for n in self.a.arms.split(",") if not (self.work / f"arm-{n.replace('/', 'of')}.json").is_file()]
         procs, logs, retried, ended = {}, {}, set(), 0
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # seven trainers' caches share one GPU
+        env = {
+            **os.environ,
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        }  # seven trainers' caches share one GPU
 
         def start(name: str) -> None:
             logs[name] = self.work / f"train-{name.replace('/', 'of')}.log"
             with open(logs[name], "ab") as logf:
                 cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--train-arm", name]
-                procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                procs[name] = subprocess.Popen(
+                    cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                )
 
         for name in arms:
             start(name)
@@ -429,7 +579,13 @@ class Bench:
                 if p.returncode is None and p.poll() is not None:
                     ended += 1
                     if p.returncode != 0 and name not in retried:
-                        log("train:", name, "exited", p.returncode, "(started again from its checkpoint once another arm ends)")
+                        log(
+                            "train:",
+                            name,
+                            "exited",
+                            p.returncode,
+                            "(started again from its checkpoint once another arm ends)",
+                        )
                         failed.append((name, ended))
             for item in list(failed):
                 name, at = item
@@ -452,15 +608,33 @@ class Bench:
                 os.killpg(p.pid, signal.SIGKILL)
         with open(self.out / "train-logs.txt", "a") as f:  # one file: a call returns at most 8
             for name, path in logs.items():
-                f.write(f"==== {name} (exit {procs[name].returncode})\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]) + "\n")
+                f.write(
+                    f"==== {name} (exit {procs[name].returncode})\n"
+                    + "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+                    + "\n"
+                )
         self.figures["arms"] = {}
         for name in self.a.arms.split(","):
             f = self.work / f"arm-{name.replace('/', 'of')}.json"
             if f.is_file():
                 self.figures["arms"][name] = json.loads(f.read_text())
         for name, r in self.figures["arms"].items():
-            log("arm", name, {k: r.get(k) for k in ("steps", "acceptance", "simulated_acceptance", "heldout_acc", "tokens_per_second",
-                                                    "draft_vocab_coverage", "wall_s")})
+            log(
+                "arm",
+                name,
+                {
+                    k: r.get(k)
+                    for k in (
+                        "steps",
+                        "acceptance",
+                        "simulated_acceptance",
+                        "heldout_acc",
+                        "tokens_per_second",
+                        "draft_vocab_coverage",
+                        "wall_s",
+                    )
+                },
+            )
         self.save()
 
     # ---------------------------------------------------------------- serve
@@ -496,17 +670,37 @@ class Bench:
             if name in served or not f.is_file():
                 continue
             arm = json.loads(f.read_text())
-            folder = stages.pull(self.store, f"{arm['drafter']}:{arm['version']}", self.work / f"pulled-{name.replace('/', 'of')}")
-            todo.append((name, a.sglang_eagle_module or a.sglang_module, [*common, *SPEC, "--speculative-draft-model-path", str(folder)]))
+            folder = stages.pull(
+                self.store, f"{arm['drafter']}:{arm['version']}", self.work / f"pulled-{name.replace('/', 'of')}"
+            )
+            todo.append(
+                (
+                    name,
+                    a.sglang_eagle_module or a.sglang_module,
+                    [*common, *SPEC, "--speculative-draft-model-path", str(folder)],
+                )
+            )
         for i in range(0, len(todo), a.serve_parallel):
             wave = todo[i : i + a.serve_parallel]
             log("serve: servers", [n for n, _, _ in wave])
-            specs = [(a.sglang_python, module, args, self.out / f"sglang_{'plain' if n == 'plain' else 'eagle_' + n.replace('/', 'of')}.log")
-                     for n, module, args in wave]
+            specs = [
+                (
+                    a.sglang_python,
+                    module,
+                    args,
+                    self.out / f"sglang_{'plain' if n == 'plain' else 'eagle_' + n.replace('/', 'of')}.log",
+                )
+                for n, module, args in wave
+            ]
             with sglang_servers(specs) as urls:
                 arms = [(n, url) for (n, _, _), url in zip(wave, urls) if n != "plain"]
                 with ThreadPoolExecutor(max(1, len(arms))) as pool:  # every arm's acceptance at once
-                    rows = dict(zip([n for n, _ in arms], pool.map(lambda arm: {k: self.accept(arm[1], v) for k, v in sets.items()}, arms)))
+                    rows = dict(
+                        zip(
+                            [n for n, _ in arms],
+                            pool.map(lambda arm: {k: self.accept(arm[1], v) for k, v in sets.items()}, arms),
+                        )
+                    )
                 for (n, _, _), url in zip(wave, urls):  # speed: one server at a time, the plain one first
                     if not speed:
                         continue
@@ -515,10 +709,17 @@ class Bench:
                         served["plain"] = {"tok_per_s": one["tok_per_s"], "texts": one["texts"]}
                         continue
                     texts = one.pop("texts")
-                    rows[n]["speed"] = {"tok_per_s": one["tok_per_s"], "prompts": len(speed), "spec_accept_length": one["spec_accept_length"]}
+                    rows[n]["speed"] = {
+                        "tok_per_s": one["tok_per_s"],
+                        "prompts": len(speed),
+                        "spec_accept_length": one["spec_accept_length"],
+                    }
                     if "plain" in served:
-                        rows[n]["speed"].update(plain_tok_per_s=served["plain"]["tok_per_s"], speedup=one["tok_per_s"] / served["plain"]["tok_per_s"],
-                                                identical_to_plain=sum(x == y for x, y in zip(texts, served["plain"]["texts"])))
+                        rows[n]["speed"].update(
+                            plain_tok_per_s=served["plain"]["tok_per_s"],
+                            speedup=one["tok_per_s"] / served["plain"]["tok_per_s"],
+                            identical_to_plain=sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
+                        )
             for n, row in rows.items():
                 served[n] = row
                 log("served", n, json.dumps(row))
@@ -529,7 +730,9 @@ class Bench:
         import urllib.request
 
         def post(ids):
-            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": self.a.serve_tokens, "temperature": 0}}).encode()
+            body = json.dumps(
+                {"input_ids": ids, "sampling_params": {"max_new_tokens": self.a.serve_tokens, "temperature": 0}}
+            ).encode()
             req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=1800) as r:
                 return json.loads(r.read())["meta_info"]
@@ -540,9 +743,16 @@ class Bench:
         tokens = sum(m["completion_tokens"] for m in metas)
         verify = sum(m.get("spec_verify_ct") or 0 for m in metas)
         per = [m["completion_tokens"] / m["spec_verify_ct"] for m in metas if m.get("spec_verify_ct")]
-        return {"prompts": len(prompts), "completion_tokens": tokens, "verify_steps": verify,
-                "spec_accept_length": tokens / verify if verify else None, "per_prompt_min": min(per, default=None),
-                "per_prompt_max": max(per, default=None), "seconds": time.monotonic() - t0, "max_new_tokens": self.a.serve_tokens}
+        return {
+            "prompts": len(prompts),
+            "completion_tokens": tokens,
+            "verify_steps": verify,
+            "spec_accept_length": tokens / verify if verify else None,
+            "per_prompt_min": min(per, default=None),
+            "per_prompt_max": max(per, default=None),
+            "seconds": time.monotonic() - t0,
+            "max_new_tokens": self.a.serve_tokens,
+        }
 
 
 def part_record(record: dict, max_chars: int) -> dict | None:
@@ -555,7 +765,10 @@ def part_record(record: dict, max_chars: int) -> dict | None:
     roles = [t.get("from") for t in conv]
     if "gpt" not in roles or "human" not in roles[: roles.index("gpt")]:
         return None
-    return {"id": record.get("id"), "conversations": [{"from": t["from"], "value": t["value"][:max_chars]} for t in conv]}
+    return {
+        "id": record.get("id"),
+        "conversations": [{"from": t["from"], "value": t["value"][:max_chars]} for t in conv],
+    }
 
 
 def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dict:
@@ -566,7 +779,9 @@ def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dic
     from aerie.store import FsStore
 
     settings = Settings.model_validate_json(settings_json)
-    return stages.regenerate(FsStore(store_root), settings, RegenerateRequest(run=run, shard=shard, fan_out=False)).model_dump()
+    return stages.regenerate(
+        FsStore(store_root), settings, RegenerateRequest(run=run, shard=shard, fan_out=False)
+    ).model_dump()
 
 
 def main() -> None:

@@ -44,10 +44,30 @@ from pathlib import Path
 
 SCALES = {
     # conversations regenerated, tokens per answer, train epochs, eval prompts, eval tokens
-    "full": dict(records=1536, answer_tokens=320, epochs=6, eval_prompts=8, eval_tokens=96, batch_tokens=8192,
-                 draft_vocab=16384, tokens_per_batch=65536, regen_batch=256, lr=6e-4),
-    "smoke": dict(records=16, answer_tokens=32, epochs=1, eval_prompts=2, eval_tokens=16, batch_tokens=512,
-                  draft_vocab=1024, tokens_per_batch=2048, regen_batch=8, lr=1e-3),
+    "full": dict(
+        records=1536,
+        answer_tokens=320,
+        epochs=6,
+        eval_prompts=8,
+        eval_tokens=96,
+        batch_tokens=8192,
+        draft_vocab=16384,
+        tokens_per_batch=65536,
+        regen_batch=256,
+        lr=6e-4,
+    ),
+    "smoke": dict(
+        records=16,
+        answer_tokens=32,
+        epochs=1,
+        eval_prompts=2,
+        eval_tokens=16,
+        batch_tokens=512,
+        draft_vocab=1024,
+        tokens_per_batch=2048,
+        regen_batch=8,
+        lr=1e-3,
+    ),
 }
 H200_BF16_PEAK = 989e12  # dense bf16, datasheet (measured here: ~790e12)
 STAGES = ("regen", "extract", "train", "curve", "decode", "sglang")
@@ -73,7 +93,11 @@ def regenerate(model_dir: Path, src: Path, dst: Path, n: int, answer_tokens: int
     tok.padding_side = tok.truncation_side = "left"  # keep the end of long prompts: the generation prompt
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device != "cpu" else torch.float32).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+        .to(device)
+        .eval()
+    )
     prompts = []
     with open(src, encoding="utf-8") as f:
         for line in f:
@@ -97,15 +121,25 @@ def regenerate(model_dir: Path, src: Path, dst: Path, n: int, answer_tokens: int
             texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chunk]
             enc = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=512).to(device)
             with torch.inference_mode():
-                gen = model.generate(**enc, max_new_tokens=answer_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+                gen = model.generate(
+                    **enc, max_new_tokens=answer_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                )
             for m, row in zip(chunk, gen[:, enc["input_ids"].shape[1] :]):
                 answer = tok.decode(row, skip_special_tokens=True).strip()
                 generated += int((row != tok.pad_token_id).sum())
                 if answer:
-                    out.write(json.dumps({"messages": m + [{"role": "assistant", "content": answer}]}, ensure_ascii=False) + "\n")
+                    out.write(
+                        json.dumps({"messages": m + [{"role": "assistant", "content": answer}]}, ensure_ascii=False)
+                        + "\n"
+                    )
     seconds = time.perf_counter() - t0
     del model
-    return {"conversations": len(prompts), "generated_tokens": generated, "seconds": seconds, "tok_per_s": generated / seconds}
+    return {
+        "conversations": len(prompts),
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "tok_per_s": generated / seconds,
+    }
 
 
 def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) -> dict:
@@ -168,11 +202,21 @@ def extraction_ratio(store, settings, run: str, device: str, repeat: int = 3) ->
         raw += raw_bytes_per_token(shard) * shard.num_tokens
     b, e, p = min(bares), min(serials), min(pipes)
     drop_engine()
-    return {"tokens": tokens, "shards": len(shards), "writers": writers, "tokens_per_batch": settings.tokens_per_batch,
-            "bare_tok_per_s": tokens / b, "pipelined_tok_per_s": tokens / p, "ratio": b / p,
-            "serial_tok_per_s": tokens / e, "serial_ratio": b / e,
-            "seconds": {"bare": bares, "serial": serials, "pipelined": pipes, "pipelined_parts": parts},
-            "stored_bytes_per_token": stored / tokens, "raw_bytes_per_token": raw / tokens, "bytes_ratio": stored / raw}
+    return {
+        "tokens": tokens,
+        "shards": len(shards),
+        "writers": writers,
+        "tokens_per_batch": settings.tokens_per_batch,
+        "bare_tok_per_s": tokens / b,
+        "pipelined_tok_per_s": tokens / p,
+        "ratio": b / p,
+        "serial_tok_per_s": tokens / e,
+        "serial_ratio": b / e,
+        "seconds": {"bare": bares, "serial": serials, "pipelined": pipes, "pipelined_parts": parts},
+        "stored_bytes_per_token": stored / tokens,
+        "raw_bytes_per_token": raw / tokens,
+        "bytes_ratio": stored / raw,
+    }
 
 
 def drafter_flops_per_token(drafter, ttt_steps: int) -> float:
@@ -181,7 +225,9 @@ def drafter_flops_per_token(drafter, ttt_steps: int) -> float:
     return 6.0 * params * ttt_steps
 
 
-def speedup(model_dir: Path, folder: Path, prompts: list[list[int]], points: list[int], new_tokens: int, device: str) -> dict:
+def speedup(
+    model_dir: Path, folder: Path, prompts: list[list[int]], points: list[int], new_tokens: int, device: str
+) -> dict:
     """Wall-clock decode speed of speculative vs plain greedy decoding, same loop, same prompts."""
     import torch
 
@@ -209,8 +255,14 @@ def speedup(model_dir: Path, folder: Path, prompts: list[list[int]], points: lis
     del target
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"plain_tok_per_s": plain_n / plain_t, "spec_tok_per_s": spec_n / spec_t, "speedup": (spec_n / spec_t) / (plain_n / plain_t),
-            "acceptance": spec_n / max(verifies, 1), "identical_outputs": same, "prompts": len(prompts)}
+    return {
+        "plain_tok_per_s": plain_n / plain_t,
+        "spec_tok_per_s": spec_n / spec_t,
+        "speedup": (spec_n / spec_t) / (plain_n / plain_t),
+        "acceptance": spec_n / max(verifies, 1),
+        "identical_outputs": same,
+        "prompts": len(prompts),
+    }
 
 
 @contextmanager
@@ -234,7 +286,9 @@ def sglang_servers(specs: list[tuple[str, str, list[str], Path]], timeout_s: flo
                 port = sock.getsockname()[1]
             cmd = [python, "-m", *module.split(), *args, "--host", "127.0.0.1", "--port", str(port)]
             with open(log_path, "wb") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+                )
             running.append((proc, f"http://127.0.0.1:{port}", Path(log_path), cmd))
         waiting = list(running)
         while waiting:
@@ -242,7 +296,9 @@ def sglang_servers(specs: list[tuple[str, str, list[str], Path]], timeout_s: flo
                 proc, url, log_path, cmd = item
                 if proc.poll() is not None:
                     tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"SGLang exited with {proc.returncode} before it was healthy ({' '.join(cmd)}):\n{tail}")
+                    raise RuntimeError(
+                        f"SGLang exited with {proc.returncode} before it was healthy ({' '.join(cmd)}):\n{tail}"
+                    )
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=5) as r:
                         if r.status == 200:
@@ -297,25 +353,51 @@ def sglang_generate(url: str, prompts: list[list[int]], new_tokens: int) -> dict
         seconds += time.perf_counter() - t0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     verify = sum(o["meta_info"].get("spec_verify_ct") or 0 for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "verify_steps": verify,
-            "spec_accept_length": tokens / verify if verify else None, "texts": [o["text"] for o in outputs]}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_per_s": tokens / seconds,
+        "verify_steps": verify,
+        "spec_accept_length": tokens / verify if verify else None,
+        "texts": [o["text"] for o in outputs],
+    }
 
 
-def sglang_serving(a, model_dir: Path, drafter_folder: Path, prompts: list[list[int]], eval_tokens: int, out: Path) -> dict:
+def sglang_serving(
+    a, model_dir: Path, drafter_folder: Path, prompts: list[list[int]], eval_tokens: int, out: Path
+) -> dict:
     """Figure 6: the drafter in real SGLang (chain of 3: steps 3, topk 1, draft tokens 4) next to a
     plain server, on the token ids the project's loop decodes. Acceptance as SGLang counts it:
     completion tokens / verify steps (`spec_verify_ct`), summed over the prompts."""
     common = ["--model-path", str(model_dir), "--dtype", a.sglang_dtype, *a.sglang_args.split()]
-    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_folder),
-             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    eagle = [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(drafter_folder),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
     with sglang_server(a.sglang_python, a.sglang_module, common, out / "sglang_plain.log") as url:
         plain = sglang_generate(url, prompts, eval_tokens)
     with sglang_server(a.sglang_python, a.sglang_eagle_module, common + eagle, out / "sglang_eagle.log") as url:
         served = sglang_generate(url, prompts, eval_tokens)
     same = sum(x == y for x, y in zip(served.pop("texts"), plain.pop("texts")))
-    return {"spec_accept_length": served["spec_accept_length"], "tok_per_s": served["tok_per_s"], "plain_tok_per_s": plain["tok_per_s"],
-            "speedup": served["tok_per_s"] / plain["tok_per_s"], "identical_outputs": same, "prompts": len(prompts),
-            "max_tokens": eval_tokens, "served": served, "plain": plain}
+    return {
+        "spec_accept_length": served["spec_accept_length"],
+        "tok_per_s": served["tok_per_s"],
+        "plain_tok_per_s": plain["tok_per_s"],
+        "speedup": served["tok_per_s"] / plain["tok_per_s"],
+        "identical_outputs": same,
+        "prompts": len(prompts),
+        "max_tokens": eval_tokens,
+        "served": served,
+        "plain": plain,
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -325,18 +407,27 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", default="full", choices=list(SCALES))
     ap.add_argument("--stages", default="regen,extract,train,curve,decode", help=f"comma list of {','.join(STAGES)}")
-    ap.add_argument("--eval-prompts", type=int, default=None, help="MT-bench prompts for figures 4-6 (default: the scale's)")
+    ap.add_argument(
+        "--eval-prompts", type=int, default=None, help="MT-bench prompts for figures 4-6 (default: the scale's)"
+    )
     ap.add_argument("--eval-tokens", type=int, default=None, help="new tokens per eval prompt (default: the scale's)")
-    ap.add_argument("--epochs", type=float, default=None, help="passes over the data of each training (default: the scale's)")
+    ap.add_argument(
+        "--epochs", type=float, default=None, help="passes over the data of each training (default: the scale's)"
+    )
     ap.add_argument("--work", default="/tmp/aerie-gpu-work", help="the target's answers, reused by later calls")
     ap.add_argument("--store", default="/tmp/aerie-gpu-store")
     ap.add_argument("--cache", default="/tmp/aerie-cache")
     ap.add_argument("--sglang-python", default="python3")
     ap.add_argument("--sglang-module", default="sglang.launch_server", help="plain server module (+ its own flags)")
-    ap.add_argument("--sglang-eagle-module", default="sglang.launch_server", help="EAGLE-3 server module (+ its own flags)")
+    ap.add_argument(
+        "--sglang-eagle-module", default="sglang.launch_server", help="EAGLE-3 server module (+ its own flags)"
+    )
     ap.add_argument("--sglang-dtype", default="bfloat16")
-    ap.add_argument("--sglang-args", default="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.2",
-                    help="extra flags of both servers (the device recipe's)")
+    ap.add_argument(
+        "--sglang-args",
+        default="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.2",
+        help="extra flags of both servers (the device recipe's)",
+    )
     a = ap.parse_args()
     a.stage_list = [x for x in a.stages.split(",") if x]
     unknown = sorted(set(a.stage_list) - set(STAGES))
@@ -352,10 +443,21 @@ class Pipeline:
         from aerie.settings import Settings
         from aerie.store import FsStore
 
-        self.sc, self.model_dir, self.answers, self.eval_file, self.work = sc, model_dir, answers, eval_file, Path(a.work)
+        self.sc, self.model_dir, self.answers, self.eval_file, self.work = (
+            sc,
+            model_dir,
+            answers,
+            eval_file,
+            Path(a.work),
+        )
         self.dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
-        self.settings = Settings(store=f"file://{a.store}", device=a.device, tokens_per_batch=sc["tokens_per_batch"], engine="hf",
-                                 ingest_local_dirs=[answers.parent])
+        self.settings = Settings(
+            store=f"file://{a.store}",
+            device=a.device,
+            tokens_per_batch=sc["tokens_per_batch"],
+            engine="hf",
+            ingest_local_dirs=[answers.parent],
+        )
         self.store = FsStore(a.store)
 
     def ingested(self, n: int) -> str:
@@ -364,9 +466,19 @@ class Pipeline:
         from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest
 
         run = f"regen-{n}"
-        result = stages.ingest(self.store, self.settings, IngestRequest(
-            run=run, dataset=str(self.answers), model=str(self.model_dir), engine="hf", dtype=self.dtype,
-            options=IngestOptions(max_tokens=1024, shard_tokens=65536, max_records=n), fan_out=False))
+        result = stages.ingest(
+            self.store,
+            self.settings,
+            IngestRequest(
+                run=run,
+                dataset=str(self.answers),
+                model=str(self.model_dir),
+                engine="hf",
+                dtype=self.dtype,
+                options=IngestOptions(max_tokens=1024, shard_tokens=65536, max_records=n),
+                fan_out=False,
+            ),
+        )
         for shard in result.shards:
             stages.extract(self.store, self.settings, ExtractRequest(run=run, shard=shard))
         return run
@@ -378,11 +490,27 @@ class Pipeline:
         sc, run = self.sc, self.ingested(n)
         st = runs.run_status(self.store, run)
         steps = max(10, int(sc["epochs"] * st.tokens * 0.9 / sc["batch_tokens"]))
-        cfg = TrainConfig(draft_vocab_size=sc["draft_vocab"], ttt_steps=7, steps=steps, batch_tokens=sc["batch_tokens"],
-                          max_seq_tokens=1024, lr=sc["lr"], warmup_steps=max(5, steps // 20), checkpoint_every=max(50, steps // 2),
-                          holdout_fraction=0.05, eval_prompts=sc["eval_prompts"], eval_new_tokens=sc["eval_tokens"], eval_draft_tokens=3)
-        request = TrainRequest(runs=[run], drafter=f"smollm2-eagle3-{n}", model=str(self.model_dir), config=cfg,
-                               eval_prompts_file=str(self.eval_file))
+        cfg = TrainConfig(
+            draft_vocab_size=sc["draft_vocab"],
+            ttt_steps=7,
+            steps=steps,
+            batch_tokens=sc["batch_tokens"],
+            max_seq_tokens=1024,
+            lr=sc["lr"],
+            warmup_steps=max(5, steps // 20),
+            checkpoint_every=max(50, steps // 2),
+            holdout_fraction=0.05,
+            eval_prompts=sc["eval_prompts"],
+            eval_new_tokens=sc["eval_tokens"],
+            eval_draft_tokens=3,
+        )
+        request = TrainRequest(
+            runs=[run],
+            drafter=f"smollm2-eagle3-{n}",
+            model=str(self.model_dir),
+            config=cfg,
+            eval_prompts_file=str(self.eval_file),
+        )
         done = self.work / f"train-{n}-{hashlib.sha256(request.model_dump_json().encode()).hexdigest()[:12]}.json"
         if done.is_file():  # trained by an earlier call on this machine
             return json.loads(done.read_text())
@@ -401,8 +529,19 @@ class Pipeline:
 
 
 def point(r: dict) -> dict:
-    keys = ("conversations", "tokens", "steps", "final_loss", "acceptance_untrained", "acceptance", "simulated_acceptance",
-            "heldout_acc", "wall_s", "tokens_per_second", "data_wait_fraction")
+    keys = (
+        "conversations",
+        "tokens",
+        "steps",
+        "final_loss",
+        "acceptance_untrained",
+        "acceptance",
+        "simulated_acceptance",
+        "heldout_acc",
+        "wall_s",
+        "tokens_per_second",
+        "data_wait_fraction",
+    )
     return {k: r.get(k) for k in keys}
 
 
@@ -410,11 +549,23 @@ def main() -> None:
     a = parse_args()
     stages = a.stage_list
     sc = dict(SCALES[a.scale])
-    sc.update({k: v for k, v in (("eval_prompts", a.eval_prompts), ("eval_tokens", a.eval_tokens), ("epochs", a.epochs)) if v is not None})
+    sc.update(
+        {
+            k: v
+            for k, v in (("eval_prompts", a.eval_prompts), ("eval_tokens", a.eval_tokens), ("epochs", a.epochs))
+            if v is not None
+        }
+    )
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    figures: dict = {"scale": a.scale, "device": a.device, "stages": stages, "settings": sc, "date": time.strftime("%Y-%m-%d")}
+    figures: dict = {
+        "scale": a.scale,
+        "device": a.device,
+        "stages": stages,
+        "settings": sc,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
     import torch
     import transformers
@@ -444,7 +595,15 @@ def main() -> None:
         figures["regenerate"] = json.loads((work / "regenerate.json").read_text())
     elif "regen" in stages:
         t0 = time.perf_counter()
-        figures["regenerate"] = regenerate(model_dir, data / "sharegpt_slice.jsonl", regen, sc["records"], sc["answer_tokens"], sc["regen_batch"], a.device)
+        figures["regenerate"] = regenerate(
+            model_dir,
+            data / "sharegpt_slice.jsonl",
+            regen,
+            sc["records"],
+            sc["answer_tokens"],
+            sc["regen_batch"],
+            a.device,
+        )
         (work / "regenerate.json").write_text(json.dumps(figures["regenerate"]))
         seconds["regen"] = time.perf_counter() - t0
     else:
@@ -472,8 +631,13 @@ def main() -> None:
         folder = pipe.pulled(n_total, full["version"])
         flops_tok = drafter_flops_per_token(load_exported(folder, model_dir), 7)
         tps = full.get("tokens_per_second") or 0.0
-        figures["trainer"] = {"tok_per_s": tps, "data_wait_fraction": full.get("data_wait_fraction"), "steps": full.get("steps"),
-                              "flops_per_token": flops_tok, "mfu_vs_989T": flops_tok * tps / H200_BF16_PEAK}
+        figures["trainer"] = {
+            "tok_per_s": tps,
+            "data_wait_fraction": full.get("data_wait_fraction"),
+            "steps": full.get("steps"),
+            "flops_per_token": flops_tok,
+            "mfu_vs_989T": flops_tok * tps / H200_BF16_PEAK,
+        }
         figures["curve"] = [point(full)]
         seconds["train"] = time.perf_counter() - t0
         save()
@@ -508,27 +672,43 @@ def table(figures: dict) -> None:
     print("|---|---|---|")
     ex = figures.get("extraction")
     if ex:
-        print(f"| extraction / bare forward, pipelined | {ex['ratio']:.3f} ({ex['pipelined_tok_per_s']:.0f} / {ex['bare_tok_per_s']:.0f} tok/s) | >= 0.95 |")
-        print(f"| extraction / bare forward, shard by shard | {ex['serial_ratio']:.3f} ({ex['serial_tok_per_s']:.0f} tok/s) | >= 0.95 |")
-        print(f"| stored / raw bytes per token | {ex['bytes_ratio']:.4f} ({ex['stored_bytes_per_token']:.0f} B) | <= 1.01 |")
+        print(
+            f"| extraction / bare forward, pipelined | {ex['ratio']:.3f} ({ex['pipelined_tok_per_s']:.0f} / {ex['bare_tok_per_s']:.0f} tok/s) | >= 0.95 |"
+        )
+        print(
+            f"| extraction / bare forward, shard by shard | {ex['serial_ratio']:.3f} ({ex['serial_tok_per_s']:.0f} tok/s) | >= 0.95 |"
+        )
+        print(
+            f"| stored / raw bytes per token | {ex['bytes_ratio']:.4f} ({ex['stored_bytes_per_token']:.0f} B) | <= 1.01 |"
+        )
     tr = figures.get("trainer")
     if tr:
-        print(f"| trainer tok/s, data wait, MFU | {tr['tok_per_s']:.0f}, {100 * (tr['data_wait_fraction'] or 0):.2f}%, {100 * tr['mfu_vs_989T']:.2f}% | wait < 5% |")
+        print(
+            f"| trainer tok/s, data wait, MFU | {tr['tok_per_s']:.0f}, {100 * (tr['data_wait_fraction'] or 0):.2f}%, {100 * tr['mfu_vs_989T']:.2f}% | wait < 5% |"
+        )
     curve = figures.get("curve") or []
     if curve:
         full = curve[0]
-        print(f"| acceptance (MT-bench, chain 3) | {full.get('acceptance') or nan:.3f} (untrained {full.get('acceptance_untrained') or nan:.3f}) | >= 3.0 |")
+        print(
+            f"| acceptance (MT-bench, chain 3) | {full.get('acceptance') or nan:.3f} (untrained {full.get('acceptance_untrained') or nan:.3f}) | >= 3.0 |"
+        )
     dec = figures.get("decode")
     if dec:
-        print(f"| decode speedup (same loop) | {dec['speedup']:.2f}x ({dec['spec_tok_per_s']:.0f} vs {dec['plain_tok_per_s']:.0f} tok/s), "
-              f"acceptance {dec['acceptance']:.3f}, identical {dec['identical_outputs']}/{dec['prompts']} | > 1 |")
+        print(
+            f"| decode speedup (same loop) | {dec['speedup']:.2f}x ({dec['spec_tok_per_s']:.0f} vs {dec['plain_tok_per_s']:.0f} tok/s), "
+            f"acceptance {dec['acceptance']:.3f}, identical {dec['identical_outputs']}/{dec['prompts']} | > 1 |"
+        )
     for r in reversed(curve):
-        print(f"| curve: {r['conversations']} conv, {r['tokens']} tok, {r['steps']} steps | acceptance {r.get('acceptance') or nan:.3f}, "
-              f"simulated {r.get('simulated_acceptance') or nan:.3f} | |")
+        print(
+            f"| curve: {r['conversations']} conv, {r['tokens']} tok, {r['steps']} steps | acceptance {r.get('acceptance') or nan:.3f}, "
+            f"simulated {r.get('simulated_acceptance') or nan:.3f} | |"
+        )
     sg = figures.get("sglang")
     if sg:
-        print(f"| SGLang spec_accept_length, speedup | {sg['spec_accept_length'] or nan:.3f}, {sg['speedup']:.2f}x "
-              f"({sg['tok_per_s']:.0f} vs {sg['plain_tok_per_s']:.0f} tok/s), identical {sg['identical_outputs']}/{sg['prompts']} | |")
+        print(
+            f"| SGLang spec_accept_length, speedup | {sg['spec_accept_length'] or nan:.3f}, {sg['speedup']:.2f}x "
+            f"({sg['tok_per_s']:.0f} vs {sg['plain_tok_per_s']:.0f} tok/s), identical {sg['identical_outputs']}/{sg['prompts']} | |"
+        )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,32 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO / "services" / "extractor")]
 
 LAYER_IDS = [1, 5, 9]
-CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
-           max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
-SERVER_FLAGS = ["--enable-return-hidden-states", "--disable-radix-cache", "--attention-backend", "triton",
-                "--sampling-backend", "pytorch", "--mem-fraction-static", "0.2", "--chunked-prefill-size", "512",
-                "--cuda-graph-max-bs-decode", "8"]
+CFG = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=12,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+SERVER_FLAGS = [
+    "--enable-return-hidden-states",
+    "--disable-radix-cache",
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--mem-fraction-static",
+    "0.2",
+    "--chunked-prefill-size",
+    "512",
+    "--cuda-graph-max-bs-decode",
+    "8",
+]
 OK_COS = 0.999  # per token, against HF fp32; a row from another token or batch is far below
 
 
@@ -77,8 +98,10 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.models = {name: AutoModelForCausalLM.from_pretrained(model, dtype=dt).cuda().eval()
-                       for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+        self.models = {
+            name: AutoModelForCausalLM.from_pretrained(model, dtype=dt).cuda().eval()
+            for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+        }
         self.cache: dict[tuple, dict] = {}
 
     def of(self, ids: list[int]) -> dict:
@@ -90,9 +113,11 @@ class Reference:
                 for name, m in self.models.items():
                     base = m.model(input_ids=torch.tensor([ids], device="cuda"), output_hidden_states=True)
                     final = base.last_hidden_state[0]
-                    out[name] = {"aux": [base.hidden_states[i + 1][0].float().cpu().numpy() for i in LAYER_IDS],
-                                 "final": final.float().cpu().numpy(),
-                                 "next": int(m.lm_head(final[-1:]).argmax())}
+                    out[name] = {
+                        "aux": [base.hidden_states[i + 1][0].float().cpu().numpy() for i in LAYER_IDS],
+                        "final": final.float().cpu().numpy(),
+                        "next": int(m.lm_head(final[-1:]).argmax()),
+                    }
             self.cache[key] = out
         return self.cache[key]
 
@@ -104,8 +129,12 @@ def compare(got, ref) -> dict:
     if got.shape != ref.shape:
         return {"shape": list(got.shape), "ref_shape": list(ref.shape), "cos_min": -1.0}
     cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1) + 1e-12)
-    return {"cos_min": round(float(cos.min()), 6), "cos_mean": round(float(cos.mean()), 6),
-            "max_abs_diff": round(float(np.abs(got - ref).max()), 5), "ref_max_abs": round(float(np.abs(ref).max()), 3)}
+    return {
+        "cos_min": round(float(cos.min()), 6),
+        "cos_mean": round(float(cos.mean()), 6),
+        "max_abs_diff": round(float(np.abs(got - ref).max()), 5),
+        "ref_max_abs": round(float(np.abs(ref).max()), 3),
+    }
 
 
 def points(aux, final, ref: dict) -> dict:
@@ -155,18 +184,34 @@ class Server:
         shutil.rmtree(self.shm, ignore_errors=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_") and k != "PYTHONPATH"}
         site = plugin_site(Path(f"/tmp/aerie-plugin-site-{name}"))
-        env.update(PYTHONPATH=os.pathsep.join([str(site), str(plugin_dir), args.site]), AERIE_SGLANG_BINARY="1",
-                   AERIE_CAPTURE_LAYER_IDS=",".join(map(str, LAYER_IDS)), AERIE_CAPTURE_DIR=self.shm,
-                   SGLANG_PLUGINS="aerie_capture", TVM_FFI_CACHE_DIR="/tmp/tvm-ffi-cache")
-        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--host", "127.0.0.1",
-                    "--port", str(port), *SERVER_FLAGS]
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(site), str(plugin_dir), args.site]),
+            AERIE_SGLANG_BINARY="1",
+            AERIE_CAPTURE_LAYER_IDS=",".join(map(str, LAYER_IDS)),
+            AERIE_CAPTURE_DIR=self.shm,
+            SGLANG_PLUGINS="aerie_capture",
+            TVM_FFI_CACHE_DIR="/tmp/tvm-ffi-cache",
+        )
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *SERVER_FLAGS,
+        ]
         self.log_path = Path(args.out) / f"server_{name}.log"
         self.log = open(self.log_path, "w")
         self.log.write(f"PLUGIN: {plugin_dir}\nCMD: {' '.join(self.cmd)}\n")
         self.log.flush()
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp",
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp", start_new_session=True
+        )
 
     def wait(self, timeout: float) -> float | None:
         while time.monotonic() - self.t0 < timeout and self.proc.poll() is None:
@@ -206,9 +251,15 @@ def capture_one(srv: Server, reader, ref: Reference, ids: list[int]) -> dict:
         return {**e, "error": f"{type(ex).__name__}: {ex}", "meta_keys": sorted(resp.get("meta_info", {}))}
     aux, final = arrays["aux"], arrays["final"]
     r = ref.of(ids)
-    e.update(rows=int(desc.rows), dtype=str(aux.dtype), layer_ids=desc.layer_ids, json_hidden_states="hidden_states" in resp["meta_info"]
-             and bool(resp["meta_info"]["hidden_states"]), points=points(aux, final, r),
-             token=resp.get("output_ids", [None])[0], hf_next=r["bf16"]["next"])
+    e.update(
+        rows=int(desc.rows),
+        dtype=str(aux.dtype),
+        layer_ids=desc.layer_ids,
+        json_hidden_states="hidden_states" in resp["meta_info"] and bool(resp["meta_info"]["hidden_states"]),
+        points=points(aux, final, r),
+        token=resp.get("output_ids", [None])[0],
+        hf_next=r["bf16"]["next"],
+    )
     return e
 
 
@@ -225,7 +276,9 @@ def json_one(srv: Server, ref: Reference, ids: list[int], hidden: bool) -> dict:
         return {**e, "error": f"HTTP {status}: {resp}"}
     meta = resp["meta_info"]
     r = ref.of(ids)
-    e.update(has_aerie_capture="aerie_capture" in meta, token=resp.get("output_ids", [None])[0], hf_next=r["bf16"]["next"])
+    e.update(
+        has_aerie_capture="aerie_capture" in meta, token=resp.get("output_ids", [None])[0], hf_next=r["bf16"]["next"]
+    )
     if hidden:
         parts = meta.get("hidden_states") or []
         if not parts:
@@ -233,8 +286,10 @@ def json_one(srv: Server, ref: Reference, ids: list[int], hidden: bool) -> dict:
         rows = np.asarray(parts[0], dtype=np.float32).reshape(-1, len(LAYER_IDS), CFG["hidden_size"])
         n = rows.shape[0]  # stock 0.5.17 returns only a chunked prompt's last prefill chunk
         e["rows"] = n
-        e["points"] = {f"aux_layer{lid}": {dt: compare(rows[:, j], r[dt]["aux"][j][-n:]) for dt in ("bf16", "fp32")}
-                       for j, lid in enumerate(LAYER_IDS)}
+        e["points"] = {
+            f"aux_layer{lid}": {dt: compare(rows[:, j], r[dt]["aux"][j][-n:]) for dt in ("bf16", "fp32")}
+            for j, lid in enumerate(LAYER_IDS)
+        }
     return e
 
 
@@ -243,9 +298,11 @@ def refusals(srv: Server) -> dict:
 
     out = {}
     ids = list(range(200, 240))
-    cases = {"max_new_tokens_2": lambda b: b["sampling_params"].update(max_new_tokens=2),
-             "sink_s3_unconfigured": lambda b: b["sampling_params"]["custom_params"].update(aerie_capture="s3"),
-             "no_return_hidden_states": lambda b: b.pop("return_hidden_states")}
+    cases = {
+        "max_new_tokens_2": lambda b: b["sampling_params"].update(max_new_tokens=2),
+        "sink_s3_unconfigured": lambda b: b["sampling_params"]["custom_params"].update(aerie_capture="s3"),
+        "no_return_hidden_states": lambda b: b.pop("return_hidden_states"),
+    }
     for name, edit in cases.items():
         body = sb.capture_body(ids, "shm")
         edit(body)
@@ -259,8 +316,12 @@ def check_server(srv: Server, ref: Reference, rng: random.Random, vocab: int) ->
 
     with urllib.request.urlopen(srv.url + "/server_info", timeout=10) as r:
         info = json.loads(r.read())
-    res = {"advertised": info.get("aerie_capture"), "enable_return_aux_hidden_states": info.get("enable_return_aux_hidden_states"),
-           "return_aux_hidden_state_layer_ids": info.get("return_aux_hidden_state_layer_ids"), "sglang_version": info.get("version")}
+    res = {
+        "advertised": info.get("aerie_capture"),
+        "enable_return_aux_hidden_states": info.get("enable_return_aux_hidden_states"),
+        "return_aux_hidden_state_layer_ids": info.get("return_aux_hidden_state_layer_ids"),
+        "sglang_version": info.get("version"),
+    }
     reader = sb.reader_for(info, "shm", timeout_s=30)
 
     def rand_ids(n):
@@ -279,16 +340,33 @@ def check_server(srv: Server, ref: Reference, rng: random.Random, vocab: int) ->
     rng.shuffle(jobs)
     t = time.perf_counter()
     with ThreadPoolExecutor(len(jobs)) as pool:
-        done = list(pool.map(lambda j: (j[0], capture_one(srv, reader, ref, j[1]) if j[0] == "capture"
-                                         else json_one(srv, ref, j[1], hidden=j[0] == "json")), jobs))
-    conc = {"wall_s": round(time.perf_counter() - t, 3), "n": {k: sum(1 for j in jobs if j[0] == k) for k in ("capture", "json", "plain")}}
+        done = list(
+            pool.map(
+                lambda j: (
+                    j[0],
+                    capture_one(srv, reader, ref, j[1])
+                    if j[0] == "capture"
+                    else json_one(srv, ref, j[1], hidden=j[0] == "json"),
+                ),
+                jobs,
+            )
+        )
+    conc = {
+        "wall_s": round(time.perf_counter() - t, 3),
+        "n": {k: sum(1 for j in jobs if j[0] == k) for k in ("capture", "json", "plain")},
+    }
     by = {k: [e for kind, e in done if kind == k] for k in ("capture", "json", "plain")}
     conc["capture_worst_cos_fp32"] = worst(by["capture"])
-    conc["capture_bad"] = [{k: e.get(k) for k in ("tokens", "error", "rows")} | {"worst": worst([e])} for e in by["capture"]
-                           if "error" in e or min(worst([e]).values(), default=-1) < OK_COS]
+    conc["capture_bad"] = [
+        {k: e.get(k) for k in ("tokens", "error", "rows")} | {"worst": worst([e])}
+        for e in by["capture"]
+        if "error" in e or min(worst([e]).values(), default=-1) < OK_COS
+    ]
     conc["json_worst_cos_fp32"] = worst(by["json"])
     conc["json_rows_vs_tokens"] = [[e.get("rows"), e["tokens"]] for e in by["json"]]
-    conc["non_capture_with_aerie_capture"] = sum(1 for k in ("json", "plain") for e in by[k] if e.get("has_aerie_capture"))
+    conc["non_capture_with_aerie_capture"] = sum(
+        1 for k in ("json", "plain") for e in by[k] if e.get("has_aerie_capture")
+    )
     conc["errors"] = [e["error"] for k in by for e in by[k] if "error" in e]
     conc["token_matches_hf"] = {k: sum(1 for e in by[k] if e.get("token") == e.get("hf_next")) for k in by}
     conc["requests"] = {k: by[k] for k in by}
@@ -297,11 +375,16 @@ def check_server(srv: Server, ref: Reference, rng: random.Random, vocab: int) ->
     res["refusals"] = refusals(srv)
     time.sleep(1)
     res["shm_left"] = sorted(os.listdir(srv.shm)) if os.path.isdir(srv.shm) else None
-    seq_ok = all("error" not in e and min(worst([e]).values()) >= OK_COS and e["rows"] == e["tokens"] for e in res["sequential"].values())
+    seq_ok = all(
+        "error" not in e and min(worst([e]).values()) >= OK_COS and e["rows"] == e["tokens"]
+        for e in res["sequential"].values()
+    )
     res["verdict"] = {
         "sequential_ok": seq_ok,
-        "concurrent_ok": not conc["capture_bad"] and not conc["errors"] and conc["non_capture_with_aerie_capture"] == 0
-                         and min(conc["json_worst_cos_fp32"].values(), default=0) >= OK_COS,
+        "concurrent_ok": not conc["capture_bad"]
+        and not conc["errors"]
+        and conc["non_capture_with_aerie_capture"] == 0
+        and min(conc["json_worst_cos_fp32"].values(), default=0) >= OK_COS,
         "refusals_ok": all(v["status"] in (400, 503) for v in res["refusals"].values()),
         "shm_clean": res["shm_left"] == [],
     }
@@ -315,11 +398,23 @@ def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    results = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "transformers_ref": transformers.__version__, "model": CFG,
-               "layer_ids": LAYER_IDS, "server_flags": SERVER_FLAGS, "ok_cos": OK_COS, "servers": {}}
-    results["sglang"] = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-                                       env={**os.environ, "PYTHONPATH": args.site}, capture_output=True, text=True).stdout.strip()
+    results = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers_ref": transformers.__version__,
+        "model": CFG,
+        "layer_ids": LAYER_IDS,
+        "server_flags": SERVER_FLAGS,
+        "ok_cos": OK_COS,
+        "servers": {},
+    }
+    results["sglang"] = subprocess.run(
+        [sys.executable, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+        env={**os.environ, "PYTHONPATH": args.site},
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
     def dump():
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -327,8 +422,10 @@ def run(args) -> None:
     ref = Reference(args.model)
     floor_ids = random.Random(7).sample(range(100, 40000), 512)
     r = ref.of(floor_ids)
-    results["hf_bf16_vs_fp32"] = {**{f"aux_layer{lid}": compare(r["bf16"]["aux"][j], r["fp32"]["aux"][j]) for j, lid in enumerate(LAYER_IDS)},
-                                  "final": compare(r["bf16"]["final"], r["fp32"]["final"])}
+    results["hf_bf16_vs_fp32"] = {
+        **{f"aux_layer{lid}": compare(r["bf16"]["aux"][j], r["fp32"]["aux"][j]) for j, lid in enumerate(LAYER_IDS)},
+        "final": compare(r["bf16"]["final"], r["fp32"]["final"]),
+    }
     vocab = ref.models["bf16"].config.vocab_size
     servers = [s.split("=", 1) for s in args.server] or [["tree", str(REPO / "services" / "inference")]]
     for i, (name, plugin_dir) in enumerate(servers):
@@ -351,8 +448,11 @@ def run(args) -> None:
             entry["log_tail"] = srv.tail(60)
         finally:
             srv.stop()
-            plugin_lines = [ln for ln in srv.log_path.read_text(errors="replace").splitlines()
-                            if "aerie" in ln.lower() or "Traceback" in ln or "Error" in ln][:40]
+            plugin_lines = [
+                ln
+                for ln in srv.log_path.read_text(errors="replace").splitlines()
+                if "aerie" in ln.lower() or "Traceback" in ln or "Error" in ln
+            ][:40]
             entry["log_plugin_lines"] = plugin_lines
             dump()
         log(name, "verdict", json.dumps(entry.get("verdict")))

@@ -15,8 +15,13 @@ import sys
 
 from deploy_checks import compose, dockerfiles, docs, k8s, shell
 
-CHECKS = {"compose": compose.check_compose, "dockerfiles": dockerfiles.check_dockerfiles, "k8s": k8s.check_k8s,
-          "docs": docs.check_docs, "shell": shell.check_shell}
+CHECKS = {
+    "compose": compose.check_compose,
+    "dockerfiles": dockerfiles.check_dockerfiles,
+    "k8s": k8s.check_k8s,
+    "docs": docs.check_docs,
+    "shell": shell.check_shell,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -33,8 +33,14 @@ BITS = 4
 GROUP = 32
 PER_CHANNEL = 0  # `group` value: one scale and zero point per output row
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "chat_template.jinja")
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def quantize_dequantize(weight, bits: int = BITS, group: int = GROUP):
@@ -59,7 +65,9 @@ def is_quantized(name: str) -> bool:
     return ".layers." in name and name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED
 
 
-def smollm2_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = GROUP, bits: int = BITS) -> Path:
+def smollm2_quantized(
+    cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = GROUP, bits: int = BITS
+) -> Path:
     """The quantized SmolLM2 folder (config, tokenizer, model.safetensors), built once."""
     source = Path(smollm2_path)
     h = hashlib.sha256(Path(__file__).read_bytes())
@@ -96,8 +104,9 @@ def _build(out: Path, source: Path, group: int, bits: int) -> None:
     os.replace(tmp, out)
 
 
-def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = PER_CHANNEL,
-                         bits: int = BITS):
+def trained_on_quantized(
+    cache_dir: str | os.PathLike, smollm2_path: str | os.PathLike, group: int = PER_CHANNEL, bits: int = BITS
+):
     """The shared trained drafter's twin (tests/trained.py: same conversations, same training), its
     states and target signal taken from the quantized SmolLM2: the drafter that matches a quantized
     serving target. No speculative-decoding evaluation in training (the test serves it instead).
@@ -112,7 +121,9 @@ def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.Pa
 
     target = smollm2_quantized(cache_dir, smollm2_path, group, bits)
     size = SIZES[SIZE]
-    run_folder = hidden_run_folder(cache_dir, target, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
+    run_folder = hidden_run_folder(
+        cache_dir, target, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
+    )
     config = train_config().model_copy(update={"eval_prompts": 0})
     key = hashlib.sha256(json.dumps([run_folder.name, config.model_dump(), source_digest()]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / "test-drafters" / f"{target.name.rsplit('-', 1)[0]}-{key}"
@@ -126,7 +137,9 @@ def trained_on_quantized(cache_dir: str | os.PathLike, smollm2_path: str | os.Pa
             store = FsStore(folder / "store")
             upload_run(store, run_folder, f"sharegpt-int{bits}")
             started = time.monotonic()
-            request = TrainRequest(runs=[f"sharegpt-int{bits}"], drafter=f"smol-int{bits}-eagle3", model=str(target), config=config)
+            request = TrainRequest(
+                runs=[f"sharegpt-int{bits}"], drafter=f"smol-int{bits}-eagle3", model=str(target), config=config
+            )
             result = stages.train(store, Settings(store=f"file://{store.root}"), request).model_dump(mode="json")
             result["train_wall_s"] = time.monotonic() - started
             stages.pull(store, request.drafter, folder / "pulled")

@@ -55,7 +55,12 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
                 continue
             buf = buf[end:]
             conv = rec.get("conversations") or []
-            if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt" and conv[1].get("value"):
+            if (
+                len(conv) >= 2
+                and conv[0].get("from") == "human"
+                and conv[1].get("from") == "gpt"
+                and conv[1].get("value")
+            ):
                 seen += 1
                 if seen > skip:
                     out.append(conv)
@@ -68,7 +73,9 @@ def held_out_chats(tokenizer, n: int, skip: int, chars: int, max_tokens: int, mi
     longer than `min_tokens`: held-out text for the benchmarks' teacher-forced measures."""
     out = []
     for conv in sharegpt_conversations(n, skip):
-        messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:chars]} for t in conv[:2]]
+        messages = [
+            {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:chars]} for t in conv[:2]
+        ]
         ids = tokenizer.apply_chat_template(messages, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_tokens]
         if len(ids) > min_tokens:
@@ -76,18 +83,28 @@ def held_out_chats(tokenizer, n: int, skip: int, chars: int, max_tokens: int, mi
     return out
 
 
-def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: int = 0, max_tokens: int = 256,
-                      shard_sequences: int = 16, signal: str = "final", topk: int = 20, points: list[int] | None = None,
-                      dtype: str = "bfloat16") -> Path:
+def hidden_run_folder(
+    cache_dir: Path,
+    model_dir: Path,
+    *,
+    records: int,
+    skip: int = 0,
+    max_tokens: int = 256,
+    shard_sequences: int = 16,
+    signal: str = "final",
+    topk: int = 20,
+    points: list[int] | None = None,
+    dtype: str = "bfloat16",
+) -> Path:
     """A filesystem store holding run `RUN`: ShareGPT conversations (user turns cut to 200
     characters, so short sequences are mostly assistant text) ingested and extracted by the
     pipeline's own stages (aerie.stages: ingest, extract) with the `hf` engine. Built once per inputs.
     `points`: capture points other than the default [2, N//2, N-3]; `dtype`: of the states (and the forward)."""
+    from aerie import stages
     from aerie.contracts import ExtractRequest, IngestRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
     from aerie.target import describe
-    from aerie import stages
 
     target = describe(model_dir, name="SmolLM2-135M-Instruct")
     inputs = [CACHE_VERSION, target.weights_sha256, records, skip, max_tokens, shard_sequences, signal, topk]
@@ -105,13 +122,26 @@ def hidden_run_folder(cache_dir: Path, model_dir: Path, *, records: int, skip: i
             turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
             f.write(json.dumps({"conversations": turns}) + "\n")
     store = FsStore(tmp)
-    settings = Settings(store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048, ingest_local_dirs=[tmp])
+    settings = Settings(
+        store=f"file://{tmp}", engine="hf", device="cpu", tokens_per_batch=2048, ingest_local_dirs=[tmp]
+    )
     points = points or default_capture_points(target.num_layers)
-    ingested = stages.ingest(store, settings, IngestRequest(
-        run="RUN", dataset=str(dataset), model=str(model_dir), capture_points=points, engine="hf", dtype=dtype,
-        target_signal=signal, topk=topk, fan_out=False,
-        options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
-    ))
+    ingested = stages.ingest(
+        store,
+        settings,
+        IngestRequest(
+            run="RUN",
+            dataset=str(dataset),
+            model=str(model_dir),
+            capture_points=points,
+            engine="hf",
+            dtype=dtype,
+            target_signal=signal,
+            topk=topk,
+            fan_out=False,
+            options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
+        ),
+    )
     for shard in ingested.shards:
         stages.extract(store, settings, ExtractRequest(run="RUN", shard=shard))
     (tmp / "sharegpt.jsonl").unlink()
@@ -142,7 +172,10 @@ def upload_run(store, folder: Path, run: str) -> RunSpec:
     for name in shard_names(cached, "RUN", "hidden"):
         store.put_file(layout.shard(run, "hidden", name), cached.local_path(layout.shard("RUN", "hidden", name)))
         rec = cached.get_json(layout.shard_record("RUN", "hidden", name), ShardRecord)
-        store.put_json(layout.shard_record(run, "hidden", name), rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)}))
+        store.put_json(
+            layout.shard_record(run, "hidden", name),
+            rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)}),
+        )
     store.put_json(layout.run_spec(run), spec)
     return spec
 
@@ -160,8 +193,12 @@ def quantize_run(store, run: str, into: str, block: int | None = None) -> RunSpe
         data = Shard.from_buffer(store.get_bytes(rec.key)).quantize("float8_e4m3fn", block).to_bytes()
         key = layout.shard(into, "hidden", name)
         store.put_bytes(key, data)
-        store.put_json(layout.shard_record(into, "hidden", name), rec.model_copy(update={
-            "run": into, "key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+        store.put_json(
+            layout.shard_record(into, "hidden", name),
+            rec.model_copy(
+                update={"run": into, "key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            ),
+        )
     fp8 = spec.model_copy(update={"run": into, "storage_dtype": "float8_e4m3fn", "scale_block": block})
     store.put_json(layout.run_spec(into), fp8)
     return fp8

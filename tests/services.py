@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,16 +65,57 @@ def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
     data_dir.mkdir(parents=True, exist_ok=True)
     access, secret = "aerie" + secrets.token_hex(4), secrets.token_hex(16)
     config = data_dir / "s3.json"
-    config.write_text(json.dumps({"identities": [{"name": "aerie", "credentials": [{"accessKey": access, "secretKey": secret}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "aerie",
+                        "credentials": [{"accessKey": access, "secretKey": secret}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    ports = {
+        name: free_port()
+        for name in (
+            "master",
+            "master.grpc",
+            "volume",
+            "volume.grpc",
+            "filer",
+            "filer.grpc",
+            "s3",
+            "s3.grpc",
+            "admin",
+            "admin.grpc",
+            "debug",
+        )
+    }
     args = [
-        weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
-        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
-        f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
-        f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin.grpc']}", "-admin.ui=false",
-        "-webdav=false", f"-debug.port={ports['debug']}", f"-s3.config={config}",
+        weed_binary(),
+        "mini",
+        f"-dir={data_dir / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master.grpc']}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={ports['volume.grpc']}",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={ports['filer.grpc']}",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={ports['s3.grpc']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-admin.port={ports['admin']}",
+        f"-admin.port.grpc={ports['admin.grpc']}",
+        "-admin.ui=false",
+        "-webdav=false",
+        f"-debug.port={ports['debug']}",
+        f"-s3.config={config}",
     ]
     (data_dir / "data").mkdir(exist_ok=True)
     log = open(data_dir / "weed.log", "wb")
@@ -94,7 +134,9 @@ def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
         except Exception:
             if time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"weed mini did not answer on {server.endpoint} within {timeout_s} s: see {data_dir / 'weed.log'}")
+                raise RuntimeError(
+                    f"weed mini did not answer on {server.endpoint} within {timeout_s} s: see {data_dir / 'weed.log'}"
+                ) from None
             time.sleep(0.5)
 
 
@@ -114,8 +156,12 @@ def store_env(store) -> dict[str, str]:
     if isinstance(store, FsStore):
         return {"AERIE_STORE": f"file://{store.root}"}
     creds = store.client._provider.retrieve()
-    return {"AERIE_STORE": store.endpoint, "AERIE_BUCKET": store.bucket,
-            "AERIE_S3_ACCESS_KEY": creds.access_key, "AERIE_S3_SECRET_KEY": creds.secret_key}
+    return {
+        "AERIE_STORE": store.endpoint,
+        "AERIE_BUCKET": store.bucket,
+        "AERIE_S3_ACCESS_KEY": creds.access_key,
+        "AERIE_S3_SECRET_KEY": creds.secret_key,
+    }
 
 
 def wait_until(condition, timeout: float, what: str, poll: float = 0.1, details=lambda: ""):
@@ -156,8 +202,22 @@ def start_redis(data_dir: Path, timeout_s: float = 30.0) -> tuple[str, subproces
 
     port = free_port()
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data_dir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
@@ -188,9 +248,28 @@ class CeleryWorker:
         self.name, self.log_path = name, Path(log_dir) / f"{name}.log"
         celery = str(Path(sys.executable).with_name("celery"))
         self.proc = subprocess.Popen(
-            [celery, "-A", self.app, "worker", "-Q", self.queues, "--pool", "solo", "-n", f"{name}@%h",
-             "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            env=env, cwd=REPO, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                celery,
+                "-A",
+                self.app,
+                "worker",
+                "-Q",
+                self.queues,
+                "--pool",
+                "solo",
+                "-n",
+                f"{name}@%h",
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def log(self) -> str:

@@ -183,8 +183,18 @@ def sglang_server(
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
     child_env.update(env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=child_env, start_new_session=True)
-    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=full, log_path=log_path, process=proc, graceful=graceful)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env=child_env,
+            start_new_session=True,
+        )
+    server = SGLangServer(
+        url=f"http://127.0.0.1:{port}", port=port, args=full, log_path=log_path, process=proc, graceful=graceful
+    )
     try:
         started = time.monotonic()
         _wait_healthy(server, timeout_s)
@@ -218,7 +228,9 @@ def capture_server(
 
 
 @contextmanager
-def serve_server(model_path: str | os.PathLike, draft_path: str | os.PathLike, *, dtype: str = "float32", **kwargs) -> Iterator[SGLangServer]:
+def serve_server(
+    model_path: str | os.PathLike, draft_path: str | os.PathLike, *, dtype: str = "float32", **kwargs
+) -> Iterator[SGLangServer]:
     """A server of the target with an EAGLE3 drafter (`--serve-eagle`: intel_amx attention + CPU ops).
 
     kwargs: `num_steps`, `eagle_topk`, `num_draft_tokens` (serve_args), and sglang_server's."""
@@ -248,7 +260,9 @@ def capture_server_fixture(
             from aerie.target import describe
 
             pts = default_capture_points(describe(model).num_layers)
-        with capture_server(model, points=pts, layer_ids=layer_ids, dtype=dtype, log_dir=tmp_path_factory.mktemp("sglang")) as server:
+        with capture_server(
+            model, points=pts, layer_ids=layer_ids, dtype=dtype, log_dir=tmp_path_factory.mktemp("sglang")
+        ) as server:
             yield server
 
     return _capture_server

@@ -117,7 +117,11 @@ def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLi
     """The tiny DeepSeek-V3 folder (config.json, model.safetensors, SmolLM2's tokenizer), built once
     (another `seed`: another folder)."""
     smollm2_path = Path(smollm2_path)
-    name = f"deepseek-v3-tiny-{source_key(smollm2_path)}" if seed == SEED else f"deepseek-v3-tiny-seed{seed}-{source_key(smollm2_path)}"
+    name = (
+        f"deepseek-v3-tiny-{source_key(smollm2_path)}"
+        if seed == SEED
+        else f"deepseek-v3-tiny-seed{seed}-{source_key(smollm2_path)}"
+    )
     out = Path(cache_dir).expanduser() / "test-targets" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "w") as lock:
@@ -177,7 +181,9 @@ def _build(out: Path, smollm2_path: Path, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     smol = json.loads((smollm2_path / "config.json").read_text())  # its special ids (eos = <|im_end|>)
     config = tiny_config(len(tokenizer), smol["bos_token_id"], smol["eos_token_id"])
-    hf_config = DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version")})
+    hf_config = DeepseekV3Config(
+        **{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version")}
+    )
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(hf_config).to(torch.float32).eval()
     generator = torch.Generator().manual_seed(seed + 1)

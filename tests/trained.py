@@ -58,8 +58,12 @@ def trained_drafter(cache_dir: Path, smollm2_path: Path) -> Trained:
     from tests.runs import hidden_run_folder
 
     size = SIZES[SIZE]
-    run_folder = hidden_run_folder(cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
-    key = hashlib.sha256(json.dumps([run_folder.name, train_config().model_dump(), source_digest()]).encode()).hexdigest()[:16]
+    run_folder = hidden_run_folder(
+        cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
+    )
+    key = hashlib.sha256(
+        json.dumps([run_folder.name, train_config().model_dump(), source_digest()]).encode()
+    ).hexdigest()[:16]
     folder = Path(cache_dir) / "test-drafters" / key
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_suffix(".lock"), "w") as lock:

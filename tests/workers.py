@@ -34,8 +34,14 @@ class TrainerWorker(CeleryWorker):
 
 
 def worker_env(store, redis_url: str, **extra: str) -> dict[str, str]:
-    return clean_env(**store_env(store), AERIE_BROKER=redis_url, AERIE_ENGINE="hf", OMP_NUM_THREADS="1",
-                     HF_HUB_DISABLE_PROGRESS_BARS="1", **extra)
+    return clean_env(
+        **store_env(store),
+        AERIE_BROKER=redis_url,
+        AERIE_ENGINE="hf",
+        OMP_NUM_THREADS="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        **extra,
+    )
 
 
 def celery_cli(env: dict[str, str], *args: str, timeout: float = 120) -> str:

@@ -25,8 +25,12 @@ Container = namedtuple("Container", "image command env checks grace_s")
 def apply(rules, at: str, *subject) -> list[str]:
     """aerie's rules are data: (message, test) pairs. `test(*subject)` is falsy when the rule holds,
     True when it fails, or the values that fail it, each filling the message's {} fields."""
-    return [at + message.format(*v if isinstance(v, tuple) else (v,))
-            for message, test in rules for found in [test(*subject)] for v in ([()] if found is True else found or ())]
+    return [
+        at + message.format(*v if isinstance(v, tuple) else (v,))
+        for message, test in rules
+        for found in [test(*subject)]
+        for v in ([()] if found is True else found or ())
+    ]
 
 
 def dig(node, *keys):
@@ -42,7 +46,9 @@ def aerie_env_names() -> frozenset[str]:
     its `__init__`, which needs no SGLang)."""
     from aerie.settings import ENV_PREFIX, Settings
 
-    spec = importlib.util.spec_from_file_location("_plugin", REPO / "services/inference/aerie_sglang/plugin/__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "_plugin", REPO / "services/inference/aerie_sglang/plugin/__init__.py"
+    )
     spec.loader.exec_module(plugin := importlib.util.module_from_spec(spec))
     return frozenset({f"{ENV_PREFIX}{name}".upper() for name in Settings.model_fields} | set(plugin.ENV_VARS))
 
@@ -55,16 +61,31 @@ def image_problems(image: str | None) -> list[str]:
     """Why `image` is not a pinned tag or digest on a named registry (an unqualified name resolves on
     Docker Hub, in anyone's namespace)."""
     host, tag = (image or "").split("/", 1)[0], (image or "").rsplit("/", 1)[-1].partition(":")[2]
-    return ["no image"] if not image else [m for m, bad in [
-        (f"image {image!r} names no registry: qualify it (docker.io/..., your registry)",
-         "/" not in image or not re.search(r"[.:]", host)),
-        (f"image {image!r} {'uses `latest`' if tag else 'has no tag (pulls `latest`)'}: pin a version tag",
-         "@sha256:" not in image and tag in ("", "latest"))] if bad]
+    return (
+        ["no image"]
+        if not image
+        else [
+            m
+            for m, bad in [
+                (
+                    f"image {image!r} names no registry: qualify it (docker.io/..., your registry)",
+                    "/" not in image or not re.search(r"[.:]", host),
+                ),
+                (
+                    f"image {image!r} {'uses `latest`' if tag else 'has no tag (pulls `latest`)'}: pin a version tag",
+                    "@sha256:" not in image and tag in ("", "latest"),
+                ),
+            ]
+            if bad
+        ]
+    )
 
 
 def celery_apps(command) -> set[str]:
     """The `-A APP` values in a command (a list, or a string such as a shell script)."""
-    return set(re.findall(r"celery\s+-A\s+([\w.:]+)", " ".join(command) if isinstance(command, list) else command or ""))
+    return set(
+        re.findall(r"celery\s+-A\s+([\w.:]+)", " ".join(command) if isinstance(command, list) else command or "")
+    )
 
 
 def soft_shutdown_missing(c: Container) -> bool:
@@ -72,7 +93,8 @@ def soft_shutdown_missing(c: Container) -> bool:
     after a soft timeout shorter than the grace period; else the kill leaves it to the visibility timeout."""
     soft = re.search(r"worker\.soft_shutdown_timeout=([\d.]+)", c.command)
     return bool(re.search(r"celery .* worker\b", c.command)) and not (
-        soft and c.env.get("REMAP_SIGTERM") == "SIGQUIT" and c.grace_s > float(soft.group(1)))
+        soft and c.env.get("REMAP_SIGTERM") == "SIGQUIT" and c.grace_s > float(soft.group(1))
+    )
 
 
 CAPTURE_FLAGS = ("--disable-radix-cache", "--enable-return-aux-hidden-states")  # an SGLang started in capture mode
@@ -96,11 +118,16 @@ def regeneration_problems(c: Container) -> list[str]:
     if urls is None:
         return [f"env AERIE_REGENERATE_URLS={c.env['AERIE_REGENERATE_URLS']!r} is not a JSON list of URLs"]
     if not urls:
-        return ["AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask AERIE_ENGINE_URLS, "
-                "the capture server (radix cache off, capturing): set it to the generation server's URL"]
+        return [
+            "AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask AERIE_ENGINE_URLS, "
+            "the capture server (radix cache off, capturing): set it to the generation server's URL"
+        ]
     capture = set(url_list(c.env.get("AERIE_ENGINE_URLS")) or [])
-    return [f"AERIE_REGENERATE_URLS names {u}, the capture server of AERIE_ENGINE_URLS: point it at the generation server"
-            for u in urls if u in capture]
+    return [
+        f"AERIE_REGENERATE_URLS names {u}, the capture server of AERIE_ENGINE_URLS: point it at the generation server"
+        for u in urls
+        if u in capture
+    ]
 
 
 def regeneration_hosts(c: Container) -> list[tuple[str, str]]:
@@ -114,12 +141,23 @@ def regeneration_hosts(c: Container) -> list[tuple[str, str]]:
 
 CONTAINER_RULES = [  # (message, test(Container))
     (": {0}", lambda c: [] if c.image is None else image_problems(c.image)),
-    (": env {0} is not an aerie setting (aerie refuses unknown AERIE_*): rename it", lambda c: unknown_aerie_names(c.env)),
-    (": {0} pings Celery app {1}, not the one the container runs {2}",
-     lambda c: [(name, sorted(pinged), sorted(celery_apps(c.command))) for name, check in c.checks.items()
-                if (pinged := celery_apps(check)) and pinged != celery_apps(c.command)]),
-    (": a Celery worker that keeps its task on SIGTERM: set REMAP_SIGTERM=SIGQUIT, `-- worker.soft_shutdown_timeout=N`"
-     " and a grace period above N", soft_shutdown_missing),
+    (
+        ": env {0} is not an aerie setting (aerie refuses unknown AERIE_*): rename it",
+        lambda c: unknown_aerie_names(c.env),
+    ),
+    (
+        ": {0} pings Celery app {1}, not the one the container runs {2}",
+        lambda c: [
+            (name, sorted(pinged), sorted(celery_apps(c.command)))
+            for name, check in c.checks.items()
+            if (pinged := celery_apps(check)) and pinged != celery_apps(c.command)
+        ],
+    ),
+    (
+        ": a Celery worker that keeps its task on SIGTERM: set REMAP_SIGTERM=SIGQUIT, `-- worker.soft_shutdown_timeout=N`"
+        " and a grace period above N",
+        soft_shutdown_missing,
+    ),
     (": {0}", regeneration_problems),
 ]
 
@@ -127,7 +165,12 @@ CONTAINER_RULES = [  # (message, test(Container))
 def embedded_scripts(node, path: str = "") -> list[tuple[str, str]]:
     """(where, script) for every `[sh|bash, -c, SCRIPT]` and `[CMD-SHELL, SCRIPT]` list in a tree."""
     found = []
-    if isinstance(node, list) and len(node) >= 3 and node[0] in ("sh", "bash", "/bin/sh", "/bin/bash") and node[1] == "-c":
+    if (
+        isinstance(node, list)
+        and len(node) >= 3
+        and node[0] in ("sh", "bash", "/bin/sh", "/bin/bash")
+        and node[1] == "-c"
+    ):
         found.append((path, str(node[2])))
     elif isinstance(node, list) and len(node) >= 2 and node[0] == "CMD-SHELL":
         found.append((path, " ".join(str(x) for x in node[1:])))

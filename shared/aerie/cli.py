@@ -34,8 +34,19 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from aerie.store import StoreError
     from aerie.target import TargetError
 
-    return (CaptureError, DatasetRefused, DrafterError, ExpectedError, PresetError, QueueError, RunError, SettingsError,
-            StageUnavailable, StoreError, TargetError)
+    return (
+        CaptureError,
+        DatasetRefused,
+        DrafterError,
+        ExpectedError,
+        PresetError,
+        QueueError,
+        RunError,
+        SettingsError,
+        StageUnavailable,
+        StoreError,
+        TargetError,
+    )
 
 
 def one_line(error: Exception, debug: bool) -> click.ClickException | None:
@@ -103,7 +114,9 @@ def main(debug: bool) -> None:
 @main.command("capture-ids")
 @click.option("--model", "model", required=True, help="target model folder (config.json)")
 @click.option("--points", default=None, help="capture points, e.g. 2,30,58 (default [2, N//2, N-3])")
-@click.option("--engine", default="sglang", show_default=True, type=click.Choice(["sglang", "vllm", "speculators", "hf"]))
+@click.option(
+    "--engine", default="sglang", show_default=True, type=click.Choice(["sglang", "vllm", "speculators", "hf"])
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the flag line")
 def capture_ids(model: str, points: str | None, engine: str, as_json: bool) -> None:
     """Translate capture points into the layer ids ENGINE must be told to capture."""
@@ -116,7 +129,11 @@ def capture_ids(model: str, points: str | None, engine: str, as_json: bool) -> N
     conv = convention_for(engine, arch)
     ids = to_engine_ids(pts, conv, n)
     if as_json:
-        click.echo(json.dumps({"architecture": arch, "num_layers": n, "capture_points": pts, "convention": conv, "layer_ids": ids}))
+        click.echo(
+            json.dumps(
+                {"architecture": arch, "num_layers": n, "capture_points": pts, "convention": conv, "layer_ids": ids}
+            )
+        )
     elif engine == "sglang":
         click.echo(" ".join(str(i) for i in ids))
     else:
@@ -128,7 +145,8 @@ def capture_ids(model: str, points: str | None, engine: str, as_json: bool) -> N
 @click.argument("dest", type=click.Path(file_okay=False))
 def pull(ref: str, dest: str) -> None:
     """Fetch a published drafter (default: its latest version) into DEST."""
-    from aerie.drafters import pull as pull_drafter, resolve
+    from aerie.drafters import pull as pull_drafter
+    from aerie.drafters import resolve
     from aerie.settings import Settings
     from aerie.store import open_store
 

@@ -17,7 +17,7 @@ SCHEMA_VERSION = 1
 
 
 def utcnow() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 class Contract(BaseModel):
@@ -67,25 +67,40 @@ class IngestOptions(Contract):
     shard_tokens: int = Field(65536, ge=64, description="tokens per shard (whole sequences)")
     max_records: int | None = Field(None, ge=1, description="stop after this many accepted records")
     max_record_bytes: int = Field(
-        1 << 20, ge=1024,
+        1 << 20,
+        ge=1024,
         description="a dataset line (JSONL) or array element larger than this is rejected before it is decoded or tokenized",
     )
     regenerate: bool = Field(False, description="answer every user turn again with the target (the regenerate stage)")
     regenerate_temperature: float = Field(0.0, ge=0.0)
     regenerate_max_tokens: int = Field(512, ge=1, description="new tokens per regenerated answer")
     regenerate_max_turns: int | None = Field(
-        None, ge=1, description="assistant turns regenerated per conversation; the rest of it is dropped (None: all)")
+        None, ge=1, description="assistant turns regenerated per conversation; the rest of it is dropped (None: all)"
+    )
     regenerate_reasoning: Literal["keep", "drop"] = Field(
-        "keep", description="a reasoning model's think segment (reasoning_content or <think>...</think>): trained on, or dropped")
-    regenerate_shard_records: int = Field(256, ge=1, description="conversations per regenerate task (one token shard each)")
+        "keep",
+        description="a reasoning model's think segment (reasoning_content or <think>...</think>): trained on, or dropped",
+    )
+    regenerate_shard_records: int = Field(
+        256, ge=1, description="conversations per regenerate task (one token shard each)"
+    )
 
 
 # How a run's hidden states are stored (aerie.shard): in `dtype`, or as fp8 with float32 scales.
-StorageDtype = Annotated[Literal["float8_e4m3fn"] | None, Field(
-    description="float8_e4m3fn: states stored as e4m3 with a float32 scale per row (or per scale_block values): about "
-                "half of bf16's bytes, dequantized by every reader; None: stored in `dtype`")]
-ScaleBlock = Annotated[int | None, Field(
-    ge=1, description="with storage_dtype: values of a row per scale (divides the hidden size); None: one scale per row")]
+StorageDtype = Annotated[
+    Literal["float8_e4m3fn"] | None,
+    Field(
+        description="float8_e4m3fn: states stored as e4m3 with a float32 scale per row (or per scale_block values): about "
+        "half of bf16's bytes, dequantized by every reader; None: stored in `dtype`"
+    ),
+]
+ScaleBlock = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        description="with storage_dtype: values of a row per scale (divides the hidden size); None: one scale per row",
+    ),
+]
 
 
 class RunSpec(Contract):
@@ -103,8 +118,8 @@ class RunSpec(Contract):
     target_signal: Literal["final", "topk"] = "final"
     topk: int | None = None
     ingest: IngestOptions
-    train_after: "TrainRequest | None" = None
-    align: "AlignGate | None" = Field(None, description="check alignment against a serving server before train_after")
+    train_after: TrainRequest | None = None
+    align: AlignGate | None = Field(None, description="check alignment against a serving server before train_after")
     created_at: str = Field(default_factory=utcnow)
 
 
@@ -142,11 +157,15 @@ class RegeneratedRecord(Contract):
     completion_tokens: int = Field(0, ge=0)
     seconds: float = 0.0
     tokens_per_second: float = Field(0.0, description="completion tokens / seconds")
-    max_in_flight: int = Field(0, description="most requests in flight at once, measured from their start and end times")
+    max_in_flight: int = Field(
+        0, description="most requests in flight at once, measured from their start and end times"
+    )
     mean_in_flight: float = Field(0.0, description="requests in flight, averaged over the shard's wall time")
     servers: list[str] = Field(default_factory=list, description="engine URLs used ('hf': the target in-process)")
     token_sequences: int | None = Field(
-        None, description="sequences its token shard holds, once tokenized; 0: every conversation refused, no token shard")
+        None,
+        description="sequences its token shard holds, once tokenized; 0: every conversation refused, no token shard",
+    )
     created_at: str = Field(default_factory=utcnow)
 
 
@@ -218,14 +237,16 @@ class IngestRequest(Contract):
     target_signal: Literal["final", "topk"] = "final"
     topk: int = Field(20, ge=1)
     options: IngestOptions = Field(default_factory=IngestOptions)
-    train_after: "TrainRequest | None" = None
-    align: "AlignGate | None" = Field(None, description="check alignment against a serving server before train_after")
+    train_after: TrainRequest | None = None
+    align: AlignGate | None = Field(None, description="check alignment against a serving server before train_after")
     fan_out: bool = Field(True, description="enqueue one extract task per shard")
 
     @model_validator(mode="after")
-    def _scale_block_needs_fp8(self) -> "IngestRequest":
+    def _scale_block_needs_fp8(self) -> IngestRequest:
         if self.scale_block is not None and self.storage_dtype is None:
-            raise ValueError(f"scale_block {self.scale_block} applies to fp8 storage only: set storage_dtype float8_e4m3fn")
+            raise ValueError(
+                f"scale_block {self.scale_block} applies to fp8 storage only: set storage_dtype float8_e4m3fn"
+            )
         return self
 
 
@@ -252,7 +273,8 @@ class DrafterShape(Contract):
     head_dim: int | None = Field(None, ge=2, multiple_of=2)
     intermediate_size: int | None = Field(None, ge=1)
     rope_parameters: dict[str, float | int | str] | None = Field(
-        None, description="rope_type (default, linear, llama3, yarn), rope_theta and the type's own keys")
+        None, description="rope_type (default, linear, llama3, yarn), rope_theta and the type's own keys"
+    )
 
 
 class TrainConfig(Contract):
@@ -264,7 +286,9 @@ class TrainConfig(Contract):
     draft_vocab_size: int = Field(32000, ge=2)
     ttt_steps: int = Field(7, ge=1)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
-    steps: int | None = Field(None, ge=1, description="optimizer steps; unset: epochs x the data's batches / grad_accum")
+    steps: int | None = Field(
+        None, ge=1, description="optimizer steps; unset: epochs x the data's batches / grad_accum"
+    )
     epochs: float = Field(10.0, gt=0, description="passes over the training data when steps is unset")
     batch_tokens: int = Field(4096, ge=16)
     max_seq_tokens: int = Field(2048, ge=16)
@@ -281,10 +305,16 @@ class TrainConfig(Contract):
     eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
     prefetch: int = Field(4, ge=1)
     draft_vocab_from: Literal["target", "data"] = Field(
-        "target", description="the target's own greedy tokens at trained positions (then the data's), or the data's trained tokens")
-    vocab_sample_tokens: int = Field(2_000_000, ge=1, description="trained positions the target's greedy tokens are counted over")
+        "target",
+        description="the target's own greedy tokens at trained positions (then the data's), or the data's trained tokens",
+    )
+    vocab_sample_tokens: int = Field(
+        2_000_000, ge=1, description="trained positions the target's greedy tokens are counted over"
+    )
     drafter: DrafterShape = Field(default_factory=DrafterShape)
-    preset: str | None = Field(None, description="the preset these values came from (recorded in the lineage, not read)")
+    preset: str | None = Field(
+        None, description="the preset these values came from (recorded in the lineage, not read)"
+    )
 
 
 class TrainRequest(Contract):
@@ -292,7 +322,9 @@ class TrainRequest(Contract):
     drafter: str = Field(pattern=_NAME)
     model: str = Field(description="target model folder (for embeddings, lm_head, config)")
     config: TrainConfig = Field(default_factory=TrainConfig)
-    train_id: str | None = Field(None, pattern=_NAME, description="checkpoint namespace and drafter version; default derived from inputs")
+    train_id: str | None = Field(
+        None, pattern=_NAME, description="checkpoint namespace and drafter version; default derived from inputs"
+    )
     eval_prompts_file: str | None = None
     publish: bool = True
 
@@ -321,7 +353,9 @@ class IngestResult(StageResult):
     truncated: int = 0
     skipped: bool = Field(False, description="the run was already ingested: nothing written")
     fanned_out: int = Field(0, description="extract (or regenerate) tasks enqueued")
-    regenerate_shards: list[str] = Field(default_factory=list, description="conversation shards the regenerate stage answers")
+    regenerate_shards: list[str] = Field(
+        default_factory=list, description="conversation shards the regenerate stage answers"
+    )
 
 
 class RegenerateResult(StageResult):
@@ -377,13 +411,15 @@ class TrainResult(StageResult):
     data_wait_fraction: float | None = None
     draft_vocab_coverage: float | None = None
     evaluated_with: Literal["transformers", "sglang", "simulated"] | None = Field(
-        None, description="how acceptance was measured: the target in this process, through an SGLang server, or simulated only")
+        None,
+        description="how acceptance was measured: the target in this process, through an SGLang server, or simulated only",
+    )
     sharding: Literal["single", "ddp", "fsdp"] | None = None
     ranks: int | None = None
     logs: str | None = Field(None, description="store prefix of the TensorBoard event files")
 
     @classmethod
-    def of(cls, drafter: str, version: str, metrics: dict, **fields) -> "TrainResult":
+    def of(cls, drafter: str, version: str, metrics: dict, **fields) -> TrainResult:
         """A result carrying the metrics (of a lineage or a trainer state) it has fields for."""
         known = set(cls.model_fields) - {"drafter", "version"} - set(fields)
         return cls(drafter=drafter, version=version, **fields, **{k: v for k, v in metrics.items() if k in known})
@@ -449,7 +485,9 @@ class Preset(Contract):
     batch_tokens: int = Field(ge=16)
     train_gpus: int = Field(ge=1, description="GPUs the drafter's training needs (by aerie_trainer.sizing's estimate)")
     gpu_memory_gib: int = Field(ge=1, description="memory of one GPU that train_gpus assumes")
-    serve_gpus: int = Field(ge=1, description="GPUs SGLang needs to serve the target (capture and serving), of serve_gpu_memory_gib")
+    serve_gpus: int = Field(
+        ge=1, description="GPUs SGLang needs to serve the target (capture and serving), of serve_gpu_memory_gib"
+    )
     serve_gpu_memory_gib: int = Field(ge=1)
     notes: str = ""
 
@@ -473,8 +511,16 @@ class SpeculativeSetting(Contract):
         return "chain" if self.eagle_topk == 1 else "tree"
 
     def flags(self) -> list[str]:
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(self.num_steps),
-                "--speculative-eagle-topk", str(self.eagle_topk), "--speculative-num-draft-tokens", str(self.num_draft_tokens)]
+        return [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-num-steps",
+            str(self.num_steps),
+            "--speculative-eagle-topk",
+            str(self.eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(self.num_draft_tokens),
+        ]
 
 
 class SweepPoint(Contract):
@@ -486,7 +532,9 @@ class SweepPoint(Contract):
     completion_tokens: int = 0
     requests: int = 0
     start_s: float = Field(0.0, description="seconds the server took to become healthy")
-    error: str | None = Field(None, description="the setting could not be measured: why (the server's log tail when it died)")
+    error: str | None = Field(
+        None, description="the setting could not be measured: why (the server's log tail when it died)"
+    )
 
 
 class BenchSweep(Contract):
@@ -545,11 +593,17 @@ class AlignGate(Contract):
 
 class AlignRequest(Contract):
     run: str = Field(pattern=_NAME)
-    server: str = Field(pattern=_URL, description="SGLang in capture mode with the serve profile's model, quantization, TP and dtype")
-    samples: int = Field(8, ge=1, le=4096, description="stored sequences compared (drawn by seed: same seed, same sample)")
+    server: str = Field(
+        pattern=_URL, description="SGLang in capture mode with the serve profile's model, quantization, TP and dtype"
+    )
+    samples: int = Field(
+        8, ge=1, le=4096, description="stored sequences compared (drawn by seed: same seed, same sample)"
+    )
     seed: int = 0
-    max_tokens: int = Field(256, ge=2, description="tokens per sequence compared (its prefix: the states of a prefix are the same)")
-    then_train: "TrainRequest | None" = Field(None, description="the task enqueues this training when the check passes")
+    max_tokens: int = Field(
+        256, ge=2, description="tokens per sequence compared (its prefix: the states of a prefix are the same)"
+    )
+    then_train: TrainRequest | None = Field(None, description="the task enqueues this training when the check passes")
     allow_misaligned: bool = Field(False, description="with then_train: train even when the check fails")
 
 
@@ -683,7 +737,9 @@ class DrafterLineage(Contract):
     config: TrainConfig
     metrics: dict[str, float | int | str | list[float] | None]
     files: dict[str, str] = Field(description="file name -> sha256")
-    alignment: LineageAlignment | None = Field(None, description="the alignment checks of its runs (None: published before they were recorded)")
+    alignment: LineageAlignment | None = Field(
+        None, description="the alignment checks of its runs (None: published before they were recorded)"
+    )
     created_at: str = Field(default_factory=utcnow)
 
 

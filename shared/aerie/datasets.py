@@ -41,8 +41,10 @@ def allowed_local_path(dataset: str, allowed: list[Path]) -> Path | None:
         return None
     real = written.resolve()
     if not any(real.is_relative_to(root.resolve()) for root in roots):
-        raise DatasetRefused(f"dataset {dataset!r} leads to {real}, outside the folders this worker may read "
-                             f"(AERIE_INGEST_LOCAL_DIRS={[str(r) for r in roots]})")
+        raise DatasetRefused(
+            f"dataset {dataset!r} leads to {real}, outside the folders this worker may read "
+            f"(AERIE_INGEST_LOCAL_DIRS={[str(r) for r in roots]})"
+        )
     return real
 
 
@@ -72,5 +74,7 @@ def upload(store: ObjectStore, path: str | os.PathLike, sha: str | None = None) 
         written = store.put_file(key, path)
         if written != sha:
             store.delete(key)
-            raise DatasetRefused(f"{path} changed while it was uploaded (sha256 {sha[:12]}… then {written[:12]}…): upload it again")
+            raise DatasetRefused(
+                f"{path} changed while it was uploaded (sha256 {sha[:12]}… then {written[:12]}…): upload it again"
+            )
     return key

@@ -35,7 +35,9 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
     name, _, version = ref.partition(":")
     for what, value in (("name", name), ("version", version)):
         if (value or what == "name") and not _NAME_RE.fullmatch(value):
-            raise DrafterError(f"drafter {what} {value!r} in {ref!r} is not a valid name (letters, digits, '.', '_', '-')")
+            raise DrafterError(
+                f"drafter {what} {value!r} in {ref!r} is not a valid name (letters, digits, '.', '_', '-')"
+            )
     return name, version or None
 
 
@@ -46,7 +48,9 @@ def resolve(store: ObjectStore, ref: str) -> tuple[str, str]:
         try:
             version = store.get_bytes(layout.drafter_latest(name)).decode().strip()
         except NotFound:
-            raise NotFound(f"no drafter {name!r} published in {store.url} ({layout.drafter_latest(name)} missing)") from None
+            raise NotFound(
+                f"no drafter {name!r} published in {store.url} ({layout.drafter_latest(name)} missing)"
+            ) from None
         parse_ref(f"{name}:{version}")  # what the bucket says is checked like what a user types
     return name, version
 

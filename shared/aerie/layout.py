@@ -181,7 +181,7 @@ def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
     """Server ids of the alignment reports among `keys` (a listing of the run's align folder), sorted."""
     root, ids = alignments_prefix(run), set()
     for key in keys:
-        rest = key[len(root):] if key.startswith(root) else ""
+        rest = key[len(root) :] if key.startswith(root) else ""
         if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
             ids.add(rest[: -len(".json")])
     return sorted(ids)
@@ -203,7 +203,7 @@ def train_progress_ids(run: str, keys: list[str]) -> list[str]:
     """Train ids of the progress records among `keys` (a listing of the run's training folder), sorted."""
     root, ids = train_progress_prefix(run), set()
     for key in keys:
-        rest = key[len(root):] if key.startswith(root) else ""
+        rest = key[len(root) :] if key.startswith(root) else ""
         if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
             ids.add(rest[: -len(".json")])
     return sorted(ids)
@@ -219,8 +219,15 @@ _AERIE_ROOTS = ("datasets/", "runs/", "drafters/", "checkpoints/", "probes/")
 def check_capture_prefix(prefix: object) -> str:
     """A capture prefix a server may use: relative, '/'-terminated, plain segments, and outside
     aerie's own folders (so no capture key can ever name a run's, a drafter's or a dataset's object)."""
-    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix) or ".." in prefix.split("/") or prefix.startswith(_AERIE_ROOTS):
-        raise ValueError(f"capture prefix {prefix!r} is not a relative 'name/' prefix outside {', '.join(_AERIE_ROOTS)}")
+    if (
+        not isinstance(prefix, str)
+        or not _PREFIX.fullmatch(prefix)
+        or ".." in prefix.split("/")
+        or prefix.startswith(_AERIE_ROOTS)
+    ):
+        raise ValueError(
+            f"capture prefix {prefix!r} is not a relative 'name/' prefix outside {', '.join(_AERIE_ROOTS)}"
+        )
     return prefix
 
 

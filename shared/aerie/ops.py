@@ -34,8 +34,9 @@ def _app(settings):
     from aerie.queue import check_broker, make_app
 
     if settings.embedded:
-        raise click.ClickException("AERIE_BROKER is memory:// (in-process): point it at the workers' Redis "
-                                   "(redis://:PASSWORD@HOST:6379/0)")
+        raise click.ClickException(
+            "AERIE_BROKER is memory:// (in-process): point it at the workers' Redis (redis://:PASSWORD@HOST:6379/0)"
+        )
     app = make_app(settings)
     check_broker(app)
     return app
@@ -67,8 +68,14 @@ def smoke_dataset() -> bytes:
     lines = []
     for i in range(SMOKE_RECORDS):
         a, b = 3 * i + 2, 7 * i + 5
-        lines.append({"conversations": [{"from": "human", "value": f"What is {a} plus {b}?"},
-                                        {"from": "gpt", "value": f"{a} plus {b} is {a + b}."}]})
+        lines.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"What is {a} plus {b}?"},
+                    {"from": "gpt", "value": f"{a} plus {b} is {a + b}."},
+                ]
+            }
+        )
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
@@ -90,8 +97,14 @@ def smoke(model: str, capture_points: str | None, target_signal: str, timeout: f
     run = f"smoke-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     dataset = layout.dataset(run)
     points = [int(p) for p in capture_points.split(",")] if capture_points else None
-    request = IngestRequest(run=run, dataset=dataset, model=model, capture_points=points, target_signal=target_signal,
-                            options=IngestOptions(max_records=SMOKE_RECORDS, shard_tokens=1024))
+    request = IngestRequest(
+        run=run,
+        dataset=dataset,
+        model=model,
+        capture_points=points,
+        target_signal=target_signal,
+        options=IngestOptions(max_records=SMOKE_RECORDS, shard_tokens=1024),
+    )
     store.put_bytes(dataset, smoke_dataset())
     started = time.monotonic()
     app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
@@ -101,9 +114,11 @@ def smoke(model: str, capture_points: str | None, target_signal: str, timeout: f
         engine = load_run(store, run).engine
     except RunError as e:
         raise click.ClickException(f"smoke failed: {e} (kept in the store: {layout.run_prefix(run)})") from None
-    click.echo(f"smoke: ok in {time.monotonic() - started:.0f} s: {status.sequences} sequences, {status.tokens} tokens, "
-               f"{status.hidden_done}/{status.shards_total} shards extracted by {engine.name} {engine.version} "
-               f"({engine.transport or 'in-process'} transport), {status.rejects} rejects")
+    click.echo(
+        f"smoke: ok in {time.monotonic() - started:.0f} s: {status.sequences} sequences, {status.tokens} tokens, "
+        f"{status.hidden_done}/{status.shards_total} shards extracted by {engine.name} {engine.version} "
+        f"({engine.transport or 'in-process'} transport), {status.rejects} rejects"
+    )
     if not keep:
         store.delete_prefix(layout.run_prefix(run))
         store.delete(dataset)
@@ -122,8 +137,9 @@ def retry_failed(run_name: str) -> None:
     settings = _settings()
     store = open_store(settings)
     if not store.exists(layout.run_spec(run_name)) and store.exists(layout.ingest_failure(run_name)):
-        raise click.ClickException(f"run {run_name!r}: its ingest failed (runs/{run_name}/failed/ingest.json): "
-                                   "enqueue the dataset again")
+        raise click.ClickException(
+            f"run {run_name!r}: its ingest failed (runs/{run_name}/failed/ingest.json): enqueue the dataset again"
+        )
     load_run(store, run_name)
     failed = failures(store, run_name)
     if not failed:
@@ -135,9 +151,13 @@ def retry_failed(run_name: str) -> None:
         store.delete(record)  # the run counts it failed no more; put back if the task cannot be sent
         try:
             if store.exists(layout.shard_record(run_name, "tokens", failure.shard)):
-                app.send_task(EXTRACT_TASK, kwargs=ExtractRequest(run=run_name, shard=failure.shard).model_dump(mode="json"))
+                app.send_task(
+                    EXTRACT_TASK, kwargs=ExtractRequest(run=run_name, shard=failure.shard).model_dump(mode="json")
+                )
             else:  # a regenerated run's shard whose answers failed: the regenerate task extracts it after
-                app.send_task(REGENERATE_TASK, kwargs=RegenerateRequest(run=run_name, shard=failure.shard).model_dump(mode="json"))
+                app.send_task(
+                    REGENERATE_TASK, kwargs=RegenerateRequest(run=run_name, shard=failure.shard).model_dump(mode="json")
+                )
         except Exception:
             store.put_json(record, failure)
             raise

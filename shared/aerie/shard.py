@@ -147,8 +147,10 @@ def states_dtype(metadata: dict[str, str]) -> str:
     """The dtype readers get a shard's states in (safetensors name): the engine's for fp8 shards."""
     name = metadata.get("states_dtype") or metadata.get("dtype", "F32")
     if name not in FLOAT_DTYPES.values():
-        raise UnknownDtype(f"shard states_dtype {name!r} is not one of {sorted(FLOAT_DTYPES.values())}: "
-                           "written by a newer aerie? read it with that version or re-extract the run")
+        raise UnknownDtype(
+            f"shard states_dtype {name!r} is not one of {sorted(FLOAT_DTYPES.values())}: "
+            "written by a newer aerie? read it with that version or re-extract the run"
+        )
     return name
 
 
@@ -242,8 +244,10 @@ def safetensors_layout(head, size: int) -> tuple[dict[str, tuple[np.dtype, list[
     for name, spec in header.items():
         dt = _DTYPES.get(spec["dtype"])
         if dt is None:
-            raise UnknownDtype(f"tensor {name!r} is stored as {spec['dtype']}, which this aerie does not read (it reads "
-                               f"{', '.join(_DTYPES)}): written by a newer aerie? read it with that version or re-extract the run")
+            raise UnknownDtype(
+                f"tensor {name!r} is stored as {spec['dtype']}, which this aerie does not read (it reads "
+                f"{', '.join(_DTYPES)}): written by a newer aerie? read it with that version or re-extract the run"
+            )
         start, end = spec["data_offsets"]
         if base + end > size:
             raise ShardError(f"tensor {name!r} ends at byte {base + end}, past the file end {size}: truncated")
@@ -312,14 +316,26 @@ class Shard:
             arr = getattr(self, name)
             if arr is not None:
                 out[name] = arr[a:b]
-        return dequantize_tensors(out, {"states_dtype": str(self.states_dtype)}) if dequantize and self.quantized else out
+        return (
+            dequantize_tensors(out, {"states_dtype": str(self.states_dtype)}) if dequantize and self.quantized else out
+        )
 
     def sequences(self) -> Iterator[dict[str, np.ndarray]]:
         for s in range(self.num_sequences):
             yield self.sequence(s)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        names = ("input_ids", "loss_mask", "offsets", "aux", "final", "topk_ids", "topk_logprobs", "aux_scale", "final_scale")
+        names = (
+            "input_ids",
+            "loss_mask",
+            "offsets",
+            "aux",
+            "final",
+            "topk_ids",
+            "topk_logprobs",
+            "aux_scale",
+            "final_scale",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def metadata(self) -> dict[str, str]:
@@ -341,7 +357,7 @@ class Shard:
             meta.update(states_dtype=str(self.states_dtype), scale_block=str(self.scale_block))
         return meta
 
-    def quantize(self, storage_dtype: str = "float8_e4m3fn", block: int | None = None) -> "Shard":
+    def quantize(self, storage_dtype: str = "float8_e4m3fn", block: int | None = None) -> Shard:
         """This shard with its states stored as fp8 (`quantize_e4m3`: a scale per `block` values
         of a row, None: per row); the token tensors and the top-k signal are shared, not copied."""
         if storage_dtype not in STORAGE_DTYPES:
@@ -353,13 +369,22 @@ class Shard:
         if self.final is not None:
             final, final_scale = quantize_e4m3(self.final, block)
         return Shard(
-            input_ids=self.input_ids, loss_mask=self.loss_mask, offsets=self.offsets, capture_points=list(self.capture_points),
-            aux=aux, final=final, topk_ids=self.topk_ids, topk_logprobs=self.topk_logprobs, aux_scale=aux_scale,
-            final_scale=final_scale, states_dtype=_NAMES[self.aux.dtype], extra_metadata=dict(self.extra_metadata),
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            offsets=self.offsets,
+            capture_points=list(self.capture_points),
+            aux=aux,
+            final=final,
+            topk_ids=self.topk_ids,
+            topk_logprobs=self.topk_logprobs,
+            aux_scale=aux_scale,
+            final_scale=final_scale,
+            states_dtype=_NAMES[self.aux.dtype],
+            extra_metadata=dict(self.extra_metadata),
         )
 
     # ----------------------------------------------------------------------------------
-    def validate(self, check_finite: bool = True) -> "Shard":
+    def validate(self, check_finite: bool = True) -> Shard:
         """Raise ShardError naming the first broken promise."""
         T = self.num_tokens
         if self.input_ids.ndim != 1 or self.input_ids.dtype != np.int32:
@@ -376,7 +401,9 @@ class Shard:
         steps = np.diff(off)
         if (steps <= 0).any():
             bad = int(np.argmax(steps <= 0))
-            raise ShardError(f"offsets not strictly increasing at sequence {bad}: {int(off[bad])} -> {int(off[bad + 1])}")
+            raise ShardError(
+                f"offsets not strictly increasing at sequence {bad}: {int(off[bad])} -> {int(off[bad + 1])}"
+            )
         if self.aux is None:
             return self
         K = len(self.capture_points)
@@ -391,9 +418,13 @@ class Shard:
                 raise ShardError(f"final must be [T={T}, H={H}], got {list(self.final.shape)}")
         elif self.topk_ids is not None and self.topk_logprobs is not None:
             if self.topk_ids.ndim != 2 or self.topk_ids.shape[0] != T or self.topk_ids.dtype != np.int32:
-                raise ShardError(f"topk_ids must be int32 [T={T}, k], got {self.topk_ids.dtype} {list(self.topk_ids.shape)}")
+                raise ShardError(
+                    f"topk_ids must be int32 [T={T}, k], got {self.topk_ids.dtype} {list(self.topk_ids.shape)}"
+                )
             if self.topk_logprobs.shape != self.topk_ids.shape or self.topk_logprobs.dtype != np.float32:
-                raise ShardError(f"topk_logprobs must be float32 {list(self.topk_ids.shape)}, got {self.topk_logprobs.dtype} {list(self.topk_logprobs.shape)}")
+                raise ShardError(
+                    f"topk_logprobs must be float32 {list(self.topk_ids.shape)}, got {self.topk_logprobs.dtype} {list(self.topk_logprobs.shape)}"
+                )
         else:
             raise ShardError("hidden shard has no target signal: needs `final` or `topk_ids`+`topk_logprobs`")
         if check_finite:
@@ -416,14 +447,24 @@ class Shard:
         other states come with neither."""
         if not self.quantized:
             if self.aux_scale is not None or self.final_scale is not None or self.states_dtype is not None:
-                raise ShardError(f"scales or states_dtype on a shard stored as {_NAMES[self.aux.dtype]}: only fp8 states have them")
+                raise ShardError(
+                    f"scales or states_dtype on a shard stored as {_NAMES[self.aux.dtype]}: only fp8 states have them"
+                )
             if self.final is not None and self.final.dtype == _DTYPES["F8_E4M3"]:
                 raise ShardError("final is fp8 but aux is not: both states are stored alike")
             return
         if self.states_dtype not in FLOAT_DTYPES.values():
-            raise ShardError(f"fp8 shard: states_dtype {self.states_dtype!r} is not one of {sorted(FLOAT_DTYPES.values())}")
+            raise ShardError(
+                f"fp8 shard: states_dtype {self.states_dtype!r} is not one of {sorted(FLOAT_DTYPES.values())}"
+            )
         scale = self.aux_scale
-        if scale is None or scale.dtype != np.float32 or scale.ndim != 3 or scale.shape[:2] != (T, K) or H % max(scale.shape[2], 1):
+        if (
+            scale is None
+            or scale.dtype != np.float32
+            or scale.ndim != 3
+            or scale.shape[:2] != (T, K)
+            or H % max(scale.shape[2], 1)
+        ):
             got = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
             raise ShardError(f"fp8 aux needs aux_scale float32 [T={T}, K={K}, G] with G dividing H={H}, got {got}")
         G = scale.shape[2]
@@ -460,16 +501,30 @@ class Shard:
         return n
 
     @classmethod
-    def from_buffer(cls, buf) -> "Shard":
+    def from_buffer(cls, buf) -> Shard:
         tensors, meta = read_safetensors(buf)
         if meta.get("format") != FORMAT:
             raise ShardError(f"not an aerie shard: header format {meta.get('format')!r}, expected {FORMAT!r}")
         missing = [n for n in ("input_ids", "loss_mask", "offsets") if n not in tensors]
         if missing:
             raise ShardError(f"shard lacks tensor(s) {missing}")
-        extra = {k: v for k, v in meta.items() if k not in (
-            "format", "kind", "sequences", "tokens", "capture_points", "hidden_size", "dtype", "target_signal", "states_dtype",
-            "scale_block")}
+        extra = {
+            k: v
+            for k, v in meta.items()
+            if k
+            not in (
+                "format",
+                "kind",
+                "sequences",
+                "tokens",
+                "capture_points",
+                "hidden_size",
+                "dtype",
+                "target_signal",
+                "states_dtype",
+                "scale_block",
+            )
+        }
         quantized = tensors.get("aux") is not None and tensors["aux"].dtype == _DTYPES["F8_E4M3"]
         shard = cls(
             input_ids=tensors["input_ids"],
@@ -490,11 +545,13 @@ class Shard:
         if shard.aux is not None and meta.get("dtype") != _NAMES[shard.aux.dtype]:
             raise ShardError(f"header says dtype {meta.get('dtype')!r} but aux is stored as {_NAMES[shard.aux.dtype]}")
         if quantized and shard.aux_scale is not None and meta.get("scale_block") != str(shard.scale_block):
-            raise ShardError(f"header says scale_block {meta.get('scale_block')!r} but aux_scale makes it {shard.scale_block}")
+            raise ShardError(
+                f"header says scale_block {meta.get('scale_block')!r} but aux_scale makes it {shard.scale_block}"
+            )
         return shard
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Shard":
+    def open(cls, path: str | os.PathLike) -> Shard:
         """Memory-map a shard file: arrays are views over the page cache, no copy."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -24,8 +24,17 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from aerie.contracts import (
-    AlignmentReport, AlignRequest, ExtractRequest, ExtractResult, IngestRequest, IngestResult, ProgressEvent, RegenerateRequest,
-    RegenerateResult, TrainRequest, TrainResult,
+    AlignmentReport,
+    AlignRequest,
+    ExtractRequest,
+    ExtractResult,
+    IngestRequest,
+    IngestResult,
+    ProgressEvent,
+    RegenerateRequest,
+    RegenerateResult,
+    TrainRequest,
+    TrainResult,
 )
 from aerie.drafters import pull
 from aerie.settings import Settings
@@ -33,9 +42,13 @@ from aerie.store import ObjectStore
 
 Progress = Callable[[ProgressEvent], None]
 GROUP = "aerie.stages"
-PROVIDERS = {"ingest": "aerie-extractor (services/extractor)", "regenerate": "aerie-extractor (services/extractor)",
-             "extract": "aerie-extractor (services/extractor)",
-             "align": "aerie-extractor (services/extractor)", "train": "aerie-trainer (services/trainer)"}
+PROVIDERS = {
+    "ingest": "aerie-extractor (services/extractor)",
+    "regenerate": "aerie-extractor (services/extractor)",
+    "extract": "aerie-extractor (services/extractor)",
+    "align": "aerie-extractor (services/extractor)",
+    "train": "aerie-trainer (services/trainer)",
+}
 
 
 class StageUnavailable(RuntimeError):
@@ -57,8 +70,9 @@ def ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -> In
     return implementation("ingest")(store, settings, request)
 
 
-def regenerate(store: ObjectStore, settings: Settings, request: RegenerateRequest,
-               progress: Progress | None = None) -> RegenerateResult:
+def regenerate(
+    store: ObjectStore, settings: Settings, request: RegenerateRequest, progress: Progress | None = None
+) -> RegenerateResult:
     """Answer one conversation shard with the target (stored once), then tokenize it into its token shard."""
     return implementation("regenerate")(store, settings, request, progress)
 
@@ -72,8 +86,20 @@ def align(store: ObjectStore, settings: Settings, request: AlignRequest) -> Alig
     return implementation("align")(store, settings, request)
 
 
-def train(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None) -> TrainResult:
+def train(
+    store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None
+) -> TrainResult:
     return implementation("train")(store, settings, request, progress)
 
 
-__all__ = ["Progress", "StageUnavailable", "align", "extract", "implementation", "ingest", "pull", "regenerate", "train"]
+__all__ = [
+    "Progress",
+    "StageUnavailable",
+    "align",
+    "extract",
+    "implementation",
+    "ingest",
+    "pull",
+    "regenerate",
+    "train",
+]

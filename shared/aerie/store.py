@@ -286,7 +286,9 @@ class S3Store(ObjectStore):
             raise StoreError(f"AERIE_STORE={endpoint!r} is not an http(s)://host:port S3 endpoint")
         self.endpoint, self.bucket = endpoint, bucket
         self.url = f"{endpoint.rstrip('/')}/{bucket}"
-        self.client = Minio(u.netloc, access_key=access_key, secret_key=secret_key, secure=u.scheme == "https", region=region)
+        self.client = Minio(
+            u.netloc, access_key=access_key, secret_key=secret_key, secure=u.scheme == "https", region=region
+        )
 
     def _explain(self, e: Exception, key: str | None = None) -> StoreError:
         from minio.error import S3Error
@@ -296,14 +298,18 @@ class S3Store(ObjectStore):
             if e.code in ("NoSuchKey", "NoSuchObject") or (e.code == "ResourceNotFound" and key):
                 return NotFound(f"{key}: no such object in {self.url}")
             if e.code == "NoSuchBucket":
-                return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET")
+                return StoreError(
+                    f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
+                )
             if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
                 return StoreError(
                     f"{where} refused the credentials ({e.code}): check AERIE_S3_ACCESS_KEY and AERIE_S3_SECRET_KEY"
                 )
             return StoreError(f"{where}: {e.code}: {e.message}")
         if isinstance(e, (OSError,)) or type(e).__module__.startswith("urllib3"):
-            return StoreError(f"{where} is unreachable ({type(e).__name__}: {e}): is the server running? check AERIE_STORE")
+            return StoreError(
+                f"{where} is unreachable ({type(e).__name__}: {e}): is the server running? check AERIE_STORE"
+            )
         return StoreError(f"{where}: {type(e).__name__}: {e}")
 
     def _call(self, fn, *args, key: str | None = None, **kw):
@@ -319,7 +325,9 @@ class S3Store(ObjectStore):
     def check(self) -> None:
         """Fail early with the clear error when the bucket cannot be reached."""
         if not self._call(self.client.bucket_exists, self.bucket):
-            raise StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET")
+            raise StoreError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
+            )
 
     def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:
         reader = _HashingReader(stream)

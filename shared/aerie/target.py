@@ -49,7 +49,11 @@ def load_config(folder: str | os.PathLike) -> dict:
         raise TargetError(f"{folder}: no config.json: pass a transformers model folder (safetensors weights)")
     cfg = json.loads(path.read_text())
     # multimodal wrappers (Kimi-K2.5) keep the language model's numbers under text_config
-    return {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}} if "num_hidden_layers" not in cfg else cfg
+    return (
+        {**cfg.get("text_config", {}), **{k: v for k, v in cfg.items() if k != "text_config"}}
+        if "num_hidden_layers" not in cfg
+        else cfg
+    )
 
 
 def default_cache_dir() -> Path:
@@ -85,16 +89,26 @@ def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = N
         entry.parent.mkdir(parents=True, exist_ok=True)
         lock = open(entry.with_suffix(".lock"), "a")  # held by the `with` below
     except OSError as e:
-        log.warning("target %s: cannot cache its hash in %s (%s): hashing in this process; set AERIE_CACHE_DIR "
-                    "to a writable folder", folder, entry.parent, e)
+        log.warning(
+            "target %s: cannot cache its hash in %s (%s): hashing in this process; set AERIE_CACHE_DIR "
+            "to a writable folder",
+            folder,
+            entry.parent,
+            e,
+        )
         return _hash_weights(weights)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be hashing: wait for its result
         if found := cached():
             return found
         size = sum(s[1] for s in stamp)
-        log.info("target %s: sha256 of %d weight files (%.2f GB), once per host (cached in %s)",
-                 folder, len(weights), size / 1e9, entry)
+        log.info(
+            "target %s: sha256 of %d weight files (%.2f GB), once per host (cached in %s)",
+            folder,
+            len(weights),
+            size / 1e9,
+            entry,
+        )
         digest = _hash_weights(weights)
         tmp = entry.with_name(f"{entry.name}.{os.getpid()}.part")
         tmp.write_text(json.dumps({"folder": str(folder.resolve()), "stamp": stamp, "weights_sha256": digest}))

@@ -41,8 +41,10 @@ def logs_hint(store_url: str, prefix: str | None) -> str:
     if store_url.startswith("file://"):
         folder = store_url.removeprefix("file://").rstrip("/") + "/" + prefix
         return f"TensorBoard: tensorboard --logdir {folder}"
-    return (f"TensorBoard files: {store_url}/{prefix}\n"
-            f"  mc cp --recursive aerie/<bucket>/{prefix} ./tb && tensorboard --logdir ./tb")
+    return (
+        f"TensorBoard files: {store_url}/{prefix}\n"
+        f"  mc cp --recursive aerie/<bucket>/{prefix} ./tb && tensorboard --logdir ./tb"
+    )
 
 
 def progress_table(records: list[TrainProgress]):
@@ -50,12 +52,30 @@ def progress_table(records: list[TrainProgress]):
 
     table = Table(title="training")
     for col in ("train id", "drafter", "stage", "step", "loss", "tokens/s", "ETA", "ranks", "checkpoint", "updated"):
-        table.add_column(col, justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left",
-                         overflow="fold")
+        table.add_column(
+            col,
+            justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left",
+            overflow="fold",
+        )
     for r in records:
         step = f"{r.step}/{r.steps}" if r.steps else str(r.step)
-        eta = "-" if r.eta_s is None or r.stage != "train" else f"{r.eta_s / 60:.0f} min" if r.eta_s >= 60 else f"{r.eta_s:.0f} s"
-        table.add_row(r.train_id, r.drafter + (f":{r.version}" if r.version else ""), r.stage, step,
-                      "-" if r.loss is None else f"{r.loss:.3f}", "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}",
-                      eta, f"{r.ranks} {r.sharding}", "-" if r.checkpoint_step is None else str(r.checkpoint_step), r.updated_at)
+        eta = (
+            "-"
+            if r.eta_s is None or r.stage != "train"
+            else f"{r.eta_s / 60:.0f} min"
+            if r.eta_s >= 60
+            else f"{r.eta_s:.0f} s"
+        )
+        table.add_row(
+            r.train_id,
+            r.drafter + (f":{r.version}" if r.version else ""),
+            r.stage,
+            step,
+            "-" if r.loss is None else f"{r.loss:.3f}",
+            "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}",
+            eta,
+            f"{r.ranks} {r.sharding}",
+            "-" if r.checkpoint_step is None else str(r.checkpoint_step),
+            r.updated_at,
+        )
     return table

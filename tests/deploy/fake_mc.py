@@ -62,7 +62,10 @@ def main(argv: list[str]) -> None:
         if alias not in aliases:
             fail("Unable to initialize admin connection.", f"No such alias `{alias}` found.")
         if aliases[alias] != [state["url"], *state["root"]]:
-            fail("Unable to initialize admin connection.", "The Access Key Id you provided does not exist in our records.")
+            fail(
+                "Unable to initialize admin connection.",
+                "The Access Key Id you provided does not exist in our records.",
+            )
         return alias
 
     user = None
@@ -73,8 +76,10 @@ def main(argv: list[str]) -> None:
     match words:
         case ["alias", "set", alias, url, access, secret]:
             if url != state["url"] or [access, secret] != state["root"]:
-                fail("Unable to initialize new alias from the provided credentials.",
-                     "The Access Key Id you provided does not exist in our records.")
+                fail(
+                    "Unable to initialize new alias from the provided credentials.",
+                    "The Access Key Id you provided does not exist in our records.",
+                )
             config_dir.mkdir(parents=True, exist_ok=True)
             aliases_file.write_text(json.dumps({"aliases": {**aliases, alias: [url, access, secret]}}))
             print(f"Added `{alias}` successfully.")
@@ -82,8 +87,10 @@ def main(argv: list[str]) -> None:
             server(target)
             bucket = target.split("/", 1)[1]
             if bucket in state["buckets"] and not ({"--ignore-existing", "-p"} & set(args)):
-                fail(f"Unable to make bucket `{target}`.",
-                     "Your previous request to create the named bucket succeeded and you already own it.")
+                fail(
+                    f"Unable to make bucket `{target}`.",
+                    "Your previous request to create the named bucket succeeded and you already own it.",
+                )
             state["buckets"] = sorted({*state["buckets"], bucket})
             print(f"Bucket created successfully `{target}`.")
         case ["admin", "policy", "create", target, name, path]:
@@ -116,8 +123,12 @@ def main(argv: list[str]) -> None:
                 fail("Unable to get user info.", "The specified user does not exist.")
             policy = ",".join(state["users"][access]["policies"])
             if as_json:
-                message = {"status": "success", "accessKey": access, **({"policyName": policy} if policy else {}),
-                           "userStatus": "enabled"}
+                message = {
+                    "status": "success",
+                    "accessKey": access,
+                    **({"policyName": policy} if policy else {}),
+                    "userStatus": "enabled",
+                }
                 print(json.dumps(message, indent=1))
             else:
                 print(f"AccessKey: {access}\nStatus: enabled\nPolicyName: {policy}\nMemberOf: []")

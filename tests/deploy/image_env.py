@@ -104,5 +104,6 @@ def image_env(service: str, folder: Path, **extra: str) -> dict[str, str]:
     """Environment for `sys.executable` restricted to the image's distributions (sitecustomize in `folder`)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return clean_env(PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(image_distributions(service))),
-                     **extra)
+    return clean_env(
+        PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(image_distributions(service))), **extra
+    )

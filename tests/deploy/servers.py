@@ -35,7 +35,9 @@ class RestartableServer:
         same_port = mock.patch("tests.sglang_server.free_port", return_value=self.port) if self.port else nullcontext()
         with same_port:
             # stopped as a deployment restarts it: SIGTERM, SGLang's own shutdown
-            server = self._stack.enter_context(capture_server(self.model, points=POINTS, log_dir=self.log_dir, graceful=True))
+            server = self._stack.enter_context(
+                capture_server(self.model, points=POINTS, log_dir=self.log_dir, graceful=True)
+            )
         self.port, self.url = server.port, server.url
 
     def start_soon(self) -> None:

@@ -197,8 +197,11 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
     k8s_capture = next(d for d in base if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0][
         "command"
     ][2]
-    k8s_generate = next(d for d in yaml.safe_load_all((REPO / "k8s" / "base" / "generate.yaml").read_text())
-                        if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    k8s_generate = next(
+        d
+        for d in yaml.safe_load_all((REPO / "k8s" / "base" / "generate.yaml").read_text())
+        if d["kind"] == "Deployment"
+    )["spec"]["template"]["spec"]["containers"][0]["command"][2]
     k8s_serve = yaml.safe_load((REPO / "k8s" / "components" / "serve" / "serve.yaml").read_text())["spec"]["template"][
         "spec"
     ]["containers"][0]["command"][2]
@@ -290,8 +293,9 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
         log.close()
 
 
-def test_a_stopped_compose_extractor_hands_its_task_back_at_once(compose_services, private_redis, s3_store,
-                                                                  smollm2_path, tmp_path):
+def test_a_stopped_compose_extractor_hands_its_task_back_at_once(
+    compose_services, private_redis, s3_store, smollm2_path, tmp_path
+):
     """`docker compose stop` (or a KEDA scale-down) sends SIGTERM: the compose worker (REMAP_SIGTERM,
     worker.soft_shutdown_timeout) gives its task the soft timeout, then puts it back on the queue and
     exits -- instead of holding it until SIGKILL and the visibility timeout (an hour) hands it on."""
@@ -299,16 +303,31 @@ def test_a_stopped_compose_extractor_hands_its_task_back_at_once(compose_service
 
     svc = compose_services["extractor"]
     command = svc["command"]
-    assert command[-2:] == ["--", "worker.soft_shutdown_timeout=90"] and svc["environment"]["REMAP_SIGTERM"] == "SIGQUIT"
+    assert (
+        command[-2:] == ["--", "worker.soft_shutdown_timeout=90"] and svc["environment"]["REMAP_SIGTERM"] == "SIGQUIT"
+    )
     soft_s = 2
-    env = clean_env(**{**svc["environment"], **store_env(s3_store), "AERIE_BROKER": private_redis,
-                       "AERIE_RESULT_BACKEND": private_redis, "AERIE_ENGINE_URLS": f'["http://127.0.0.1:{free_port()}"]',
-                       "HOSTNAME": socket.gethostname()})
+    env = clean_env(
+        **{
+            **svc["environment"],
+            **store_env(s3_store),
+            "AERIE_BROKER": private_redis,
+            "AERIE_RESULT_BACKEND": private_redis,
+            "AERIE_ENGINE_URLS": f'["http://127.0.0.1:{free_port()}"]',
+            "HOSTNAME": socket.gethostname(),
+        }
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log_path = tmp_path / "extractor.log"
     with open(log_path, "w") as log:
-        worker = subprocess.Popen([*command[:-1], f"worker.soft_shutdown_timeout={soft_s}"], env=env, cwd=tmp_path,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [*command[:-1], f"worker.soft_shutdown_timeout={soft_s}"],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         from aerie.contracts import IngestRequest
         from aerie.queue import INGEST_TASK, make_app
@@ -318,8 +337,12 @@ def test_a_stopped_compose_extractor_hands_its_task_back_at_once(compose_service
         request = IngestRequest(run="held", dataset="datasets/none.jsonl", model=str(smollm2_path), engine="sglang")
         app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
         # the task runs: it waits for the (absent) SGLang server
-        wait_until(lambda: "is down" in log_path.read_text(), 120, "the ingest task waiting for SGLang",
-                   details=lambda: log_path.read_text()[-3000:])
+        wait_until(
+            lambda: "is down" in log_path.read_text(),
+            120,
+            "the ingest task waiting for SGLang",
+            details=lambda: log_path.read_text()[-3000:],
+        )
         stopped = time.monotonic()
         worker.send_signal(signal.SIGTERM)  # what Docker and the kubelet send to the container's process
         worker.wait(timeout=60)

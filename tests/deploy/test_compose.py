@@ -27,8 +27,12 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
     # regeneration: a plain server of its own profile, reached by the extractors at its alias
     generate = unescape(s["inference-generate"]["command"][2])
     assert s["inference-generate"]["profiles"] == ["regenerate"] and "--enable-metrics" in generate
-    assert not any(flag in generate for flag in ("--disable-radix-cache", "--enable-return-aux-hidden-states", "--speculative"))
-    assert s["inference-generate"]["networks"]["aerie"]["aliases"] == ["generate"] and not s["inference-generate"].get("ports")
+    assert not any(
+        flag in generate for flag in ("--disable-radix-cache", "--enable-return-aux-hidden-states", "--speculative")
+    )
+    assert s["inference-generate"]["networks"]["aerie"]["aliases"] == ["generate"] and not s["inference-generate"].get(
+        "ports"
+    )
     assert s["extractor"]["environment"]["AERIE_REGENERATE_URLS"] == '["http://generate:30000"]'
     assert s["extractor"]["environment"]["AERIE_REGENERATE_CONCURRENCY"] == "64"
     for name in ("inference-capture", "inference-serve", "trainer"):
@@ -44,11 +48,15 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
         assert s[worker]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
         assert s[worker]["depends_on"]["redis"]["condition"] == "service_healthy"
     for name in ("inference-capture", "inference-serve"):  # JIT kernels survive restarts and mode switches
-        assert {"type": "volume", "source": "sglang-cache", "target": "/home/aerie/.cache", "volume": {}} in s[name]["volumes"]
+        assert {"type": "volume", "source": "sglang-cache", "target": "/home/aerie/.cache", "volume": {}} in s[name][
+            "volumes"
+        ]
     for worker in ("extractor", "trainer"):
         assert s[worker]["environment"]["AERIE_BROKER_VISIBILITY_TIMEOUT_S"] == "3600"  # from .env
     # SGLang's --api-key is one secret: the server requires it, the extractors send it
-    assert s["extractor"]["environment"]["AERIE_ENGINE_API_KEY"] == s["inference-capture"]["environment"]["SGLANG_API_KEY"]
+    assert (
+        s["extractor"]["environment"]["AERIE_ENGINE_API_KEY"] == s["inference-capture"]["environment"]["SGLANG_API_KEY"]
+    )
     raw = (REPO / "docker-compose.yml").read_text()
     for secret in ("REDIS_PASSWORD", "MINIO_ROOT_PASSWORD", "AERIE_S3_SECRET_KEY", "FLOWER_PASSWORD"):
         assert f"${{{secret}:?Variable not set}}" in raw
@@ -57,7 +65,9 @@ def test_compose_has_what_the_gpu_host_needs(compose_services):
 def test_minio_data_goes_to_a_data_disk_when_minio_data_dir_names_one():
     project = Project()
     default = project.render()["services"]["minio"]["volumes"]
-    disk = project.render(env={**project.stand_ins, "MINIO_DATA_DIR": "/srv/aerie/minio"})["services"]["minio"]["volumes"]
+    disk = project.render(env={**project.stand_ins, "MINIO_DATA_DIR": "/srv/aerie/minio"})["services"]["minio"][
+        "volumes"
+    ]
     assert [(v["type"], v["source"]) for v in default] == [("volume", "minio-data")]
     assert [(v["type"], v["source"], v["target"]) for v in disk] == [("bind", "/srv/aerie/minio", "/data")]
 
@@ -92,103 +102,311 @@ REGENERATE_URLS = """AERIE_REGENERATE_URLS: '["http://generate:30000"]'"""
 GENERATE_FLAGS = '--enable-metrics --api-key "$${SGLANG_API_KEY}" $${SGLANG_EXTRA_ARGS}\n\n  # Celery workers'
 SERVE_TP = "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      DRAFTER_NAME"
 COMPOSE_BREAKS = [
-    Break("Compose: a depends_on target that is no service", "docker-compose.yml",
-          "      redis:\n        condition: service_healthy\n      minio-init:",
-          "      redis-cache:\n        condition: service_healthy\n      minio-init:",
-          'depends on undefined service "redis-cache"'),
-    Break("Compose: an undeclared named volume", "docker-compose.yml", "- redis-data:/data", "- redis-dat:/data",
-          "refers to undefined volume redis-dat"),
-    Break("Compose: an undeclared network", "docker-compose.yml",
-          '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
-          '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"',
-          "refers to undefined network backend"),
-    Break("Compose: an undeclared secret", "docker-compose.yml", "      - redis-data:/data\n",
-          "      - redis-data:/data\n    secrets: [redis-password]\n", "refers to undefined secret redis-password"),
-    Break("Compose: a key the Compose Specification does not know", "docker-compose.yml",
-          "    restart: unless-stopped\n    stop_grace_period: 30s   # AOF", "    restat: unless-stopped\n    stop_grace_period: 30s   # AOF",
-          "additional properties 'restat' not allowed"),
-    Break("Compose: neither image nor build", "docker-compose.yml", "    image: docker.io/library/redis:7.4.2-alpine\n", "",
-          "has neither an image nor a build context"),
-    Break("Compose: a malformed ${...} it cannot interpolate", "docker-compose.yml", "celery@$$(hostname)",
-          "celery@${HOSTNAME", "invalid interpolation format"),
-    Break("Compose: a service waiting on a profiled service it cannot require", "docker-compose.yml",
-          "        required: false   # absent", "        # absent",
-          '(no profile, profile monitoring, profile regenerate, profile serve, profile tools, profile train): docker compose config: '
-          'service "extractor" depends on undefined service "inference-capture"'),
-    Break("an env reference missing from .env.example", "docker-compose.yml", "${AERIE_BUCKET:-aerie}",
-          "${AERIE_BUCKT:-aerie}", "${AERIE_BUCKT} is not in .env.example", batch="variables"),
-    Break("a .env.example variable nothing uses", ".env.example", "FLOWER_PORT=5555", "FLOWER_PORT=5555\nOLD_KNOB=1",
-          "OLD_KNOB is not used", batch="variables"),
-    Break("a default that disagrees with .env.example", ".env.example", "TP_SIZE=8", "TP_SIZE=4",
-          "services.inference-capture.environment.TP_SIZE is '8' by default but '4' with .env.example"),
-    Break("two different defaults for one variable", "docker-compose.yml", SERVE_TP, SERVE_TP.replace(":-8", ":-4"),
-          "services.inference-serve.environment.TP_SIZE is '4' by default but '8' with .env.example", batch="services"),
-    Break("a variable with neither a default nor :?", "docker-compose.yml", "${TP_SIZE:-8}", "${TP_SIZE}",
-          "services.inference-capture.environment.TP_SIZE is '' by default but '8' with .env.example"),
-    Break("a secret that is not required", "docker-compose.yml", "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
-          "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}", "secret ${REDIS_PASSWORD} must be required at every use", batch="services"),
-    Break("a secret with a value in .env.example", ".env.example", "REDIS_PASSWORD=\n", "REDIS_PASSWORD=hunter2\n",
-          "REDIS_PASSWORD has a value", batch="variables"),
-    Break("an AERIE_* variable in .env.example aerie does not know", ".env.example", "AERIE_BUCKET=aerie",
-          "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie", ".env.example: AERIE_BUCKETS is not used by docker-compose.yml", batch="variables"),
-    Break("an AERIE_* variable in a container aerie does not know", "docker-compose.yml", "AERIE_ENGINE: sglang",
-          "AERIE_ENGIN: sglang", "AERIE_ENGIN is not an aerie setting", batch="services"),
-    Break("a container shell variable its environment does not set", "docker-compose.yml",
-          "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
-          "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS", "services.inference-capture.command: the container shell reads $TP_SIZE", batch="services"),
-    Break("service_healthy on a service without a healthcheck", "docker-compose.yml",
-          "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
-          "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:",
-          "minio-init has no healthcheck", batch="services"),
-    Break("a restarting service without a healthcheck", "docker-compose.yml",
-          '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]', '    x-healthcheck:\n      test: ["CMD", "mc"]',
-          "services.minio: restarts automatically but has no healthcheck", batch="services"),
-    Break("a bind-mounted file that does not exist", "docker-compose.yml", "./scripts/minio_init.sh:",
-          "./scripts/minio-init.sh:", "scripts/minio-init.sh does not exist", batch="services"),
-    Break("an unpinned image", "docker-compose.yml", "image: docker.io/library/redis:7.4.2-alpine",
-          "image: docker.io/library/redis:latest", "image 'docker.io/library/redis:latest' uses `latest`", batch="services"),
-    Break("an image of no named registry (Docker Hub, anyone's namespace)", "docker-compose.yml",
-          "image: docker.io/library/redis:7.4.2-alpine", "image: redis:7.4.2-alpine", "'redis:7.4.2-alpine' names no registry", batch="variables"),
-    Break("an image built here that `up` may pull", "docker-compose.yml", "    pull_policy: build\n    restart: unless-stopped\n    logging",
-          "    restart: unless-stopped\n    logging", "aerie/extractor:0.1.0 is built here: set `pull_policy: build`", batch="services"),
-    Break("a service without log limits", "docker-compose.yml", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n"
-          "    logging: *logging\n", "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n", "services.redis: no log limit", batch="services"),
-    Break("a worker that keeps its task on SIGTERM (no REMAP_SIGTERM)", "docker-compose.yml",
-          "      REMAP_SIGTERM: SIGQUIT\n      AERIE_WORKER_CONCURRENCY", "      AERIE_WORKER_CONCURRENCY",
-          "services.extractor: a Celery worker that keeps its task on SIGTERM", batch="services"),
-    Break("a worker whose grace period is shorter than its soft shutdown", ".env.example", "EXTRACTOR_STOP_GRACE=120s",
-          "EXTRACTOR_STOP_GRACE=60s", "services.extractor: a Celery worker that keeps its task on SIGTERM", batch="variables"),
-    Break("a port on every interface", "docker-compose.yml", "      - ${FLOWER_BIND:-127.0.0.1}:${FLOWER_PORT:-5555}:5555",
-          "      - ${FLOWER_PORT:-5555}:5555", "services.flower.ports: 5555 listens on every interface", batch="services"),
-    Break("one bind address for two services", "docker-compose.yml", "${FLOWER_BIND:-127.0.0.1}:",
-          "${MINIO_BIND:-127.0.0.1}:", "${MINIO_BIND} binds several published ports", batch="variables"),
-    Break("GPUs as one comma string", "docker-compose.yml", "              count: all\n",
-          "              device_ids: [\"0,1,2,3\"]\n", "device_ids 0,1,2,3 is one string naming several GPUs", batch="services"),
-    Break("an API key with a value in .env.example", ".env.example", "SGLANG_API_KEY=\n", "SGLANG_API_KEY=abc\n",
-          "SGLANG_API_KEY has a value", batch="variables"),
-    Break("a Dockerfile that does not exist", "docker-compose.yml", "dockerfile: services/extractor/Dockerfile",
-          "dockerfile: services/extractor/Dockerfil", "services/extractor/Dockerfil does not exist", batch="services"),
-    Break("a build arg the Dockerfile does not declare", "docker-compose.yml",
-          "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}", "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
-          "SGLANG_TAG is not an ARG", batch="services"),
-    Break("a healthcheck pinging another Celery app", "docker-compose.yml", "celery -A aerie_trainer.worker inspect ping",
-          "celery -A aerie_extractor.worker inspect ping", "services.trainer: healthcheck pings Celery app ['aerie_extractor.worker']", batch="services"),
-    Break("a top-level volume no service uses", "docker-compose.yml", "volumes:\n  redis-data: {}",
-          "volumes:\n  spare-data: {}\n  redis-data: {}", "top-level volumes.spare-data is used by no service", batch="services"),
+    Break(
+        "Compose: a depends_on target that is no service",
+        "docker-compose.yml",
+        "      redis:\n        condition: service_healthy\n      minio-init:",
+        "      redis-cache:\n        condition: service_healthy\n      minio-init:",
+        'depends on undefined service "redis-cache"',
+    ),
+    Break(
+        "Compose: an undeclared named volume",
+        "docker-compose.yml",
+        "- redis-data:/data",
+        "- redis-dat:/data",
+        "refers to undefined volume redis-dat",
+    ),
+    Break(
+        "Compose: an undeclared network",
+        "docker-compose.yml",
+        '    networks: [aerie]\n    healthcheck:\n      test: ["CMD", "mc"',
+        '    networks: [aerie, backend]\n    healthcheck:\n      test: ["CMD", "mc"',
+        "refers to undefined network backend",
+    ),
+    Break(
+        "Compose: an undeclared secret",
+        "docker-compose.yml",
+        "      - redis-data:/data\n",
+        "      - redis-data:/data\n    secrets: [redis-password]\n",
+        "refers to undefined secret redis-password",
+    ),
+    Break(
+        "Compose: a key the Compose Specification does not know",
+        "docker-compose.yml",
+        "    restart: unless-stopped\n    stop_grace_period: 30s   # AOF",
+        "    restat: unless-stopped\n    stop_grace_period: 30s   # AOF",
+        "additional properties 'restat' not allowed",
+    ),
+    Break(
+        "Compose: neither image nor build",
+        "docker-compose.yml",
+        "    image: docker.io/library/redis:7.4.2-alpine\n",
+        "",
+        "has neither an image nor a build context",
+    ),
+    Break(
+        "Compose: a malformed ${...} it cannot interpolate",
+        "docker-compose.yml",
+        "celery@$$(hostname)",
+        "celery@${HOSTNAME",
+        "invalid interpolation format",
+    ),
+    Break(
+        "Compose: a service waiting on a profiled service it cannot require",
+        "docker-compose.yml",
+        "        required: false   # absent",
+        "        # absent",
+        "(no profile, profile monitoring, profile regenerate, profile serve, profile tools, profile train): docker compose config: "
+        'service "extractor" depends on undefined service "inference-capture"',
+    ),
+    Break(
+        "an env reference missing from .env.example",
+        "docker-compose.yml",
+        "${AERIE_BUCKET:-aerie}",
+        "${AERIE_BUCKT:-aerie}",
+        "${AERIE_BUCKT} is not in .env.example",
+        batch="variables",
+    ),
+    Break(
+        "a .env.example variable nothing uses",
+        ".env.example",
+        "FLOWER_PORT=5555",
+        "FLOWER_PORT=5555\nOLD_KNOB=1",
+        "OLD_KNOB is not used",
+        batch="variables",
+    ),
+    Break(
+        "a default that disagrees with .env.example",
+        ".env.example",
+        "TP_SIZE=8",
+        "TP_SIZE=4",
+        "services.inference-capture.environment.TP_SIZE is '8' by default but '4' with .env.example",
+    ),
+    Break(
+        "two different defaults for one variable",
+        "docker-compose.yml",
+        SERVE_TP,
+        SERVE_TP.replace(":-8", ":-4"),
+        "services.inference-serve.environment.TP_SIZE is '4' by default but '8' with .env.example",
+        batch="services",
+    ),
+    Break(
+        "a variable with neither a default nor :?",
+        "docker-compose.yml",
+        "${TP_SIZE:-8}",
+        "${TP_SIZE}",
+        "services.inference-capture.environment.TP_SIZE is '' by default but '8' with .env.example",
+    ),
+    Break(
+        "a secret that is not required",
+        "docker-compose.yml",
+        "REDIS_PASSWORD: ${REDIS_PASSWORD:?Variable not set}",
+        "REDIS_PASSWORD: ${REDIS_PASSWORD:-changeme}",
+        "secret ${REDIS_PASSWORD} must be required at every use",
+        batch="services",
+    ),
+    Break(
+        "a secret with a value in .env.example",
+        ".env.example",
+        "REDIS_PASSWORD=\n",
+        "REDIS_PASSWORD=hunter2\n",
+        "REDIS_PASSWORD has a value",
+        batch="variables",
+    ),
+    Break(
+        "an AERIE_* variable in .env.example aerie does not know",
+        ".env.example",
+        "AERIE_BUCKET=aerie",
+        "AERIE_BUCKET=aerie\nAERIE_BUCKETS=aerie",
+        ".env.example: AERIE_BUCKETS is not used by docker-compose.yml",
+        batch="variables",
+    ),
+    Break(
+        "an AERIE_* variable in a container aerie does not know",
+        "docker-compose.yml",
+        "AERIE_ENGINE: sglang",
+        "AERIE_ENGIN: sglang",
+        "AERIE_ENGIN is not an aerie setting",
+        batch="services",
+    ),
+    Break(
+        "a container shell variable its environment does not set",
+        "docker-compose.yml",
+        "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+        "      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      CAPTURE_LAYER_IDS",
+        "services.inference-capture.command: the container shell reads $TP_SIZE",
+        batch="services",
+    ),
+    Break(
+        "service_healthy on a service without a healthcheck",
+        "docker-compose.yml",
+        "    depends_on:\n      minio-init:\n        condition: service_completed_successfully\n\nnetworks:",
+        "    depends_on:\n      minio-init:\n        condition: service_healthy\n\nnetworks:",
+        "minio-init has no healthcheck",
+        batch="services",
+    ),
+    Break(
+        "a restarting service without a healthcheck",
+        "docker-compose.yml",
+        '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]',
+        '    x-healthcheck:\n      test: ["CMD", "mc"]',
+        "services.minio: restarts automatically but has no healthcheck",
+        batch="services",
+    ),
+    Break(
+        "a bind-mounted file that does not exist",
+        "docker-compose.yml",
+        "./scripts/minio_init.sh:",
+        "./scripts/minio-init.sh:",
+        "scripts/minio-init.sh does not exist",
+        batch="services",
+    ),
+    Break(
+        "an unpinned image",
+        "docker-compose.yml",
+        "image: docker.io/library/redis:7.4.2-alpine",
+        "image: docker.io/library/redis:latest",
+        "image 'docker.io/library/redis:latest' uses `latest`",
+        batch="services",
+    ),
+    Break(
+        "an image of no named registry (Docker Hub, anyone's namespace)",
+        "docker-compose.yml",
+        "image: docker.io/library/redis:7.4.2-alpine",
+        "image: redis:7.4.2-alpine",
+        "'redis:7.4.2-alpine' names no registry",
+        batch="variables",
+    ),
+    Break(
+        "an image built here that `up` may pull",
+        "docker-compose.yml",
+        "    pull_policy: build\n    restart: unless-stopped\n    logging",
+        "    restart: unless-stopped\n    logging",
+        "aerie/extractor:0.1.0 is built here: set `pull_policy: build`",
+        batch="services",
+    ),
+    Break(
+        "a service without log limits",
+        "docker-compose.yml",
+        "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n    logging: *logging\n",
+        "    stop_grace_period: 30s   # AOF flushed on SIGTERM\n",
+        "services.redis: no log limit",
+        batch="services",
+    ),
+    Break(
+        "a worker that keeps its task on SIGTERM (no REMAP_SIGTERM)",
+        "docker-compose.yml",
+        "      REMAP_SIGTERM: SIGQUIT\n      AERIE_WORKER_CONCURRENCY",
+        "      AERIE_WORKER_CONCURRENCY",
+        "services.extractor: a Celery worker that keeps its task on SIGTERM",
+        batch="services",
+    ),
+    Break(
+        "a worker whose grace period is shorter than its soft shutdown",
+        ".env.example",
+        "EXTRACTOR_STOP_GRACE=120s",
+        "EXTRACTOR_STOP_GRACE=60s",
+        "services.extractor: a Celery worker that keeps its task on SIGTERM",
+        batch="variables",
+    ),
+    Break(
+        "a port on every interface",
+        "docker-compose.yml",
+        "      - ${FLOWER_BIND:-127.0.0.1}:${FLOWER_PORT:-5555}:5555",
+        "      - ${FLOWER_PORT:-5555}:5555",
+        "services.flower.ports: 5555 listens on every interface",
+        batch="services",
+    ),
+    Break(
+        "one bind address for two services",
+        "docker-compose.yml",
+        "${FLOWER_BIND:-127.0.0.1}:",
+        "${MINIO_BIND:-127.0.0.1}:",
+        "${MINIO_BIND} binds several published ports",
+        batch="variables",
+    ),
+    Break(
+        "GPUs as one comma string",
+        "docker-compose.yml",
+        "              count: all\n",
+        '              device_ids: ["0,1,2,3"]\n',
+        "device_ids 0,1,2,3 is one string naming several GPUs",
+        batch="services",
+    ),
+    Break(
+        "an API key with a value in .env.example",
+        ".env.example",
+        "SGLANG_API_KEY=\n",
+        "SGLANG_API_KEY=abc\n",
+        "SGLANG_API_KEY has a value",
+        batch="variables",
+    ),
+    Break(
+        "a Dockerfile that does not exist",
+        "docker-compose.yml",
+        "dockerfile: services/extractor/Dockerfile",
+        "dockerfile: services/extractor/Dockerfil",
+        "services/extractor/Dockerfil does not exist",
+        batch="services",
+    ),
+    Break(
+        "a build arg the Dockerfile does not declare",
+        "docker-compose.yml",
+        "SGLANG_IMAGE_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+        "SGLANG_TAG: ${SGLANG_IMAGE_TAG:-v0.5.23}",
+        "SGLANG_TAG is not an ARG",
+        batch="services",
+    ),
+    Break(
+        "a healthcheck pinging another Celery app",
+        "docker-compose.yml",
+        "celery -A aerie_trainer.worker inspect ping",
+        "celery -A aerie_extractor.worker inspect ping",
+        "services.trainer: healthcheck pings Celery app ['aerie_extractor.worker']",
+        batch="services",
+    ),
+    Break(
+        "a top-level volume no service uses",
+        "docker-compose.yml",
+        "volumes:\n  redis-data: {}",
+        "volumes:\n  spare-data: {}\n  redis-data: {}",
+        "top-level volumes.spare-data is used by no service",
+        batch="services",
+    ),
     # regeneration: never through the capture server (radix cache off, capturing), always through one
-    Break("regeneration sent to the capture server", "docker-compose.yml", REGENERATE_URLS,
-          REGENERATE_URLS.replace("generate:", "inference:"), "services.extractor.environment.AERIE_REGENERATE_URLS: "
-          "http://inference:30000: service inference-capture runs SGLang in capture mode (--disable-radix-cache, "
-          "--enable-return-aux-hidden-states)", batch="variables"),
-    Break("a generation server started in capture mode", "docker-compose.yml", GENERATE_FLAGS,
-          "--disable-radix-cache " + GENERATE_FLAGS,
-          "http://generate:30000: service inference-generate runs SGLang in capture mode (--disable-radix-cache)"),
-    Break("regeneration at a host that is no service", "docker-compose.yml", REGENERATE_URLS,
-          REGENERATE_URLS.replace("generate:", "generator:"), "services.extractor.environment.AERIE_REGENERATE_URLS: "
-          "http://generator:30000: host 'generator' is no service or network alias of this file"),
-    Break("an sglang extractor with no generation server", "docker-compose.yml", f"      {REGENERATE_URLS}\n", "",
-          "services.extractor: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask "
-          "AERIE_ENGINE_URLS, the capture server"),
+    Break(
+        "regeneration sent to the capture server",
+        "docker-compose.yml",
+        REGENERATE_URLS,
+        REGENERATE_URLS.replace("generate:", "inference:"),
+        "services.extractor.environment.AERIE_REGENERATE_URLS: "
+        "http://inference:30000: service inference-capture runs SGLang in capture mode (--disable-radix-cache, "
+        "--enable-return-aux-hidden-states)",
+        batch="variables",
+    ),
+    Break(
+        "a generation server started in capture mode",
+        "docker-compose.yml",
+        GENERATE_FLAGS,
+        "--disable-radix-cache " + GENERATE_FLAGS,
+        "http://generate:30000: service inference-generate runs SGLang in capture mode (--disable-radix-cache)",
+    ),
+    Break(
+        "regeneration at a host that is no service",
+        "docker-compose.yml",
+        REGENERATE_URLS,
+        REGENERATE_URLS.replace("generate:", "generator:"),
+        "services.extractor.environment.AERIE_REGENERATE_URLS: "
+        "http://generator:30000: host 'generator' is no service or network alias of this file",
+    ),
+    Break(
+        "an sglang extractor with no generation server",
+        "docker-compose.yml",
+        f"      {REGENERATE_URLS}\n",
+        "",
+        "services.extractor: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS: `enqueue --regenerate` would ask "
+        "AERIE_ENGINE_URLS, the capture server",
+    ),
 ]
 
 

@@ -34,20 +34,32 @@ def test_k8s_overlays_render_the_whole_system():
         ]:
             assert expected in kinds, f"{overlay.name}: {expected} missing from the render"
         # SGLang's --api-key: the server reads it from the Secret, and so do its clients
-        pods = {r["metadata"]["name"]: r["spec"]["template"]["spec"] for r in kustomize_build(overlay)
-                if r["kind"] == "Deployment"}
-        keys = {(name, e["name"]) for name, pod in pods.items() for e in pod["containers"][0].get("env") or []
-                if (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") == "SGLANG_API_KEY"}
-        assert keys == {("inference", "SGLANG_API_KEY"), ("generate", "SGLANG_API_KEY"), ("extractor", "AERIE_ENGINE_API_KEY"),
-                        ("trainer", "AERIE_ENGINE_API_KEY")}, keys
+        pods = {
+            r["metadata"]["name"]: r["spec"]["template"]["spec"]
+            for r in kustomize_build(overlay)
+            if r["kind"] == "Deployment"
+        }
+        keys = {
+            (name, e["name"])
+            for name, pod in pods.items()
+            for e in pod["containers"][0].get("env") or []
+            if (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("key") == "SGLANG_API_KEY"
+        }
+        assert keys == {
+            ("inference", "SGLANG_API_KEY"),
+            ("generate", "SGLANG_API_KEY"),
+            ("extractor", "AERIE_ENGINE_API_KEY"),
+            ("trainer", "AERIE_ENGINE_API_KEY"),
+        }, keys
         # extractors run in other pods than SGLang: captures travel through the bucket (the s3 sink),
         # so the server's plugin gets the store and its key
         rendered = kustomize_build(overlay)
         config = next(r["data"] for r in rendered if r["metadata"]["name"].startswith("aerie-config"))
         assert config["AERIE_ENGINE_SINK"] == "s3" and config["AERIE_ENGINE_TRANSPORT"] == "auto"
         sglang = pods["inference"]["containers"][0]
-        assert {"AERIE_SGLANG_BINARY", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY",
-                "AERIE_S3_SECRET_KEY"} <= {e["name"] for e in sglang["env"]}
+        assert {"AERIE_SGLANG_BINARY", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY"} <= {
+            e["name"] for e in sglang["env"]
+        }
         assert "--enable-metrics" in sglang["command"][2]
         inference = next(r for r in rendered if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")
         assert inference["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
@@ -103,92 +115,295 @@ WORKER_ENV = "          env:\n            - name: REDIS_PASSWORD"
 # expected message names the field; a resource gets at most one schema error per batch (the schema
 # reports the first); the others change what every resource sees (kustomize, the namespace, an
 # overlay's components, the PVC's apiVersion) and get a copy each.
-K8S_BREAKS = [b._replace(file=f"k8s/{b.file}") for b in [
-    Break("a missing resource file", "base/kustomization.yaml", "  - trainer.yaml", "  - trainers.yaml",
-          "kustomize build failed"),
-    Break("a field Kubernetes does not know", "base/trainer.yaml", "      terminationGracePeriodSeconds: 300",
-          "      terminationGracePeriod: 300",
-          "Deployment/trainer: spec.template.spec: Additional properties are not allowed ('terminationGracePeriod'", batch="a"),
-    Break("a wrongly typed field", "base/extractor.yaml", "terminationGracePeriodSeconds: 120",
-          "terminationGracePeriodSeconds: soon",
-          "Deployment/extractor: spec.template.spec.terminationGracePeriodSeconds: 'soon' is not of type 'integer'", batch="b"),
-    Break("a container without a readiness probe", "base/extractor.yaml", "          readinessProbe:",
-          "          x-readinessProbe:",
-          "Deployment/extractor: spec.template.spec.containers.0: Additional properties are not allowed ('x-readinessProbe'", batch="c"),
-    Break("an apiVersion with no schema", "base/models-pvc.yaml", "apiVersion: v1", "apiVersion: v2",
-          "no Kubernetes 1.32.0 schema for v2 PersistentVolumeClaim"),
-    Break("an embedded Secret", "base/kustomization.yaml", "configMapGenerator:",
-          "secretGenerator:\n  - name: aerie-credentials\n    literals: [REDIS_PASSWORD=x]\nconfigMapGenerator:",
-          "a Secret is embedded", batch="a"),
-    Break("a PVC that is not there", "base/extractor.yaml", "claimName: aerie-models", "claimName: aerie-model",
-          "PersistentVolumeClaim 'aerie-model' is not in this render", batch="a"),
-    Break("a ConfigMap volume that is not there", "base/minio-init.yaml", "name: minio-init-script", "name: minio-script",
-          "configMap: ConfigMap 'minio-script' is not in this render", batch="a"),
-    Break("a Secret volume the guide never creates", "base/minio-init.yaml", "      volumes:\n",
-          "      volumes:\n        - name: creds\n          secret: {secretName: minio-creds}\n",
-          "Secret 'minio-creds' is not in the guide's `kubectl create secret generic`", batch="a"),
-    Break("a volumeMount of no volume", "base/extractor.yaml", "            - name: models\n              mountPath",
-          "            - name: model\n              mountPath", "volumeMount 'model' names no volume", batch="a"),
-    Break("a Service selecting no pod", "base/redis.yaml", "  selector:\n    app.kubernetes.io/component: redis",
-          "  selector:\n    app.kubernetes.io/component: rediss", "Service/redis: selector {'app.kubernetes.io/component': 'rediss'} matches no pod template", batch="a"),
-    Break("a StatefulSet naming no Service", "base/redis.yaml", "serviceName: redis", "serviceName: rediss",
-          "StatefulSet/redis: spec.serviceName: Service 'rediss' is not in this render", batch="a"),
-    Break("a selector not matching its pod template", "base/extractor.yaml",
-          "    matchLabels:\n      app.kubernetes.io/component: extractor",
-          "    matchLabels:\n      app.kubernetes.io/component: extractors", "Deployment/extractor: spec.selector {'app.kubernetes.io/component': 'extractors'} does not match", batch="a"),
-    Break("a Secret key the guide never creates", "base/minio.yaml", "key: MINIO_ROOT_PASSWORD", "key: MINIO_PASSWORD",
-          "Secret aerie-credentials has no key 'MINIO_PASSWORD' in the guide's", batch="b"),
-    Break("a ConfigMap key that is not there", "base/minio-init.yaml", "key: AERIE_BUCKET", "key: BUCKET",
-          "has no key 'BUCKET'", batch="b"),
-    Break("an env ConfigMap that is not there", "base/minio-init.yaml", "                  name: aerie-config\n",
-          "                  name: aerie-settings\n", "configMapKeyRef: ConfigMap 'aerie-settings' is not in this render", batch="c"),
-    Break("an envFrom ConfigMap that is not there", "base/extractor.yaml", "                name: aerie-config",
-          "                name: aerie-settings", "configMapRef: ConfigMap 'aerie-settings' is not in this render", batch="b"),
-    Break("an envFrom Secret the guide never creates", "base/extractor.yaml", WORKER_ENV,
-          "            - secretRef: {name: worker-secrets}\n" + WORKER_ENV, "secretRef: Secret 'worker-secrets' is not in the guide's", batch="b"),
-    Break("an unknown AERIE_* setting", "base/kustomization.yaml", "AERIE_ENGINE=sglang", "AERIE_ENGIN=sglang",
-          "Deployment/trainer: container worker: env AERIE_ENGIN is not an aerie setting", batch="a"),
-    Break("an unpinned image", "base/redis.yaml", "image: docker.io/library/redis:7.4.2-alpine",
-          "image: docker.io/library/redis:latest", "container redis: image 'docker.io/library/redis:latest' uses `latest`", batch="b"),
-    Break("a probe pinging another Celery app", "base/trainer.yaml", "celery -A aerie_trainer.worker inspect ping",
-          "celery -A aerie_extractor.worker inspect ping", "Deployment/trainer: container worker: readinessProbe pings Celery app ['aerie_extractor.worker']", batch="b"),
-    Break("a GPU pod without a nodeSelector", "base/trainer.yaml",
-          '      nodeSelector:\n        nvidia.com/gpu.present: "true"\n', "", "Deployment/trainer: requests GPUs but has no nodeSelector", batch="b"),
-    Break("a ScaledObject on a missing Deployment", "components/keda/scaledobject.yaml",
-          "    kind: Deployment\n    name: extractor", "    kind: Deployment\n    name: extractors",
-          "scaleTargetRef: Deployment 'extractors' is not in this render", batch="b"),
-    Break("a KEDA trigger naming no TriggerAuthentication", "components/keda/scaledobject.yaml",
-          "      authenticationRef:\n        name: redis-auth", "      authenticationRef:\n        name: redis-login",
-          "authenticationRef: TriggerAuthentication 'redis-login' is not in this render", batch="a"),
-    Break("an aerie image of no named registry", "base/extractor.yaml", "image: registry.invalid/aerie/extractor:0.1.0",
-          "image: aerie/extractor:0.1.0", "'aerie/extractor:0.1.0' names no registry", batch="a"),
-    Break("replicas on an autoscaled Deployment", "base/extractor.yaml", "spec:\n  selector:", "spec:\n  replicas: 1\n  selector:",
-          "Deployment/extractor: sets spec.replicas while an autoscaler owns them", batch="a"),
-    Break("SGLang reachable from any pod", "base/network-policy.yaml", "      app.kubernetes.io/component: inference\n",
-          "      app.kubernetes.io/component: nothing\n", "pods of component 'inference' are reachable from any pod", batch="a"),
-    Break("a liveness probe that generates", "base/inference.yaml", "httpGet: {path: /ready, port: http}",
-          "httpGet: {path: /health, port: http}", "livenessProbe GETs /health, which generates a token", batch="a"),
-    Break("a worker that keeps its task on SIGTERM", "base/extractor.yaml", "            - name: REMAP_SIGTERM\n",
-          "            - name: REMAP_SIGTERN\n", "container worker: a Celery worker that keeps its task on SIGTERM", batch="c"),
-    Break("pods of a ReadWriteOnce claim free to spread", "overlays/single-host/kustomization.yaml",
-          "  - ../../components/models-rwo", "  # - ../../components/models-rwo",
-          "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, generate, inference, trainer without a podAffinity"),
-    Break("a KEDA address in another namespace", "overlays/multi-node/kustomization.yaml", "namespace: aerie\n",
-          "namespace: llm\n", "is not <service>.llm.svc"),
-    # regeneration: never through the capture server (radix cache off, capturing), always through one
-    Break("regeneration sent to the capture server", "base/kustomization.yaml", K8S_REGENERATE_URLS,
-          K8S_REGENERATE_URLS.replace("generate:", "inference:"), "Deployment/extractor: container worker: AERIE_REGENERATE_URLS "
-          "names http://inference:30000: Service inference selects Deployment/inference, SGLang in capture mode", batch="c"),
-    Break("a generation server started in capture mode", "base/generate.yaml", "--enable-metrics --api-key",
-          "--disable-radix-cache --enable-metrics --api-key", "names http://generate:30000: Service generate selects "
-          "Deployment/generate, SGLang in capture mode (--disable-radix-cache)"),
-    Break("regeneration at a Service that is not there", "base/kustomization.yaml", K8S_REGENERATE_URLS,
-          K8S_REGENERATE_URLS.replace("generate:", "generator:"), "names http://generator:30000: no Service 'generator' in this render"),
-    Break("an sglang extractor with no generation server", "base/kustomization.yaml", f"      - {K8S_REGENERATE_URLS}\n", "",
-          "Deployment/extractor: container worker: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS"),
-    Break("the generation server reachable from any pod", "base/network-policy.yaml", "      app.kubernetes.io/component: generate\n",
-          "      app.kubernetes.io/component: nothing\n", "pods of component 'generate' are reachable from any pod", batch="a"),
-]]
+K8S_BREAKS = [
+    b._replace(file=f"k8s/{b.file}")
+    for b in [
+        Break(
+            "a missing resource file",
+            "base/kustomization.yaml",
+            "  - trainer.yaml",
+            "  - trainers.yaml",
+            "kustomize build failed",
+        ),
+        Break(
+            "a field Kubernetes does not know",
+            "base/trainer.yaml",
+            "      terminationGracePeriodSeconds: 300",
+            "      terminationGracePeriod: 300",
+            "Deployment/trainer: spec.template.spec: Additional properties are not allowed ('terminationGracePeriod'",
+            batch="a",
+        ),
+        Break(
+            "a wrongly typed field",
+            "base/extractor.yaml",
+            "terminationGracePeriodSeconds: 120",
+            "terminationGracePeriodSeconds: soon",
+            "Deployment/extractor: spec.template.spec.terminationGracePeriodSeconds: 'soon' is not of type 'integer'",
+            batch="b",
+        ),
+        Break(
+            "a container without a readiness probe",
+            "base/extractor.yaml",
+            "          readinessProbe:",
+            "          x-readinessProbe:",
+            "Deployment/extractor: spec.template.spec.containers.0: Additional properties are not allowed ('x-readinessProbe'",
+            batch="c",
+        ),
+        Break(
+            "an apiVersion with no schema",
+            "base/models-pvc.yaml",
+            "apiVersion: v1",
+            "apiVersion: v2",
+            "no Kubernetes 1.32.0 schema for v2 PersistentVolumeClaim",
+        ),
+        Break(
+            "an embedded Secret",
+            "base/kustomization.yaml",
+            "configMapGenerator:",
+            "secretGenerator:\n  - name: aerie-credentials\n    literals: [REDIS_PASSWORD=x]\nconfigMapGenerator:",
+            "a Secret is embedded",
+            batch="a",
+        ),
+        Break(
+            "a PVC that is not there",
+            "base/extractor.yaml",
+            "claimName: aerie-models",
+            "claimName: aerie-model",
+            "PersistentVolumeClaim 'aerie-model' is not in this render",
+            batch="a",
+        ),
+        Break(
+            "a ConfigMap volume that is not there",
+            "base/minio-init.yaml",
+            "name: minio-init-script",
+            "name: minio-script",
+            "configMap: ConfigMap 'minio-script' is not in this render",
+            batch="a",
+        ),
+        Break(
+            "a Secret volume the guide never creates",
+            "base/minio-init.yaml",
+            "      volumes:\n",
+            "      volumes:\n        - name: creds\n          secret: {secretName: minio-creds}\n",
+            "Secret 'minio-creds' is not in the guide's `kubectl create secret generic`",
+            batch="a",
+        ),
+        Break(
+            "a volumeMount of no volume",
+            "base/extractor.yaml",
+            "            - name: models\n              mountPath",
+            "            - name: model\n              mountPath",
+            "volumeMount 'model' names no volume",
+            batch="a",
+        ),
+        Break(
+            "a Service selecting no pod",
+            "base/redis.yaml",
+            "  selector:\n    app.kubernetes.io/component: redis",
+            "  selector:\n    app.kubernetes.io/component: rediss",
+            "Service/redis: selector {'app.kubernetes.io/component': 'rediss'} matches no pod template",
+            batch="a",
+        ),
+        Break(
+            "a StatefulSet naming no Service",
+            "base/redis.yaml",
+            "serviceName: redis",
+            "serviceName: rediss",
+            "StatefulSet/redis: spec.serviceName: Service 'rediss' is not in this render",
+            batch="a",
+        ),
+        Break(
+            "a selector not matching its pod template",
+            "base/extractor.yaml",
+            "    matchLabels:\n      app.kubernetes.io/component: extractor",
+            "    matchLabels:\n      app.kubernetes.io/component: extractors",
+            "Deployment/extractor: spec.selector {'app.kubernetes.io/component': 'extractors'} does not match",
+            batch="a",
+        ),
+        Break(
+            "a Secret key the guide never creates",
+            "base/minio.yaml",
+            "key: MINIO_ROOT_PASSWORD",
+            "key: MINIO_PASSWORD",
+            "Secret aerie-credentials has no key 'MINIO_PASSWORD' in the guide's",
+            batch="b",
+        ),
+        Break(
+            "a ConfigMap key that is not there",
+            "base/minio-init.yaml",
+            "key: AERIE_BUCKET",
+            "key: BUCKET",
+            "has no key 'BUCKET'",
+            batch="b",
+        ),
+        Break(
+            "an env ConfigMap that is not there",
+            "base/minio-init.yaml",
+            "                  name: aerie-config\n",
+            "                  name: aerie-settings\n",
+            "configMapKeyRef: ConfigMap 'aerie-settings' is not in this render",
+            batch="c",
+        ),
+        Break(
+            "an envFrom ConfigMap that is not there",
+            "base/extractor.yaml",
+            "                name: aerie-config",
+            "                name: aerie-settings",
+            "configMapRef: ConfigMap 'aerie-settings' is not in this render",
+            batch="b",
+        ),
+        Break(
+            "an envFrom Secret the guide never creates",
+            "base/extractor.yaml",
+            WORKER_ENV,
+            "            - secretRef: {name: worker-secrets}\n" + WORKER_ENV,
+            "secretRef: Secret 'worker-secrets' is not in the guide's",
+            batch="b",
+        ),
+        Break(
+            "an unknown AERIE_* setting",
+            "base/kustomization.yaml",
+            "AERIE_ENGINE=sglang",
+            "AERIE_ENGIN=sglang",
+            "Deployment/trainer: container worker: env AERIE_ENGIN is not an aerie setting",
+            batch="a",
+        ),
+        Break(
+            "an unpinned image",
+            "base/redis.yaml",
+            "image: docker.io/library/redis:7.4.2-alpine",
+            "image: docker.io/library/redis:latest",
+            "container redis: image 'docker.io/library/redis:latest' uses `latest`",
+            batch="b",
+        ),
+        Break(
+            "a probe pinging another Celery app",
+            "base/trainer.yaml",
+            "celery -A aerie_trainer.worker inspect ping",
+            "celery -A aerie_extractor.worker inspect ping",
+            "Deployment/trainer: container worker: readinessProbe pings Celery app ['aerie_extractor.worker']",
+            batch="b",
+        ),
+        Break(
+            "a GPU pod without a nodeSelector",
+            "base/trainer.yaml",
+            '      nodeSelector:\n        nvidia.com/gpu.present: "true"\n',
+            "",
+            "Deployment/trainer: requests GPUs but has no nodeSelector",
+            batch="b",
+        ),
+        Break(
+            "a ScaledObject on a missing Deployment",
+            "components/keda/scaledobject.yaml",
+            "    kind: Deployment\n    name: extractor",
+            "    kind: Deployment\n    name: extractors",
+            "scaleTargetRef: Deployment 'extractors' is not in this render",
+            batch="b",
+        ),
+        Break(
+            "a KEDA trigger naming no TriggerAuthentication",
+            "components/keda/scaledobject.yaml",
+            "      authenticationRef:\n        name: redis-auth",
+            "      authenticationRef:\n        name: redis-login",
+            "authenticationRef: TriggerAuthentication 'redis-login' is not in this render",
+            batch="a",
+        ),
+        Break(
+            "an aerie image of no named registry",
+            "base/extractor.yaml",
+            "image: registry.invalid/aerie/extractor:0.1.0",
+            "image: aerie/extractor:0.1.0",
+            "'aerie/extractor:0.1.0' names no registry",
+            batch="a",
+        ),
+        Break(
+            "replicas on an autoscaled Deployment",
+            "base/extractor.yaml",
+            "spec:\n  selector:",
+            "spec:\n  replicas: 1\n  selector:",
+            "Deployment/extractor: sets spec.replicas while an autoscaler owns them",
+            batch="a",
+        ),
+        Break(
+            "SGLang reachable from any pod",
+            "base/network-policy.yaml",
+            "      app.kubernetes.io/component: inference\n",
+            "      app.kubernetes.io/component: nothing\n",
+            "pods of component 'inference' are reachable from any pod",
+            batch="a",
+        ),
+        Break(
+            "a liveness probe that generates",
+            "base/inference.yaml",
+            "httpGet: {path: /ready, port: http}",
+            "httpGet: {path: /health, port: http}",
+            "livenessProbe GETs /health, which generates a token",
+            batch="a",
+        ),
+        Break(
+            "a worker that keeps its task on SIGTERM",
+            "base/extractor.yaml",
+            "            - name: REMAP_SIGTERM\n",
+            "            - name: REMAP_SIGTERN\n",
+            "container worker: a Celery worker that keeps its task on SIGTERM",
+            batch="c",
+        ),
+        Break(
+            "pods of a ReadWriteOnce claim free to spread",
+            "overlays/single-host/kustomization.yaml",
+            "  - ../../components/models-rwo",
+            "  # - ../../components/models-rwo",
+            "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, generate, inference, trainer without a podAffinity",
+        ),
+        Break(
+            "a KEDA address in another namespace",
+            "overlays/multi-node/kustomization.yaml",
+            "namespace: aerie\n",
+            "namespace: llm\n",
+            "is not <service>.llm.svc",
+        ),
+        # regeneration: never through the capture server (radix cache off, capturing), always through one
+        Break(
+            "regeneration sent to the capture server",
+            "base/kustomization.yaml",
+            K8S_REGENERATE_URLS,
+            K8S_REGENERATE_URLS.replace("generate:", "inference:"),
+            "Deployment/extractor: container worker: AERIE_REGENERATE_URLS "
+            "names http://inference:30000: Service inference selects Deployment/inference, SGLang in capture mode",
+            batch="c",
+        ),
+        Break(
+            "a generation server started in capture mode",
+            "base/generate.yaml",
+            "--enable-metrics --api-key",
+            "--disable-radix-cache --enable-metrics --api-key",
+            "names http://generate:30000: Service generate selects "
+            "Deployment/generate, SGLang in capture mode (--disable-radix-cache)",
+        ),
+        Break(
+            "regeneration at a Service that is not there",
+            "base/kustomization.yaml",
+            K8S_REGENERATE_URLS,
+            K8S_REGENERATE_URLS.replace("generate:", "generator:"),
+            "names http://generator:30000: no Service 'generator' in this render",
+        ),
+        Break(
+            "an sglang extractor with no generation server",
+            "base/kustomization.yaml",
+            f"      - {K8S_REGENERATE_URLS}\n",
+            "",
+            "Deployment/extractor: container worker: AERIE_ENGINE=sglang without AERIE_REGENERATE_URLS",
+        ),
+        Break(
+            "the generation server reachable from any pod",
+            "base/network-policy.yaml",
+            "      app.kubernetes.io/component: generate\n",
+            "      app.kubernetes.io/component: nothing\n",
+            "pods of component 'generate' are reachable from any pod",
+            batch="a",
+        ),
+    ]
+]
 
 
 def k8s_problems(copy) -> list[str]:

@@ -16,29 +16,58 @@ import pytest
 from tests.services import REPO
 
 SCRIPT = REPO / "scripts" / "minio_init.sh"
-ENV = {"MINIO_URL": "http://minio:9000", "MINIO_ROOT_USER": "aerie-admin", "MINIO_ROOT_PASSWORD": "root-secret",
-       "BUCKET": "aerie", "APP_ACCESS_KEY": "aerie-app", "APP_SECRET_KEY": "app-secret"}
+ENV = {
+    "MINIO_URL": "http://minio:9000",
+    "MINIO_ROOT_USER": "aerie-admin",
+    "MINIO_ROOT_PASSWORD": "root-secret",
+    "BUCKET": "aerie",
+    "APP_ACCESS_KEY": "aerie-app",
+    "APP_SECRET_KEY": "app-secret",
+}
 # What aerie's store and the plugin's s3 sink call, and nothing more (issue 16: no s3:*).
 BUCKET_ACTIONS = {"s3:GetBucketLocation", "s3:ListBucket", "s3:ListBucketMultipartUploads"}
-OBJECT_ACTIONS = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
-                  "s3:ListMultipartUploadParts"}
+OBJECT_ACTIONS = {
+    "s3:GetObject",
+    "s3:PutObject",
+    "s3:DeleteObject",
+    "s3:AbortMultipartUpload",
+    "s3:ListMultipartUploadParts",
+}
 
 
 class FakeMinio:
     def __init__(self, root: Path):
         self.root, self.state = root, root / "server.json"
-        self.state.write_text(json.dumps({"url": ENV["MINIO_URL"], "root": [ENV["MINIO_ROOT_USER"],
-                                          ENV["MINIO_ROOT_PASSWORD"]], "buckets": [], "policies": {}, "users": {}}))
+        self.state.write_text(
+            json.dumps(
+                {
+                    "url": ENV["MINIO_URL"],
+                    "root": [ENV["MINIO_ROOT_USER"], ENV["MINIO_ROOT_PASSWORD"]],
+                    "buckets": [],
+                    "policies": {},
+                    "users": {},
+                }
+            )
+        )
         self.bin = root / "bin"
         self.bin.mkdir()
-        (self.bin / "mc").write_text(f"#!{sys.executable}\nimport sys; sys.path.insert(0, {str(REPO)!r})\n"
-                                     "from tests.deploy.fake_mc import main; main(sys.argv[1:])\n")
+        (self.bin / "mc").write_text(
+            f"#!{sys.executable}\nimport sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from tests.deploy.fake_mc import main; main(sys.argv[1:])\n"
+        )
         (self.bin / "mc").chmod(0o755)
 
     def init(self, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
         """The script as the container runs it: /bin/sh, PATH holding `mc` and nothing else."""
-        full = {**ENV, "PATH": str(self.bin), "HOME": str(self.root), "TMPDIR": str(self.root),
-                "FAKE_MC_STATE": str(self.state), "MC_CONFIG_DIR": str(self.root / "mc"), **env}
+        full = {
+            **ENV,
+            "PATH": str(self.bin),
+            "HOME": str(self.root),
+            "TMPDIR": str(self.root),
+            "FAKE_MC_STATE": str(self.state),
+            "MC_CONFIG_DIR": str(self.root / "mc"),
+            **env,
+        }
         return subprocess.run(["/bin/sh", str(script)], env=full, capture_output=True, text=True, timeout=60)
 
     def server(self) -> dict:
@@ -65,7 +94,8 @@ def test_minio_init_limits_the_app_key_to_its_bucket_on_the_first_up(minio):
     statements = server["policies"]["aerie-app"]["Statement"]
     granted = {(a, r) for s in statements if s["Effect"] == "Allow" for a in s["Action"] for r in s["Resource"]}
     assert granted == {(a, "arn:aws:s3:::aerie") for a in BUCKET_ACTIONS} | {
-        (a, "arn:aws:s3:::aerie/*") for a in OBJECT_ACTIONS}, "least privilege: objects of one bucket, no bucket admin"
+        (a, "arn:aws:s3:::aerie/*") for a in OBJECT_ACTIONS
+    }, "least privilege: objects of one bucket, no bucket admin"
 
 
 def test_minio_init_succeeds_again_on_every_later_up(minio):
@@ -84,8 +114,12 @@ def test_minio_init_succeeds_again_on_every_later_up(minio):
 def test_minio_init_rotates_the_app_secret_and_replaces_an_older_policy(minio):
     minio.init()
     server = minio.server()
-    server["policies"]["aerie-app"] = {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::aerie", "arn:aws:s3:::aerie/*"]}]}
+    server["policies"]["aerie-app"] = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::aerie", "arn:aws:s3:::aerie/*"]}
+        ],
+    }
     minio.state.write_text(json.dumps(server))
     assert minio.init(APP_SECRET_KEY="rotated").returncode == 0
     server = minio.server()
@@ -129,10 +163,13 @@ def test_the_fake_prints_what_mc_prints(minio):
     mc = [str(minio.bin / "mc"), "--config-dir", str(minio.root / "mc")]
     text = subprocess.run([*mc, "admin", "user", "info", "root", "aerie-app"], env=env, capture_output=True, text=True)
     assert text.stdout == "AccessKey: aerie-app\nStatus: enabled\nPolicyName: aerie-app\nMemberOf: []\n"
-    js = subprocess.run([*mc, "admin", "user", "info", "root", "aerie-app", "--json"], env=env, capture_output=True,
-                        text=True)
-    assert js.stdout == ('{\n "status": "success",\n "accessKey": "aerie-app",\n "policyName": "aerie-app",\n'
-                         ' "userStatus": "enabled"\n}\n')
+    js = subprocess.run(
+        [*mc, "admin", "user", "info", "root", "aerie-app", "--json"], env=env, capture_output=True, text=True
+    )
+    assert js.stdout == (
+        '{\n "status": "success",\n "accessKey": "aerie-app",\n "policyName": "aerie-app",\n'
+        ' "userStatus": "enabled"\n}\n'
+    )
     missing = subprocess.run([*mc, "admin", "user", "info", "root", "nobody"], env=env, capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.startswith("mc: <ERROR> Unable to get user info.")
 

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from aerie import layout
 from aerie.ops import smoke_dataset
 from aerie.runs import failures, shard_names
 from aerie.store import S3Store
-
 from tests.deploy.servers import linked_copy
 from tests.services import clean_env, store_env, wait_until
 from tests.workers import ExtractorWorker, celery_cli, wait_complete, worker_env
@@ -60,16 +60,28 @@ def test_smoke_then_a_failed_run_retried_after_the_cause_is_fixed(s3_store, redi
 
     # a run whose extraction gives up: the model folder is gone when its shards are extracted
     s3_store.put_bytes(layout.dataset("chat"), smoke_dataset())
-    request = {"run": "r1", "dataset": "datasets/chat.jsonl", "model": str(model), "fan_out": False,
-               "options": {"shard_tokens": 64}}
+    request = {
+        "run": "r1",
+        "dataset": "datasets/chat.jsonl",
+        "model": str(model),
+        "fan_out": False,
+        "options": {"shard_tokens": 64},
+    }
     celery_cli(env, "call", "aerie.ingest", "--kwargs", json.dumps(request))
-    shards = wait_until(lambda: shard_names(s3_store, "r1", "tokens") if s3_store.exists(layout.run_spec("r1"))
-                        else None, 120, "ingest of r1")
+    shards = wait_until(
+        lambda: shard_names(s3_store, "r1", "tokens") if s3_store.exists(layout.run_spec("r1")) else None,
+        120,
+        "ingest of r1",
+    )
     model.rename(tmp_path / "model-away")
     for shard in shards:
         celery_cli(env, "call", "aerie.extract", "--kwargs", json.dumps({"run": "r1", "shard": shard}))
-    wait_until(lambda: len(failures(s3_store, "r1")) == len(shards), 120, "the shards' failure records",
-               details=lambda: workers[0].log()[-2000:])
+    wait_until(
+        lambda: len(failures(s3_store, "r1")) == len(shards),
+        120,
+        "the shards' failure records",
+        details=lambda: workers[0].log()[-2000:],
+    )
 
     (tmp_path / "model-away").rename(model)  # the cause, fixed
     retried = aerie(env, "retry-failed", "--run", "r1")

@@ -10,16 +10,27 @@ import sys
 from tests.deploy.servers import linked_copy
 from tests.services import REPO, clean_env
 
-DESCRIBE = "import logging, sys; logging.basicConfig(level=logging.INFO)\n" \
-           "from aerie.target import describe; print(describe(sys.argv[1]).weights_sha256)"
+DESCRIBE = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO)\n"
+    "from aerie.target import describe; print(describe(sys.argv[1]).weights_sha256)"
+)
 
 
 def test_two_processes_hash_the_target_once_and_write_nothing_into_the_model_folder(smollm2_path, tmp_path):
     model = linked_copy(smollm2_path, tmp_path / "model")
     before = sorted(p.name for p in model.iterdir())
     env = clean_env(AERIE_CACHE_DIR=str(tmp_path / "cache"))
-    procs = [subprocess.Popen([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DESCRIBE, str(model)],
+            env=env,
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert outs[0][0] == outs[1][0], "both processes must see the same hash"
@@ -27,16 +38,18 @@ def test_two_processes_hash_the_target_once_and_write_nothing_into_the_model_fol
     assert hashed == 1, f"the weights were hashed {hashed} times: {outs}"
     assert sorted(p.name for p in model.iterdir()) == before, "nothing may be written into the model folder"
     # a later process (a worker start) only stats the files
-    again = subprocess.run([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert again.stdout == outs[0][0] and "sha256 of" not in again.stderr
     # a changed weight file (size or mtime) is hashed again
     weights = model / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a hard link: restored below
     try:
-        changed = subprocess.run([sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True,
-                                 text=True, timeout=120)
+        changed = subprocess.run(
+            [sys.executable, "-c", DESCRIBE, str(model)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+        )
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert "sha256 of 1 weight files" in changed.stderr and changed.stdout == outs[0][0]

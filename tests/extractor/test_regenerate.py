@@ -42,10 +42,21 @@ from tests.workers import celery_cli, wait_complete, worker_env
 MAX_NEW = 6
 SYSTEM = {"from": "system", "value": "You are terse."}
 CONVERSATIONS = [
-    [SYSTEM, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}, {"from": "human", "value": "Times 3?"},
-     {"from": "gpt", "value": "12"}],
-    [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "Red."}, {"from": "human", "value": "Another?"},
-     {"from": "gpt", "value": "Blue."}, {"from": "human", "value": "And one more?"}, {"from": "gpt", "value": "Green."}],
+    [
+        SYSTEM,
+        {"from": "human", "value": "2+2?"},
+        {"from": "gpt", "value": "4"},
+        {"from": "human", "value": "Times 3?"},
+        {"from": "gpt", "value": "12"},
+    ],
+    [
+        {"from": "human", "value": "Name a color."},
+        {"from": "gpt", "value": "Red."},
+        {"from": "human", "value": "Another?"},
+        {"from": "gpt", "value": "Blue."},
+        {"from": "human", "value": "And one more?"},
+        {"from": "gpt", "value": "Green."},
+    ],
     [{"from": "human", "value": "Give me a synonym for happy."}, {"from": "gpt", "value": "Glad."}],
     [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}],
     [{"from": "gpt", "value": "Hello! How can I help?"}, {"from": "human", "value": "Hi"}],  # nothing to answer
@@ -62,7 +73,9 @@ def write_dataset(folder, conversations=CONVERSATIONS):
 def chat_server(smollm2_path, tmp_path_factory):
     from tests.sglang_server import sglang_server
 
-    with sglang_server(["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path_factory.mktemp("sglang")) as server:
+    with sglang_server(
+        ["--model-path", str(smollm2_path), "--dtype", "float32"], log_dir=tmp_path_factory.mktemp("sglang")
+    ) as server:
         yield server
 
 
@@ -85,16 +98,26 @@ def greedy(url: str, messages: list[dict]) -> str:
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_turns(fs_store, smollm2_path, chat_server, tmp_path):
+def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_turns(
+    fs_store, smollm2_path, chat_server, tmp_path
+):
     dataset = write_dataset(tmp_path)
     # the same server under two names: conversations are spread over both (all turns of one on one)
     urls = [chat_server.url, chat_server.url.replace("127.0.0.1", "localhost")]
     settings = Settings(engine="hf", regenerate_urls=urls, regenerate_concurrency=4, ingest_local_dirs=[tmp_path])
-    options = IngestOptions(max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW,
-                            regenerate_max_turns=2)
-    ingested = stages.ingest(fs_store, settings, IngestRequest(run="regen", dataset=str(dataset), model=str(smollm2_path),
-                                                                capture_points=POINTS, options=options))
-    assert ingested.regenerate_shards == ["000000"] and ingested.shards == [] and ingested.rejects == 1  # the assistant-first one
+    options = IngestOptions(
+        max_tokens=256, shard_tokens=4096, regenerate=True, regenerate_max_tokens=MAX_NEW, regenerate_max_turns=2
+    )
+    ingested = stages.ingest(
+        fs_store,
+        settings,
+        IngestRequest(
+            run="regen", dataset=str(dataset), model=str(smollm2_path), capture_points=POINTS, options=options
+        ),
+    )
+    assert (
+        ingested.regenerate_shards == ["000000"] and ingested.shards == [] and ingested.rejects == 1
+    )  # the assistant-first one
     offset = len(chat_server.log_path.read_text(errors="replace"))
     events = []
     result = stages.regenerate(fs_store, settings, RegenerateRequest(run="regen", shard="000000"), events.append)
@@ -112,9 +135,14 @@ def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    answered = [json.loads(line) for line in fs_store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()]
-    (shard,) = [Shard.from_buffer(fs_store.get_bytes(k)) for k in fs_store.list(layout.shards_prefix("regen", "tokens"))
-                if k.endswith(".safetensors")]
+    answered = [
+        json.loads(line) for line in fs_store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()
+    ]
+    (shard,) = [
+        Shard.from_buffer(fs_store.get_bytes(k))
+        for k in fs_store.list(layout.shards_prefix("regen", "tokens"))
+        if k.endswith(".safetensors")
+    ]
     for i, conversation in enumerate(CONVERSATIONS[:4]):
         history, expected = [], []
         for m in normalize({"conversations": conversation}):
@@ -139,7 +167,9 @@ def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_
     assert "/v1/chat/completions" not in server_log_since(chat_server, offset)
 
 
-def test_a_generation_server_is_refused_for_capture_naming_the_flags_of_both_sglang_generations(chat_server, smollm2_path):
+def test_a_generation_server_is_refused_for_capture_naming_the_flags_of_both_sglang_generations(
+    chat_server, smollm2_path
+):
     """The regenerate stage's plain server is not a capture server: the extract engine says how
     to start one, with 0.5.23's flags and, for releases without them (0.5.17), the plugin's variables."""
     from aerie.capture import convention_for, to_engine_ids
@@ -152,37 +182,74 @@ def test_a_generation_server_is_refused_for_capture_naming_the_flags_of_both_sgl
     convention = convention_for("sglang", target.architecture)
     ids = to_engine_ids(POINTS, convention, target.num_layers)
     version = httpx.get(f"{chat_server.url}/server_info", timeout=30).json()["version"]
-    run = RunSpec(run="capture-on-plain", dataset="inline", target=target, capture_points=list(POINTS), ingest=IngestOptions(),
-                  target_signal="topk", topk=4,
-                  engine=EngineSpec(name="sglang", version=version, convention=convention, layer_ids=ids, transport="json"))
+    run = RunSpec(
+        run="capture-on-plain",
+        dataset="inline",
+        target=target,
+        capture_points=list(POINTS),
+        ingest=IngestOptions(),
+        target_signal="topk",
+        topk=4,
+        engine=EngineSpec(name="sglang", version=version, convention=convention, layer_ids=ids, transport="json"),
+    )
     engine = SGLangEngine(Settings(engine="sglang", engine_urls=[chat_server.url], engine_timeout_s=60), run)
     with pytest.raises(EngineMismatch) as e:
         engine.capture([np.asarray([1, 2, 3], dtype=np.int32)])
     message = str(e.value)
     assert "\n" not in message and chat_server.url in message and "not in capture mode" in message, message
     assert f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))}" in message, message
-    assert f"AERIE_CAPTURE_LAYER_IDS={','.join(map(str, ids))}" in message and "AERIE_SGLANG_BINARY=1" in message, message
+    assert f"AERIE_CAPTURE_LAYER_IDS={','.join(map(str, ids))}" in message and "AERIE_SGLANG_BINARY=1" in message, (
+        message
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path):
+def test_sigkill_mid_shard_redoes_that_shard_once(
+    s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path
+):
     dataset = write_dataset(tmp_path, [CONVERSATIONS[0][:3], *(c[:2] for c in CONVERSATIONS[1:4])])
     # one request at a time: a shard of two conversations is half done when its first answer is back
-    env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="6", AERIE_REGENERATE_URLS=json.dumps([chat_server.url]),
-                     AERIE_REGENERATE_CONCURRENCY="1")
+    env = worker_env(
+        s3_store,
+        private_redis,
+        AERIE_BROKER_VISIBILITY_TIMEOUT_S="6",
+        AERIE_REGENERATE_URLS=json.dumps([chat_server.url]),
+        AERIE_REGENERATE_CONCURRENCY="1",
+    )
     victim = Worker(env, "victim", tmp_path)
     workers.append(victim)
     victim.wait_for(r"ready\.", 120)
     offset = len(chat_server.log_path.read_text(errors="replace"))
-    out = celery_cli(env, "enqueue", "--dataset", str(dataset), "--run", "kill-regen", "--model", str(smollm2_path),
-                     "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32", "--max-tokens", "96",
-                     "--regenerate", "--regenerate-max-tokens", str(MAX_NEW), "--regenerate-shard-records", "2",
-                     "--train-drafter", "d1")
+    out = celery_cli(
+        env,
+        "enqueue",
+        "--dataset",
+        str(dataset),
+        "--run",
+        "kill-regen",
+        "--model",
+        str(smollm2_path),
+        "--capture-points",
+        ",".join(map(str, POINTS)),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "96",
+        "--regenerate",
+        "--regenerate-max-tokens",
+        str(MAX_NEW),
+        "--regenerate-shard-records",
+        "2",
+        "--train-drafter",
+        "d1",
+    )
     assert "enqueued aerie.ingest" in out
     killed = victim.wait_for(r"Task aerie\.regenerate\[([0-9a-f-]+)\] received", 200).group(1)
     # one answer of its shard is back, the shard's others are not: kill it there
-    wait_until(lambda: "POST /v1/chat/completions" in server_log_since(chat_server, offset), 200, "a first answer", poll=0.1)
+    wait_until(
+        lambda: "POST /v1/chat/completions" in server_log_since(chat_server, offset), 200, "a first answer", poll=0.1
+    )
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)
     assert f"aerie.regenerate[{killed}] succeeded" not in victim.log()
@@ -193,20 +260,29 @@ def test_sigkill_mid_shard_redoes_that_shard_once(s3_store, private_redis, smoll
     status = wait_complete(s3_store, "kill-regen", workers, 300, private_redis)
     assert status.hidden_done == status.shards_total == status.regenerate_total == status.regenerated == 2
     assert status.sequences == 4 and status.failed == 0
-    assert any(f"aerie.regenerate[{killed}] received" in w.log() for w in workers[1:]), "the killed task was not redelivered"
+    assert any(f"aerie.regenerate[{killed}] received" in w.log() for w in workers[1:]), (
+        "the killed task was not redelivered"
+    )
 
     client = redis.Redis.from_url(private_redis)
-    wait_until(lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")), 120, "queues to drain", poll=1)
+    wait_until(
+        lambda: not (client.llen("extract") or client.llen("ingest") or client.hlen("unacked")),
+        120,
+        "queues to drain",
+        poll=1,
+    )
     # the run is complete once every conversation shard is extracted: exactly one aerie.train waits
     train = [json.loads(m) for m in client.lrange("train", 0, -1)]
     client.close()
     assert [t["headers"]["task"] for t in train] == ["aerie.train"], train
     shards = ["000000", "000001"]
     assert s3_store.list(layout.regenerated_prefix("kill-regen")) == [
-        f"runs/kill-regen/regenerated/{s}.{ext}" for s in shards for ext in ("json", "jsonl")]
+        f"runs/kill-regen/regenerated/{s}.{ext}" for s in shards for ext in ("json", "jsonl")
+    ]
     for kind in ("tokens", "hidden"):
         assert s3_store.list(layout.shards_prefix("kill-regen", kind)) == [
-            f"runs/kill-regen/{kind}/{s}.{ext}" for s in shards for ext in ("json", "safetensors")]
+            f"runs/kill-regen/{kind}/{s}.{ext}" for s in shards for ext in ("json", "safetensors")
+        ]
     # each shard's extraction was enqueued once, the redelivered shard's too
     logs = "".join(w.log() for w in workers)
     assert len(set(re.findall(r"Task aerie\.extract\[([0-9a-f-]+)\] received", logs))) == 2, logs[-4000:]
@@ -257,25 +333,49 @@ class Forwarder:
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_a_shard_longer_than_the_visibility_timeout_is_delivered_and_answered_once(s3_store, private_redis, smollm2_path,
-                                                                                   chat_server, workers, tmp_path):
+def test_a_shard_longer_than_the_visibility_timeout_is_delivered_and_answered_once(
+    s3_store, private_redis, smollm2_path, chat_server, workers, tmp_path
+):
     """Visibility timeout 1 s; the shard's server restarts as the shard starts (its port refuses
     for a few seconds), so the shard waits for its /health several times that long; a second worker
     idles beside the first. The live worker keeps its tasks (aerie.queue.KeepVisible): every task is
     delivered once and every turn asked once. Before, Redis handed each running task to the idle
     worker after ~1 s and both did it (ingest, regenerate and extract, each twice)."""
     server = Forwarder(int(chat_server.url.rsplit(":", 1)[1]))
-    env = worker_env(s3_store, private_redis, AERIE_BROKER_VISIBILITY_TIMEOUT_S="1",
-                     AERIE_REGENERATE_URLS=json.dumps([f"http://127.0.0.1:{server.port}"]), AERIE_ENGINE_OUTAGE_WAIT_S="120")
+    env = worker_env(
+        s3_store,
+        private_redis,
+        AERIE_BROKER_VISIBILITY_TIMEOUT_S="1",
+        AERIE_REGENERATE_URLS=json.dumps([f"http://127.0.0.1:{server.port}"]),
+        AERIE_ENGINE_OUTAGE_WAIT_S="120",
+    )
     for name in ("first", "second"):
         workers.append(Worker(env, name, tmp_path))
     for w in workers:
         w.wait_for(r"ready\.", 120)
     offset = len(chat_server.log_path.read_text(errors="replace"))
-    celery_cli(env, "enqueue", "--dataset", str(write_dataset(tmp_path, CONVERSATIONS[3:4])), "--run", "long-regen",
-               "--model", str(smollm2_path), "--capture-points", ",".join(map(str, POINTS)), "--dtype", "float32",
-               "--max-tokens", "64", "--regenerate", "--regenerate-max-tokens", str(MAX_NEW))
-    wait_until(lambda: "is down: waiting up to" in "".join(w.log() for w in workers), 120, "the shard to wait for its server")
+    celery_cli(
+        env,
+        "enqueue",
+        "--dataset",
+        str(write_dataset(tmp_path, CONVERSATIONS[3:4])),
+        "--run",
+        "long-regen",
+        "--model",
+        str(smollm2_path),
+        "--capture-points",
+        ",".join(map(str, POINTS)),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "64",
+        "--regenerate",
+        "--regenerate-max-tokens",
+        str(MAX_NEW),
+    )
+    wait_until(
+        lambda: "is down: waiting up to" in "".join(w.log() for w in workers), 120, "the shard to wait for its server"
+    )
     time.sleep(2)
     server.open()
     status = wait_complete(s3_store, "long-regen", workers, 300, private_redis)
@@ -292,9 +392,16 @@ def test_a_shard_longer_than_the_visibility_timeout_is_delivered_and_answered_on
 # A server that misbehaves: one line naming it and the setting
 # --------------------------------------------------------------------------------------
 class _Bad(BaseHTTPRequestHandler):
-    replies = {"/garbage": (200, b'{"object": "not a chat completion"}'), "/broken": (500, b"Internal Server Error"),
-               "/refuses": (400, b'{"error": "context too long"}'), "/locked": (401, b'{"error": "no key"}'),
-               "/drops": (200, b'{"choices": [{"message": {"content": "an answer"}}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}')}
+    replies = {
+        "/garbage": (200, b'{"object": "not a chat completion"}'),
+        "/broken": (500, b"Internal Server Error"),
+        "/refuses": (400, b'{"error": "context too long"}'),
+        "/locked": (401, b'{"error": "no key"}'),
+        "/drops": (
+            200,
+            b'{"choices": [{"message": {"content": "an answer"}}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}',
+        ),
+    }
 
     drops = 0  # /drops: every other request is read and its connection closed without an answer
     lock = threading.Lock()
@@ -328,20 +435,37 @@ def bad_server():
 
 def _ingested(store, smollm2_path, tmp_path, run):
     settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
-    stages.ingest(store, settings, IngestRequest(run=run, dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])),
-                                                 model=str(smollm2_path), capture_points=POINTS,
-                                                 options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4)))
+    stages.ingest(
+        store,
+        settings,
+        IngestRequest(
+            run=run,
+            dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])),
+            model=str(smollm2_path),
+            capture_points=POINTS,
+            options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4),
+        ),
+    )
 
 
-@pytest.mark.parametrize("where, says", [
-    ("/garbage", r"answered without choices\[0\]\.message: .*not a chat completion.*AERIE_REGENERATE_URLS"),
-    ("/broken", r"answered HTTP 500: Internal Server Error"),
-    ("unreachable", r"unreachable \(ConnectError: .*\): is the server up\? \(AERIE_REGENERATE_URLS.*OUTAGE_WAIT_S 2 s\)"),
-], ids=["garbage", "http-500", "unreachable"])
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("/garbage", r"answered without choices\[0\]\.message: .*not a chat completion.*AERIE_REGENERATE_URLS"),
+        ("/broken", r"answered HTTP 500: Internal Server Error"),
+        (
+            "unreachable",
+            r"unreachable \(ConnectError: .*\): is the server up\? \(AERIE_REGENERATE_URLS.*OUTAGE_WAIT_S 2 s\)",
+        ),
+    ],
+    ids=["garbage", "http-500", "unreachable"],
+)
 def test_a_bad_or_missing_server_is_one_line_naming_it(fs_store, smollm2_path, tmp_path, bad_server, where, says):
     url = f"http://127.0.0.1:{free_port()}" if where == "unreachable" else bad_server + where
     _ingested(fs_store, smollm2_path, tmp_path, "bad")
-    settings = Settings(engine="hf", regenerate_urls=[url], engine_outage_wait_s=2)  # waits 2 s for a server that is down
+    settings = Settings(
+        engine="hf", regenerate_urls=[url], engine_outage_wait_s=2
+    )  # waits 2 s for a server that is down
     started = time.monotonic()
     with pytest.raises(EngineError) as e:
         stages.regenerate(fs_store, settings, RegenerateRequest(run="bad", shard="000000"))
@@ -355,18 +479,26 @@ def test_a_bad_or_missing_server_is_one_line_naming_it(fs_store, smollm2_path, t
 def test_a_server_wanting_an_api_key_fails_the_shard_at_once(fs_store, smollm2_path, tmp_path, bad_server):
     _ingested(fs_store, smollm2_path, tmp_path, "locked")
     with pytest.raises(EngineError) as e:
-        stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/locked"]),
-                          RegenerateRequest(run="locked", shard="000000"))
+        stages.regenerate(
+            fs_store,
+            Settings(engine="hf", regenerate_urls=[bad_server + "/locked"]),
+            RegenerateRequest(run="locked", shard="000000"),
+        )
     assert not e.value.retryable and "HTTP 401" in str(e.value) and "AERIE_ENGINE_API_KEY" in str(e.value)
 
 
-def test_a_connection_the_server_closes_unanswered_is_asked_again_not_a_failed_shard(fs_store, smollm2_path, tmp_path, bad_server):
+def test_a_connection_the_server_closes_unanswered_is_asked_again_not_a_failed_shard(
+    fs_store, smollm2_path, tmp_path, bad_server
+):
     """Seen on an H200 with ~600 requests in flight: a dropped kept-alive connection ("ReadError")
     failed the whole shard. A request the server closed unanswered is sent again."""
     _ingested(fs_store, smollm2_path, tmp_path, "drops")
     _Bad.drops = 0
-    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
-                               RegenerateRequest(run="drops", shard="000000"))
+    result = stages.regenerate(
+        fs_store,
+        Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
+        RegenerateRequest(run="drops", shard="000000"),
+    )
     assert result.conversations == 2 and result.rejects == 0 and result.completion_tokens == 4
     assert _Bad.drops == 4  # each conversation: dropped once, then answered
 
@@ -376,14 +508,30 @@ def test_raw_line_separators_inside_a_conversation_are_text_not_line_ends(fs_sto
     in two (str.splitlines) and failed the task. JSON writes it raw (ensure_ascii=False)."""
     text = "first\u2028second\x85third\u2029end"
     path = tmp_path / "seps.jsonl"
-    path.write_text(json.dumps({"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]},
-                               ensure_ascii=False) + "\n", encoding="utf-8")
-    stages.ingest(fs_store, Settings(engine="hf", ingest_local_dirs=[tmp_path]), IngestRequest(
-        run="seps", dataset=str(path), model=str(smollm2_path), capture_points=POINTS,
-        options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4)))
+    path.write_text(
+        json.dumps(
+            {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}, ensure_ascii=False
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    stages.ingest(
+        fs_store,
+        Settings(engine="hf", ingest_local_dirs=[tmp_path]),
+        IngestRequest(
+            run="seps",
+            dataset=str(path),
+            model=str(smollm2_path),
+            capture_points=POINTS,
+            options=IngestOptions(max_tokens=64, regenerate=True, regenerate_max_tokens=4),
+        ),
+    )
     _Bad.drops = 1  # the next request is answered
-    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
-                               RegenerateRequest(run="seps", shard="000000"))
+    result = stages.regenerate(
+        fs_store,
+        Settings(engine="hf", regenerate_urls=[bad_server + "/drops"]),
+        RegenerateRequest(run="seps", shard="000000"),
+    )
     assert result.conversations == 1 and result.rejects == 0
     (answers,) = [k for k in fs_store.list(layout.regenerated_prefix("seps")) if k.endswith(".jsonl")]
     (row,) = [json.loads(x) for x in fs_store.get_bytes(answers).decode().split("\n") if x]
@@ -392,11 +540,17 @@ def test_raw_line_separators_inside_a_conversation_are_text_not_line_ends(fs_sto
 
 def test_a_refused_conversation_is_a_reject_and_the_shard_goes_on(fs_store, smollm2_path, tmp_path, bad_server):
     _ingested(fs_store, smollm2_path, tmp_path, "refused")
-    result = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),
-                               RegenerateRequest(run="refused", shard="000000"))
+    result = stages.regenerate(
+        fs_store,
+        Settings(engine="hf", regenerate_urls=[bad_server + "/refuses"]),
+        RegenerateRequest(run="refused", shard="000000"),
+    )
     assert result.rejects == 2 and result.sequences == 0
-    again = stages.regenerate(fs_store, Settings(engine="hf", regenerate_urls=[bad_server + "/garbage"]),
-                              RegenerateRequest(run="refused", shard="000000"))
+    again = stages.regenerate(
+        fs_store,
+        Settings(engine="hf", regenerate_urls=[bad_server + "/garbage"]),
+        RegenerateRequest(run="refused", shard="000000"),
+    )
     assert again.reused_answers and again.rejects == 2  # stored once: not asked again (that server would fail)
     (key,) = fs_store.list(layout.rejects_prefix("refused"))
     assert "HTTP 400" in fs_store.get_bytes(key).decode()
@@ -423,7 +577,9 @@ def test_turns_stop_at_the_turn_limit_and_once_the_conversation_fills_max_tokens
     out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=1000, regenerate=True)))
     assert n == 3 and [m["content"] for m in out if m["role"] == "assistant"] == ["answer 1", "answer 2", "answer 3"]
     asked.clear()
-    out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=1000, regenerate=True, regenerate_max_turns=2)))
+    out, n = asyncio.run(
+        regenerate_conversation(turns, answer, IngestOptions(max_tokens=1000, regenerate=True, regenerate_max_turns=2))
+    )
     assert n == 2 and out[-1] == {"role": "assistant", "content": "answer 2"} and len(out) == 4  # the rest dropped
     asked.clear()  # the second answer's prompt (30) + completion (5) reaches max_tokens 35: no third turn
     out, n = asyncio.run(regenerate_conversation(turns, answer, IngestOptions(max_tokens=35, regenerate=True)))
@@ -463,10 +619,20 @@ def test_ingest_records_each_conversations_first_prompt_tokens(fs_store, smollm2
     from transformers import AutoTokenizer
 
     settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
-    stages.ingest(fs_store, settings, IngestRequest(
-        run="counted", dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])), model=str(smollm2_path), capture_points=POINTS,
-        options=IngestOptions(max_tokens=256, regenerate=True)))
-    rows = [json.loads(x) for x in fs_store.get_bytes(layout.conversations("counted", "000000")).decode().split("\n") if x]
+    stages.ingest(
+        fs_store,
+        settings,
+        IngestRequest(
+            run="counted",
+            dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])),
+            model=str(smollm2_path),
+            capture_points=POINTS,
+            options=IngestOptions(max_tokens=256, regenerate=True),
+        ),
+    )
+    rows = [
+        json.loads(x) for x in fs_store.get_bytes(layout.conversations("counted", "000000")).decode().split("\n") if x
+    ]
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     for row in rows:
         first = row["messages"][: next(j for j, m in enumerate(row["messages"]) if m["role"] == "assistant")]
@@ -500,8 +666,12 @@ THINKING_TEMPLATE = (
 def test_a_template_that_rewrites_earlier_turns_is_tokenized_turn_by_turn(smollm2_path):
     chat = ChatTokenizer(smollm2_path)
     chat.tokenizer.chat_template = THINKING_TEMPLATE
-    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
-                {"role": "user", "content": "Times 3?"}, {"role": "assistant", "content": "<think>\nmultiply\n</think>\n\n12"}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "Times 3?"},
+        {"role": "assistant", "content": "<think>\nmultiply\n</think>\n\n12"},
+    ]
     sequences = chat.sequences(messages, "all")
     assert len(sequences) == 2  # one per turn, each on the prompt it was answered with
     first, second = (chat.tokenizer.decode(ids) for ids, _ in sequences)
@@ -519,9 +689,17 @@ def test_a_template_that_rewrites_earlier_turns_is_tokenized_turn_by_turn(smollm
 def test_a_conversation_whose_first_prompt_fills_max_tokens_is_not_asked(fs_store, smollm2_path, tmp_path):
     """Its answer would be truncated away: ingest refuses it before any request is sent."""
     settings = Settings(engine="hf", ingest_local_dirs=[tmp_path])
-    ingested = stages.ingest(fs_store, settings, IngestRequest(
-        run="long", dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])), model=str(smollm2_path), capture_points=POINTS,
-        options=IngestOptions(max_tokens=16, regenerate=True)))
+    ingested = stages.ingest(
+        fs_store,
+        settings,
+        IngestRequest(
+            run="long",
+            dataset=str(write_dataset(tmp_path, CONVERSATIONS[2:4])),
+            model=str(smollm2_path),
+            capture_points=POINTS,
+            options=IngestOptions(max_tokens=16, regenerate=True),
+        ),
+    )
     assert ingested.rejects == 2 and ingested.regenerate_shards == []
     reasons = fs_store.get_bytes(fs_store.list(layout.rejects_prefix("long"))[0]).decode()
     assert reasons.count("over-long: no assistant token within the first 16 tokens (the first prompt alone is") == 2

@@ -41,14 +41,21 @@ def tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return {"aux": rng.standard_normal((T, K, H)).astype(BF16), "final": rng.standard_normal((T, H)).astype(BF16)}
 
 
-def write_capture(sink: CaptureReader, arrays: dict[str, np.ndarray], *, sha: str | None = None, cid: str | None = None,
-                  edit=None) -> CaptureDescriptor:
+def write_capture(
+    sink: CaptureReader, arrays: dict[str, np.ndarray], *, sha: str | None = None, cid: str | None = None, edit=None
+) -> CaptureDescriptor:
     """A capture file as the plugin writes it, and the descriptor its response would carry;
     `edit(bytes) -> bytes` changes the file after the fact."""
     cid = cid or uuid.uuid4().hex
     data = b"".join(bytes(p) for p in safetensors_parts(arrays, {"aerie_capture_id": cid, "sha256": "0" * 64})[1:])
-    meta = {"aerie_capture_id": cid, "format": "aerie-capture-v1", "layer_ids": "1,5,9", "sglang": "test", "rid": cid,
-            "sha256": sha or hashlib.sha256(data).hexdigest()}
+    meta = {
+        "aerie_capture_id": cid,
+        "format": "aerie-capture-v1",
+        "layer_ids": "1,5,9",
+        "sglang": "test",
+        "rid": cid,
+        "sha256": sha or hashlib.sha256(data).hexdigest(),
+    }
     raw = b"".join(bytes(p) for p in safetensors_parts(arrays, meta))
     path = Path(sink.shm_dir) / f"{cid}.safetensors"
     path.write_bytes(edit(raw) if edit else raw)
@@ -60,7 +67,7 @@ def write_capture(sink: CaptureReader, arrays: dict[str, np.ndarray], *, sha: st
 def rows(n: int = 3) -> tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]:
     """A shard's arrays of n sequences of T tokens, and each sequence's rows (views)."""
     aux, final = np.zeros((n * T, K, H), BF16), np.zeros((n * T, H), BF16)
-    return aux, final, [{"aux": aux[i * T:(i + 1) * T], "final": final[i * T:(i + 1) * T]} for i in range(n)]
+    return aux, final, [{"aux": aux[i * T : (i + 1) * T], "final": final[i * T : (i + 1) * T]} for i in range(n)]
 
 
 def test_captures_land_in_their_rows_equal_to_fetch_binary_and_are_claimed(sink):
@@ -110,8 +117,10 @@ def test_a_capture_that_is_not_what_was_promised_is_refused_and_still_claimed(si
         "float32 rows": lambda: write_capture(sink, want),
     }[case]()
     if case == "other shape":  # the descriptor promises the rows' shape, the file holds another
-        descriptor = changed(descriptor, tensors={"aux": {"shape": [T, K, H], "dtype": "bfloat16"},
-                                                  "final": {"shape": [T, H], "dtype": "bfloat16"}})
+        descriptor = changed(
+            descriptor,
+            tensors={"aux": {"shape": [T, K, H], "dtype": "bfloat16"}, "final": {"shape": [T, H], "dtype": "bfloat16"}},
+        )
     _, _, places = rows(1)
     if case == "float32 rows":
         places = [{"aux": np.zeros((T, K, H), np.float32), "final": np.zeros((T, H), np.float32)}]

@@ -27,9 +27,9 @@ from aerie.shard import Shard
 from aerie.target import describe
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
-from tests.sglang_server import capture_server, free_port, start_soon
 from tests.runs import DATA
 from tests.services import wait_settled
+from tests.sglang_server import capture_server, free_port, start_soon
 from tests.workers import ExtractorWorker as Worker
 from tests.workers import celery_cli, wait_complete, worker_env
 
@@ -56,7 +56,10 @@ def sequences(smollm2_path) -> list[np.ndarray]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    seqs = [np.asarray(tok.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"], dtype=np.int32) for m in PROMPTS]
+    seqs = [
+        np.asarray(tok.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"], dtype=np.int32)
+        for m in PROMPTS
+    ]
     return [*seqs, np.asarray([1], dtype=np.int32)]  # a one-token prompt too
 
 
@@ -70,7 +73,11 @@ def hf_forward(smollm2_path):
 
     def forward(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with torch.inference_mode():
-            res = model(input_ids=torch.from_numpy(np.asarray(ids, dtype=np.int64))[None], output_hidden_states=True, use_cache=False)
+            res = model(
+                input_ids=torch.from_numpy(np.asarray(ids, dtype=np.int64))[None],
+                output_hidden_states=True,
+                use_cache=False,
+            )
         return torch.stack(res.hidden_states)[:, 0].numpy(), torch.log_softmax(res.logits[0].float(), dim=-1).numpy()
 
     return forward
@@ -101,8 +108,10 @@ POINT_SETS = {"default": [2, 15, 27], "edges": [1, 5, 9, 29]}
 def starting(smollm2_path, tmp_path_factory) -> dict:
     """Both servers, started in the background together when the first is asked for (a start is
     mostly one core importing SGLang): the second is ready by the time the first's tests end."""
-    started = {name: start_soon(capture_server(smollm2_path, points=points, log_dir=tmp_path_factory.mktemp("sglang")))
-               for name, points in POINT_SETS.items()}
+    started = {
+        name: start_soon(capture_server(smollm2_path, points=points, log_dir=tmp_path_factory.mktemp("sglang")))
+        for name, points in POINT_SETS.items()
+    }
     yield started
     for s in started.values():
         s.stop()
@@ -169,7 +178,9 @@ def test_bfloat16_run_stores_the_rounded_states(server, target, sequences, hf_fo
     np.testing.assert_allclose(cap.aux.astype(np.float32), want, rtol=1e-2, atol=1e-2)
 
 
-def test_enqueue_through_real_celery_workers(server, s3_store, private_redis, smollm2_path, workers, tmp_path, hf_forward):
+def test_enqueue_through_real_celery_workers(
+    server, s3_store, private_redis, smollm2_path, workers, tmp_path, hf_forward
+):
     """The user's story with this engine: `celery enqueue` -> a real worker ingests (recording the
     server's engine spec) and extracts through SGLang into S3 -> every stored tensor equals transformers."""
     points = server.extra["points"]
@@ -194,7 +205,9 @@ def test_enqueue_through_real_celery_workers(server, s3_store, private_redis, sm
         assert hidden.capture_points == points and hidden.target_signal == "topk"
         for seq in hidden.sequences():
             hs, logp = hf_forward(seq["input_ids"])
-            assert_matches_transformers(seq["aux"], seq["topk_ids"], seq["topk_logprobs"], hs, logp, points, record.shard)
+            assert_matches_transformers(
+                seq["aux"], seq["topk_ids"], seq["topk_logprobs"], hs, logp, points, record.shard
+            )
             checked += 1
     assert checked == status.sequences == 3 and status.shards_total >= 2
 
@@ -220,7 +233,9 @@ def test_refuses_other_layer_ids_before_any_request(server, target, sequences):
 def test_refuses_other_version_and_other_model(server, target):
     points = server.extra["points"]
     with pytest.raises(EngineMismatch, match=r"version 0\.5\.23.*records SGLang 0\.5\.17"):
-        SGLangEngine(settings_for(server), make_run(target, points, version="0.5.17")).check(make_run(target, points, version="0.5.17"))
+        SGLangEngine(settings_for(server), make_run(target, points, version="0.5.17")).check(
+            make_run(target, points, version="0.5.17")
+        )
 
     other_weights = target.model_copy(update={"weights_sha256": "0" * 64})
     run = make_run(other_weights, points)
@@ -237,8 +252,9 @@ def test_every_configured_server_is_checked(server, target):
     points = server.extra["points"]
     dead = f"http://127.0.0.1:{free_port()}"
     run = make_run(target, points)
-    settings = Settings(engine="sglang", engine_urls=[server.url, dead], engine_timeout_s=30,
-                        engine_outage_wait_s=0)  # fail at once (waiting out an outage: tests/deploy/test_sglang_runtime.py)
+    settings = Settings(
+        engine="sglang", engine_urls=[server.url, dead], engine_timeout_s=30, engine_outage_wait_s=0
+    )  # fail at once (waiting out an outage: tests/deploy/test_sglang_runtime.py)
     engine = SGLangEngine(settings, run)
     with pytest.raises(EngineError, match=re.escape(dead) + ".*unreachable") as err:
         engine.check(run)

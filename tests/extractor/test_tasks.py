@@ -31,37 +31,123 @@ def test_importing_the_extractor_reads_no_settings():
         "aerie_extractor.extract, aerie_extractor.engines\n"
         "try:\n    w.app\nexcept SystemExit as e:\n    print('refused:', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=clean_env(AERIE_TYPO="1"), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(AERIE_TYPO="1"), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     # the import succeeded with a bad variable set; only building the app read (and refused) it
     assert "refused: Error: unknown setting(s) AERIE_TYPO" in out.stdout
 
 
 def test_cli_surface():
-    out = subprocess.run([CELERY, "-A", "aerie_extractor.worker", "--help"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [CELERY, "-A", "aerie_extractor.worker", "--help"], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "enqueue" in out.stdout and "progress" in out.stdout
-    out = subprocess.run([CELERY, "-A", "aerie_extractor.worker", "enqueue", "--help"], env=clean_env(), capture_output=True, text=True, timeout=120)
-    flags = sorted({f for pair in re.findall(r"^  (--[a-z-]+)(?: / (--[a-z-]+))?", out.stdout, re.M) for f in pair if f})
-    training = ["--batch-tokens", "--draft-vocab", "--drafter-shape", "--epochs", "--lr", "--preset", "--seq-len", "--steps",
-                "--train-config", "--ttt-steps"]  # aerie.presets.train_options
-    assert flags == sorted([
-        "--capture-points", "--dataset", "--debug", "--dtype", "--storage-dtype", "--scale-block", "--engine", "--fan-out", "--help", "--loss-on", "--max-record-bytes", "--max-records",
-        "--max-tokens", "--model", "--no-fan-out", "--no-upload", "--overlong", "--run", "--shard-tokens", "--target-signal", "--topk",
-        "--train-drafter", "--upload", "--wait", "--server", "--allow-misaligned", *training,
-        "--regenerate", "--regenerate-max-tokens", "--regenerate-max-turns", "--regenerate-reasoning",  # the regenerate stage
-        "--regenerate-temperature", "--regenerate-shard-records",
-    ]), flags
+    out = subprocess.run(
+        [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--help"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    flags = sorted(
+        {f for pair in re.findall(r"^  (--[a-z-]+)(?: / (--[a-z-]+))?", out.stdout, re.M) for f in pair if f}
+    )
+    training = [
+        "--batch-tokens",
+        "--draft-vocab",
+        "--drafter-shape",
+        "--epochs",
+        "--lr",
+        "--preset",
+        "--seq-len",
+        "--steps",
+        "--train-config",
+        "--ttt-steps",
+    ]  # aerie.presets.train_options
+    assert flags == sorted(
+        [
+            "--capture-points",
+            "--dataset",
+            "--debug",
+            "--dtype",
+            "--storage-dtype",
+            "--scale-block",
+            "--engine",
+            "--fan-out",
+            "--help",
+            "--loss-on",
+            "--max-record-bytes",
+            "--max-records",
+            "--max-tokens",
+            "--model",
+            "--no-fan-out",
+            "--no-upload",
+            "--overlong",
+            "--run",
+            "--shard-tokens",
+            "--target-signal",
+            "--topk",
+            "--train-drafter",
+            "--upload",
+            "--wait",
+            "--server",
+            "--allow-misaligned",
+            *training,
+            "--regenerate",
+            "--regenerate-max-tokens",
+            "--regenerate-max-turns",
+            "--regenerate-reasoning",  # the regenerate stage
+            "--regenerate-temperature",
+            "--regenerate-shard-records",
+        ]
+    ), flags
     bad = subprocess.run(
-        [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--capture-points", "2,a"],
-        env=clean_env(), capture_output=True, text=True, timeout=120,
+        [
+            CELERY,
+            "-A",
+            "aerie_extractor.worker",
+            "enqueue",
+            "--dataset",
+            "x",
+            "--run",
+            "r",
+            "--model",
+            "m",
+            "--capture-points",
+            "2,a",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode != 0 and "comma-separated layer numbers" in bad.stderr
     bad = subprocess.run(
-        [CELERY, "-A", "aerie_extractor.worker", "enqueue", "--dataset", "x", "--run", "r", "--model", "m", "--regenerate-max-turns", "2"],
-        env=clean_env(), capture_output=True, text=True, timeout=120,
+        [
+            CELERY,
+            "-A",
+            "aerie_extractor.worker",
+            "enqueue",
+            "--dataset",
+            "x",
+            "--run",
+            "r",
+            "--model",
+            "m",
+            "--regenerate-max-turns",
+            "2",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert bad.returncode != 0 and "--regenerate-max-turns is a setting of --regenerate: add --regenerate" in bad.stderr, bad.stderr
+    assert (
+        bad.returncode != 0 and "--regenerate-max-turns is a setting of --regenerate: add --regenerate" in bad.stderr
+    ), bad.stderr
 
 
 def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
@@ -69,7 +155,10 @@ def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
     app = make_app(settings, include=["aerie_extractor.tasks"])
     app.loader.import_default_modules()
     request = IngestRequest(
-        run="eager", dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=[2, 15, 27],
+        run="eager",
+        dataset=str(DATA / "malformed.jsonl"),
+        model=str(smollm2_path),
+        capture_points=[2, 15, 27],
         options=IngestOptions(max_tokens=96, shard_tokens=64),
         train_after=TrainRequest(runs=["eager"], drafter="d-eager", model=str(smollm2_path)),
     )
@@ -88,7 +177,10 @@ def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
     # the progress command shows the run as a table
     shown = subprocess.run(
         [CELERY, "-A", "aerie_extractor.worker", "progress", "--run", "eager"],
-        env=clean_env(AERIE_STORE=f"file://{tmp_path / 'store'}"), capture_output=True, text=True, timeout=120,
+        env=clean_env(AERIE_STORE=f"file://{tmp_path / 'store'}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert shown.returncode == 0, shown.stderr
     assert "run eager" in shown.stdout and "yes" in shown.stdout, shown.stdout

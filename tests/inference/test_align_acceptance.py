@@ -39,8 +39,11 @@ from tests.sglang_server import serve_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-MORE_PROMPTS = ["Explain how a bicycle works.", "What are the benefits of regular exercise?",
-                "Summarize the plot of Romeo and Juliet."]
+MORE_PROMPTS = [
+    "Explain how a bicycle works.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+]
 BITS = 3
 GAP = 0.05  # least acceptance gap, matched minus mismatched, over 12 prompts x 64 tokens
 
@@ -49,12 +52,17 @@ def chat_ids(model, texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    out = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in texts]
+    out = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        for t in texts
+    ]
     return [list(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in out]
 
 
 @pytest.mark.timeout(3600)  # builds the shared drafter and its twin when their cache is cold
-def test_on_a_quantized_target_the_drafter_trained_on_its_states_accepts_more(cache_dir, smollm2_path, trained_smol, tmp_path):
+def test_on_a_quantized_target_the_drafter_trained_on_its_states_accepts_more(
+    cache_dir, smollm2_path, trained_smol, tmp_path
+):
     from aerie.bench import load_prompts
     from tests.quantized import PER_CHANNEL, smollm2_quantized, trained_on_quantized
 
@@ -65,21 +73,41 @@ def test_on_a_quantized_target_the_drafter_trained_on_its_states_accepts_more(ca
     prompts = chat_ids(smollm2_path, PROMPTS + MORE_PROMPTS + [p.turns[0] for p in load_prompts(limit=6)])
 
     def serve(name: str, drafter) -> dict:
-        with serve_server(target, drafter.folder, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
-                          log_dir=tmp_path / name, env=EAGLE_ENV) as server:
+        with serve_server(
+            target,
+            drafter.folder,
+            num_steps=VERIFY_STEPS,
+            num_draft_tokens=NUM_DRAFT_TOKENS,
+            log_dir=tmp_path / name,
+            env=EAGLE_ENV,
+        ) as server:
             with ThreadPoolExecutor(len(prompts)) as pool:  # all prompts in flight: decoded as one batch
                 outputs = list(pool.map(lambda ids: generate(server.url, [ids], ignore_eos=True)[0], prompts))
-        return {"acceptance": acceptance(outputs), "outputs": [o["output_ids"] for o in outputs],
-                "per_prompt": [round(o["meta_info"]["spec_accept_length"], 4) for o in outputs]}
+        return {
+            "acceptance": acceptance(outputs),
+            "outputs": [o["output_ids"] for o in outputs],
+            "per_prompt": [round(o["meta_info"]["spec_accept_length"], 4) for o in outputs],
+        }
 
     with ThreadPoolExecutor(2) as pool:  # both servers at once
-        futures = {name: pool.submit(serve, name, drafter) for name, drafter in (("matched", matched), ("mismatched", trained_smol))}
+        futures = {
+            name: pool.submit(serve, name, drafter)
+            for name, drafter in (("matched", matched), ("mismatched", trained_smol))
+        }
         measured = {name: future.result() for name, future in futures.items()}
     gap = measured["matched"]["acceptance"] - measured["mismatched"]["acceptance"]
-    print(f"\n[quantized target, per-channel INT{BITS}] " + json.dumps({
-        **{name: {k: v for k, v in m.items() if k != "outputs"} for name, m in measured.items()}, "gap": round(gap, 4),
-        "twin_train_wall_s": matched.result.get("train_wall_s"), "build_s": round(built_s, 1),
-        "test_s": round(time.monotonic() - started, 1)}))
+    print(
+        f"\n[quantized target, per-channel INT{BITS}] "
+        + json.dumps(
+            {
+                **{name: {k: v for k, v in m.items() if k != "outputs"} for name, m in measured.items()},
+                "gap": round(gap, 4),
+                "twin_train_wall_s": matched.result.get("train_wall_s"),
+                "build_s": round(built_s, 1),
+                "test_s": round(time.monotonic() - started, 1),
+            }
+        )
+    )
     # both verify against the same target: the text is its greedy text either way
     assert measured["matched"]["outputs"] == measured["mismatched"]["outputs"]
     assert gap > GAP, measured

@@ -66,7 +66,11 @@ def make_pool(num_reqs=6, pool_len=64, num_slots=512, seed=0):
 def sdpa(q, k, v, scale, mask=None):
     """q (Lq,H,D), k/v (Lk,Hkv,D) -> (Lq,H,D), the reference."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
     )
     return out.transpose(0, 1)
@@ -90,8 +94,25 @@ def test_decode_attention_writes_the_new_token_and_matches_sdpa(ops, heads, kv_h
     expected_k[loc], expected_v[loc] = key, value
 
     K.decode_attention_cpu(
-        q, k_cache, v_cache, 1.0, 1.0, out, key, value, loc, torch.zeros(3, heads, 8, dim + 1),
-        req_to_token, req_pool_indices, seq_lens, scale, 0.0, False, 0, None, None,
+        q,
+        k_cache,
+        v_cache,
+        1.0,
+        1.0,
+        out,
+        key,
+        value,
+        loc,
+        torch.zeros(3, heads, 8, dim + 1),
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        scale,
+        0.0,
+        False,
+        0,
+        None,
+        None,
     )
 
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
@@ -106,8 +127,23 @@ def test_decode_attention_logit_cap_and_refusals(ops):
     q, cache = torch.randn(1, 2, 8) * 4, torch.randn(32, 2, 8) * 4
     req_to_token = torch.arange(32, dtype=torch.int32).view(1, 32)
     out = torch.empty(1, 2, 8)
-    args = (q, cache, cache, 1.0, 1.0, out, None, None, torch.zeros(1, dtype=torch.long),
-            torch.zeros(1, 2, 8, 9), req_to_token, torch.tensor([0]), torch.tensor([10]), 0.5, 3.0)
+    args = (
+        q,
+        cache,
+        cache,
+        1.0,
+        1.0,
+        out,
+        None,
+        None,
+        torch.zeros(1, dtype=torch.long),
+        torch.zeros(1, 2, 8, 9),
+        req_to_token,
+        torch.tensor([0]),
+        torch.tensor([10]),
+        0.5,
+        3.0,
+    )
     K.decode_attention_cpu(*args, False, 0, None, None)
     scores = torch.einsum("hd,khd->hk", q[0], cache[:10]) * 0.5
     probs = torch.softmax(3.0 * torch.tanh(scores / 3.0), -1)
@@ -134,18 +170,45 @@ def extend_case(seed, heads=4, kv_heads=2, dim=16):
         s, e, st = int(seq_lens[i]), int(extend_seq_lens[i]), int(extend_start_loc[i])
         rows = req_to_token[req_pool_indices[i], s - e : s].long()
         k_buffer[rows], v_buffer[rows] = k_new[st : st + e], v_new[st : st + e]
-    return dict(q=q, k_new=k_new, v_new=v_new, k_buffer=k_buffer, v_buffer=v_buffer,
-                req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-                extend_seq_lens=extend_seq_lens, extend_start_loc=extend_start_loc)
+    return dict(
+        q=q,
+        k_new=k_new,
+        v_new=v_new,
+        k_buffer=k_buffer,
+        v_buffer=v_buffer,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        extend_seq_lens=extend_seq_lens,
+        extend_start_loc=extend_start_loc,
+    )
 
 
 def run_extend(c, tree_mask=None, with_new_kv=True, is_causal=True):
     out = torch.empty_like(c["q"])
     K.extend_attention_cpu(
-        c["q"], c["k_new"] if with_new_kv else None, c["v_new"] if with_new_kv else None, out,
-        c["k_buffer"], c["v_buffer"], 1.0, 1.0, c["req_to_token"], c["req_pool_indices"],
-        c["seq_lens"], c["extend_seq_lens"], c["extend_start_loc"], 4, 0.25, 0.0, False, 0, None,
-        None, tree_mask, is_causal,
+        c["q"],
+        c["k_new"] if with_new_kv else None,
+        c["v_new"] if with_new_kv else None,
+        out,
+        c["k_buffer"],
+        c["v_buffer"],
+        1.0,
+        1.0,
+        c["req_to_token"],
+        c["req_pool_indices"],
+        c["seq_lens"],
+        c["extend_seq_lens"],
+        c["extend_start_loc"],
+        4,
+        0.25,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+        tree_mask,
+        is_causal,
     )
     return out
 
@@ -181,7 +244,9 @@ def test_extend_attention_follows_a_tree_mask(ops):
         ref = sdpa(c["q"][st : st + e], c["k_buffer"][rows], c["v_buffer"][rows], 0.25, masks[i])
         torch.testing.assert_close(out[st : st + e], ref, rtol=1e-5, atol=1e-5)
     # the tree verify of topk > 1 may send only the new tokens' part (QLEN_ONLY): same attention
-    qlen_only = torch.cat([m[:, int(c["seq_lens"][i]) - int(c["extend_seq_lens"][i]):].reshape(-1) for i, m in enumerate(masks)])
+    qlen_only = torch.cat(
+        [m[:, int(c["seq_lens"][i]) - int(c["extend_seq_lens"][i]) :].reshape(-1) for i, m in enumerate(masks)]
+    )
     torch.testing.assert_close(run_extend(c, tree_mask=qlen_only), out, rtol=0, atol=0)
     # and a non-causal (encoder) extend sees everything
     out = run_extend(c, is_causal=False)
@@ -216,8 +281,28 @@ def test_mla_prefill_attends_expanded_heads_and_leaves_the_latent_cache_alone(op
     q, k, v = torch.randn(19, HEADS, QK_DIM), torch.randn(19, HEADS, QK_DIM), torch.randn(19, HEADS, V_DIM)
     out = torch.empty(19, HEADS, V_DIM)
     K.extend_attention_cpu(
-        q, k, v, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices, seq_lens,
-        seq_lens.to(torch.int32), extend_start_loc, 12, QK_DIM**-0.5, 0.0, False, 0, None, None, None, True,
+        q,
+        k,
+        v,
+        out,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        seq_lens.to(torch.int32),
+        extend_start_loc,
+        12,
+        QK_DIM**-0.5,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+        None,
+        True,
     )
     for start, n in ((0, 7), (7, 12)):
         causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -248,8 +333,28 @@ def test_mla_absorbed_extend_attends_one_latent_head_over_prefix_and_new_tokens(
     out = torch.empty(12, HEADS, RANK)
     scale = QK_DIM**-0.5  # absorbed MLA keeps the expanded head's softmax scale
     K.extend_attention_cpu(
-        q, k_new, k_new[..., :RANK], out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, req_pool_indices,
-        seq_lens, extend_seq_lens, extend_start_loc, 8, scale, 0.0, False, 0, None, None, None, True,
+        q,
+        k_new,
+        k_new[..., :RANK],
+        out,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_seq_lens,
+        extend_start_loc,
+        8,
+        scale,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+        None,
+        True,
     )
     for i, (s, e, st) in enumerate(((40, 8, 0), (9, 4, 8))):
         rows = k_buffer[req_to_token[req_pool_indices[i], :s].long()]  # (s, 1, rank+rope)
@@ -273,7 +378,9 @@ def test_mla_decode_writes_the_latent_row_and_attends_it(ops):
     assert torch.equal(k_cache[loc], key) and torch.equal(v_cache[loc], key[..., :RANK])
     for i in range(2):
         rows = k_cache[req_to_token[req_pool_indices[i], : seq_lens[i]].long()]
-        torch.testing.assert_close(out[i : i + 1], sdpa(q[i : i + 1], rows, rows[..., :RANK], 0.2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[i : i + 1], sdpa(q[i : i + 1], rows, rows[..., :RANK], 0.2), rtol=1e-5, atol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------- KV slot ops
@@ -317,9 +424,7 @@ def test_req_to_token_slot_bookkeeping_ops(ops):
     seq_lens = torch.tensor([3, 1, 5])
     topk, num_steps = 2, 3
     draft_locs = torch.empty(3 * topk * num_steps, dtype=torch.int64)
-    K.assign_draft_cache_locs_contiguous_cpu(
-        req_pool_indices, table, seq_lens, draft_locs, pool_len, topk, num_steps
-    )
+    K.assign_draft_cache_locs_contiguous_cpu(req_pool_indices, table, seq_lens, draft_locs, pool_len, topk, num_steps)
     expected_locs = []
     for r, s in zip(req_pool_indices.tolist(), seq_lens.tolist()):
         expected_locs += [r * pool_len + s + j for j in range(topk * num_steps)]
@@ -360,7 +465,7 @@ def random_tree_inputs(rng: random.Random, topk: int, depth: int, num_draft: int
     parent_of = {j: None for j in range(topk)}  # flat token -> flat parent token (None = root)
     layer = list(range(topk))
     next_id = topk
-    for d in range(1, depth):
+    for _ in range(1, depth):
         expanded = sorted(rng.sample(layer, topk))
         slot_base = len(parent_list)
         parent_list += expanded
@@ -420,8 +525,18 @@ def test_build_tree_matches_a_reference_tree(ops, mode):
     next_token = torch.full((3, n), -1, dtype=torch.int64)
     next_sibling = torch.full((3, n), -1, dtype=torch.int64)
     K.build_tree_kernel_efficient_cpu(
-        parent_list, selected_index, torch.tensor(seq_lens), tree_mask, positions, retrive_index,
-        next_token, next_sibling, topk, depth, n, mode,
+        parent_list,
+        selected_index,
+        torch.tensor(seq_lens),
+        tree_mask,
+        positions,
+        retrive_index,
+        next_token,
+        next_sibling,
+        topk,
+        depth,
+        n,
+        mode,
     )
     offset = 0
     for b, (_, selected, parent_of) in enumerate(batch):
@@ -470,8 +585,18 @@ def test_verify_tree_greedy_against_a_path_search_on_random_trees(ops):
     next_token = torch.full((bs, n), -1, dtype=torch.int64)
     next_sibling = torch.full((bs, n), -1, dtype=torch.int64)
     K.build_tree_kernel_efficient_cpu(
-        parent_list, selected_index, torch.full((bs,), 5), torch.ones(bs * n * n, dtype=torch.bool),
-        positions, retrive_index, next_token, next_sibling, topk, depth, n, 1,
+        parent_list,
+        selected_index,
+        torch.full((bs,), 5),
+        torch.ones(bs * n * n, dtype=torch.bool),
+        positions,
+        retrive_index,
+        next_token,
+        next_sibling,
+        topk,
+        depth,
+        n,
+        1,
     )
     vocab = 3  # small, so that matches happen
     candidates = torch.tensor([[rng.randrange(vocab) for _ in range(n)] for _ in range(bs)])
@@ -494,4 +619,3 @@ def test_verify_tree_greedy_against_a_path_search_on_random_trees(ops):
         assert accept_num[b] == len(path) - 1
         assert accept_index[b].tolist() == [b * n + p for p in path] + [-1] * (depth - len(path))
         assert int(predicts[b * n + path[-1]]) == int(target[b, path[-1]])
-

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from aerie import layout
-from aerie.contracts import ExtractRequest, IngestOptions, RunSpec, ShardRecord
+from aerie.contracts import CaptureDescriptor, ExtractRequest, IngestOptions, RunSpec, ShardRecord
 from aerie.settings import Settings
 from aerie.shard import Shard, pack
 from aerie_extractor.engines.base import EngineError, EngineMismatch
@@ -53,7 +53,6 @@ from aerie_extractor.engines.sglang_binary import (
     reader_for,
 )
 from aerie_extractor.extract import run_extract
-from aerie.contracts import CaptureDescriptor
 from tests.services import clean_env, wait_settled, wait_until
 from tests.sglang_server import REPO, capture_args, sglang_server, start_soon
 
@@ -135,13 +134,17 @@ def stock(smollm2_path, plugin_starting, tmp_path_factory) -> dict:
     with sglang_server(args, env=env, log_dir=tmp_path_factory.mktemp("stock")) as server:
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
             out: dict = {"info": client.get(server.url + "/server_info").json()}
-            out["responses"] = {r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()}
+            out["responses"] = {
+                r["rid"]: _comparable(client.post(server.url + "/generate", json=r).content) for r in _plain_requests()
+            }
         keyed = engine_settings(server, engine_api_key=API_KEY)
         auto = make_run("stock-auto", smollm2_path, keyed, signal="topk")
         out["auto_transport"] = auto.engine.transport
         refusals = []
         try:
-            make_run("stock-binary", smollm2_path, engine_settings(server, engine_transport="binary", engine_api_key=API_KEY))
+            make_run(
+                "stock-binary", smollm2_path, engine_settings(server, engine_transport="binary", engine_api_key=API_KEY)
+            )
         except EngineMismatch as e:
             refusals.append(str(e))
         binary_run = auto.model_copy(update={"engine": auto.engine.model_copy(update={"transport": "binary"})})
@@ -173,8 +176,16 @@ def _with_and_without_the_key(server, run: RunSpec, keyed: Settings, tmp: Path) 
     got["bench_tokens"] = completions[0].completion_tokens
     prompt_file = tmp / "prompts.jsonl"
     prompt_file.write_text(json.dumps({"prompt": "Say hello."}) + "\n")
-    command = [str(Path(sys.executable).with_name("aerie")), "bench", "--url", server.url, "--prompts", str(prompt_file),
-               "--max-tokens", "1"]
+    command = [
+        str(Path(sys.executable).with_name("aerie")),
+        "bench",
+        "--url",
+        server.url,
+        "--prompts",
+        str(prompt_file),
+        "--max-tokens",
+        "1",
+    ]
     for name, env in (("cli_with", clean_env(AERIE_ENGINE_API_KEY=API_KEY)), ("cli_without", clean_env())):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         got[name] = (done.returncode, done.stdout + done.stderr)
@@ -323,7 +334,10 @@ def put_tokens(store, run: RunSpec, shards: dict[str, list[list[int]]]) -> None:
     """run.json and token shards (ids as given, every token in the loss) as ingest writes them."""
     store.put_json(layout.run_spec(run.run), run)
     for name, seqs in shards.items():
-        rows = [{"input_ids": np.asarray(ids, dtype=np.int32), "loss_mask": np.ones(len(ids), dtype=np.uint8)} for ids in seqs]
+        rows = [
+            {"input_ids": np.asarray(ids, dtype=np.int32), "loss_mask": np.ones(len(ids), dtype=np.uint8)}
+            for ids in seqs
+        ]
         data = pack(rows, extra_metadata={"run": run.run, "shard": name}).to_bytes()
         key = layout.shard(run.run, "tokens", name)
         sha = store.put_bytes(key, data)
@@ -354,7 +368,11 @@ def test_the_engine_extracts_through_the_binary_path(server, smollm2_path, bucke
     binary = make_run("bin", smollm2_path, settings)
     binary_topk = make_run("bin-topk", smollm2_path, settings, signal="topk")
     as_json = make_run("json", smollm2_path, engine_settings(server, engine_transport="json"), signal="topk")
-    assert (binary.engine.transport, binary_topk.engine.transport, as_json.engine.transport) == ("binary", "binary", "json")
+    assert (binary.engine.transport, binary_topk.engine.transport, as_json.engine.transport) == (
+        "binary",
+        "binary",
+        "json",
+    )
     # a binary "final" run is read straight into the shard's rows; top-k and JSON runs go through capture()
     assert [SGLangEngine(settings, run).capture_into is not None for run in (binary, binary_topk)] == [True, False]
     short = PROMPTS[:2]  # one prefill chunk: stock JSON keeps only a prompt's last chunk
@@ -387,10 +405,12 @@ def test_the_server_logs_what_captures_cost(client, server, shm):
     """The sink's first writer logs, every STATS_LOG_S while captures run, the scheduler thread's
     time in the plugin per capture and the writers': what bench_capture reads to say whether the
     plugin or SGLang limits a capture server (BENCHMARKS.md, session 12)."""
-    pattern = re.compile(r"aerie capture stats: (\d+) captures, [\d.]+ GB written; scheduler thread ([\d.]+) ms/capture, "
-                         r"([\d.]+) on its CPU \(admission ([\d.]+), rows ([\d.]+): kept [\d.]+, to host [\d.]+\); "
-                         r"writers ([\d.]+) ms/capture, ([\d.]+) on their CPU \(device copy [\d.]+, sha256 ([\d.]+), "
-                         r"write [\d.]+\); (\d+) listings")
+    pattern = re.compile(
+        r"aerie capture stats: (\d+) captures, [\d.]+ GB written; scheduler thread ([\d.]+) ms/capture, "
+        r"([\d.]+) on its CPU \(admission ([\d.]+), rows ([\d.]+): kept [\d.]+, to host [\d.]+\); "
+        r"writers ([\d.]+) ms/capture, ([\d.]+) on their CPU \(device copy [\d.]+, sha256 ([\d.]+), "
+        r"write [\d.]+\); (\d+) listings"
+    )
     fetch_binary(_capture(client, PROMPTS[0], "shm"), shm)  # at least one capture, whatever ran before
     deadline = time.monotonic() + 10
     while not (found := pattern.findall(server.log_path.read_text(errors="replace"))) and time.monotonic() < deadline:
@@ -403,16 +423,23 @@ def test_the_server_logs_what_captures_cost(client, server, shm):
     assert float(writers) >= float(sha256) > 0 and 0 < float(writers_cpu) <= float(writers) * 1.05 + 0.002
     assert int(listings) >= 1
     # this server's shm captures went through the writer process (AERIE_CAPTURE_WRITER=process)
-    process = re.findall(r"aerie capture writer process: (\d+) groups, ([\d.]+) captures per group",
-                         server.log_path.read_text(errors="replace"))
-    assert process and int(process[-1][0]) >= 1 and float(process[-1][1]) >= 1, "no writer process line in the server's log"
+    process = re.findall(
+        r"aerie capture writer process: (\d+) groups, ([\d.]+) captures per group",
+        server.log_path.read_text(errors="replace"),
+    )
+    assert process and int(process[-1][0]) >= 1 and float(process[-1][1]) >= 1, (
+        "no writer process line in the server's log"
+    )
 
 
 def test_auto_chooses_json_where_the_captures_cannot_be_read(server, smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setattr(SGLangEngine, "probe_timeout_s", 0.5)
     tmp_path.chmod(0o700)  # a valid capture directory, but not the server's: as if on another host
     elsewhere = {"engine_shm_dir": tmp_path}
-    assert make_run("elsewhere", smollm2_path, engine_settings(server, **elsewhere), signal="topk").engine.transport == "json"
+    assert (
+        make_run("elsewhere", smollm2_path, engine_settings(server, **elsewhere), signal="topk").engine.transport
+        == "json"
+    )
     with pytest.raises(EngineMismatch, match="cannot read them.*did not appear"):
         make_run("elsewhere", smollm2_path, engine_settings(server, engine_transport="binary", **elsewhere))
     wait_until(lambda: len(list(server.extra["shm_dir"].glob("*.safetensors"))) >= 2, 30, "the two probes' captures")
@@ -443,7 +470,9 @@ def test_a_full_sink_refuses_captures_and_the_server_keeps_serving(client, serve
     engine = SGLangEngine(engine_settings(server), run)
     engine.check(run)  # its probe needs room in the sink
     first, second = _capture(client, BIG, "shm"), _capture(client, BIG, "shm")
-    wait_until(lambda: Path(first.path).exists() and Path(second.path).exists(), 30, "the two captures in the sink", poll=0.05)
+    wait_until(
+        lambda: Path(first.path).exists() and Path(second.path).exists(), 30, "the two captures in the sink", poll=0.05
+    )
 
     refused = client.post("/generate", json=capture_body(BIG, "shm"))
     assert refused.status_code == 503
@@ -574,26 +603,48 @@ def test_a_killed_extractor_or_client_leaves_no_more_than_the_bound(client, serv
 
 
 def test_a_lost_capture_fails_with_the_place_it_was_expected(tmp_path):
-    descriptor = CaptureDescriptor(v=1, id="0" * 32, sink="shm", format="safetensors", nbytes=0, rows=0, layer_ids=[],
-                                   tensors={}, path=str(tmp_path / ("0" * 32 + ".safetensors")))
+    descriptor = CaptureDescriptor(
+        v=1,
+        id="0" * 32,
+        sink="shm",
+        format="safetensors",
+        nbytes=0,
+        rows=0,
+        layer_ids=[],
+        tensors={},
+        path=str(tmp_path / ("0" * 32 + ".safetensors")),
+    )
     with pytest.raises(BinaryCaptureError, match="did not appear"):
         fetch_binary(descriptor, CaptureReader("shm", shm_dir=tmp_path, timeout_s=0.2))
 
 
 def test_a_capture_the_server_could_not_write_fails_with_its_reason(tmp_path):
     (tmp_path / ("1" * 32 + ".error")).write_text("the SGLang server could not write x: No space left on device")
-    descriptor = CaptureDescriptor(v=1, id="1" * 32, sink="shm", format="safetensors", nbytes=0, rows=0, layer_ids=[],
-                                   tensors={}, path=str(tmp_path / ("1" * 32 + ".safetensors")))
+    descriptor = CaptureDescriptor(
+        v=1,
+        id="1" * 32,
+        sink="shm",
+        format="safetensors",
+        nbytes=0,
+        rows=0,
+        layer_ids=[],
+        tensors={},
+        path=str(tmp_path / ("1" * 32 + ".safetensors")),
+    )
     with pytest.raises(BinaryCaptureError, match="No space left on device"):
         fetch_binary(descriptor, CaptureReader("shm", shm_dir=tmp_path, timeout_s=5))
     assert not list(tmp_path.iterdir()), "the reason is claimed too"
 
 
 def _descriptor(sink: str, **where) -> CaptureDescriptor:
-    return CaptureDescriptor(v=1, id="ab" * 16, sink=sink, format="safetensors", nbytes=0, rows=0, layer_ids=[], tensors={}, **where)
+    return CaptureDescriptor(
+        v=1, id="ab" * 16, sink=sink, format="safetensors", nbytes=0, rows=0, layer_ids=[], tensors={}, **where
+    )
 
 
-@pytest.mark.parametrize("case", ["shm-unbound", "shm-outside", "shm-other-name", "shm-dotdot", "s3-run-record", "s3-other-name"])
+@pytest.mark.parametrize(
+    "case", ["shm-unbound", "shm-outside", "shm-other-name", "shm-dotdot", "s3-run-record", "s3-other-name"]
+)
 def test_capture_descriptors_cannot_name_a_path_or_key_outside_the_capture_sink(fs_store, s3_store, tmp_path, case):
     """A server (or whoever answers in its place) names a file or key of its choosing in a capture
     descriptor: refused (not retryable, naming the settings) before anything is read or deleted.
@@ -608,15 +659,27 @@ def test_capture_descriptors_cannot_name_a_path_or_key_outside_the_capture_sink(
     reader, descriptor = {
         "shm-unbound": (CaptureReader("shm", timeout_s=0.5), _descriptor("shm", path=str(victim))),
         "shm-outside": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=str(victim))),
-        "shm-other-name": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=str(captures / "notes.txt"))),
-        "shm-dotdot": (CaptureReader("shm", shm_dir=captures, timeout_s=0.5), _descriptor("shm", path=f"{captures}/../victim.txt")),
-        "s3-run-record": (CaptureReader("s3", store=s3_store, timeout_s=0.5),
-                          _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="runs/r1/run.json")),
-        "s3-other-name": (CaptureReader("s3", store=s3_store, timeout_s=0.5),
-                          _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="capture/notes.safetensors")),
+        "shm-other-name": (
+            CaptureReader("shm", shm_dir=captures, timeout_s=0.5),
+            _descriptor("shm", path=str(captures / "notes.txt")),
+        ),
+        "shm-dotdot": (
+            CaptureReader("shm", shm_dir=captures, timeout_s=0.5),
+            _descriptor("shm", path=f"{captures}/../victim.txt"),
+        ),
+        "s3-run-record": (
+            CaptureReader("s3", store=s3_store, timeout_s=0.5),
+            _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="runs/r1/run.json"),
+        ),
+        "s3-other-name": (
+            CaptureReader("s3", store=s3_store, timeout_s=0.5),
+            _descriptor("s3", endpoint="http://x", bucket=s3_store.bucket, key="capture/notes.safetensors"),
+        ),
     }[case]
     if hasattr(reader, "server_dir"):  # bound as the engine binds it to the server's advertisement
-        choose_sink({"sinks": {"shm": {"dir": str(captures)}, "s3": {"bucket": s3_store.bucket, "prefix": "capture/"}}}, reader)
+        choose_sink(
+            {"sinks": {"shm": {"dir": str(captures)}, "s3": {"bucket": s3_store.bucket, "prefix": "capture/"}}}, reader
+        )
     with pytest.raises(EngineMismatch, match="refused") as refused:
         fetch_binary(descriptor, reader)
     assert not refused.value.retryable

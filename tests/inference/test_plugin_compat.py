@@ -55,8 +55,11 @@ def sglang_0_5_17(cache_dir) -> Path:
         assert digest == WHEEL_SHA256, f"{wheel} has sha256 {digest}, not the pinned {WHEEL_SHA256}"
     shutil.rmtree(root, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
-        members = [m for m in zf.namelist()
-                   if (m.startswith("sglang/") and m.endswith(".py")) or m.endswith(".dist-info/METADATA")]
+        members = [
+            m
+            for m in zf.namelist()
+            if (m.startswith("sglang/") and m.endswith(".py")) or m.endswith(".dist-info/METADATA")
+        ]
         for name in members:
             assert ".." not in Path(name).parts and not name.startswith("/"), name
         zf.extractall(root, members)
@@ -84,11 +87,13 @@ def test_every_hook_point_of_0_5_23_is_in_the_installed_sglang(sglang_0_5_23):
 def test_0_5_23s_hook_points_are_refused_on_0_5_17s_source(sglang_0_5_17):
     """The differences the two tables exist for, found by the check itself."""
     problems = "\n".join(check(RELEASES["0.5.23"], sglang_0_5_17))
-    for missing in ("SchedulerOutputStreamer.is_request_level_customized_info_key: 'is_request_level_customized_info_key' is not defined",
-                    "TokenizerManager.update_request_meta_info: 'update_request_meta_info' is not defined",
-                    "sglang.srt.utils.common.build_server_info: 'build_server_info' is not defined",
-                    "LogitsProcessorOutput.last_hidden_states: 'last_hidden_states' is not defined",
-                    "Req.set_finish_with_abort: has parameters ['self', 'error_msg'], the plugin needs ['status_code', 'err_type']"):
+    for missing in (
+        "SchedulerOutputStreamer.is_request_level_customized_info_key: 'is_request_level_customized_info_key' is not defined",
+        "TokenizerManager.update_request_meta_info: 'update_request_meta_info' is not defined",
+        "sglang.srt.utils.common.build_server_info: 'build_server_info' is not defined",
+        "LogitsProcessorOutput.last_hidden_states: 'last_hidden_states' is not defined",
+        "Req.set_finish_with_abort: has parameters ['self', 'error_msg'], the plugin needs ['status_code', 'err_type']",
+    ):
         assert missing in problems, problems
 
 
@@ -101,21 +106,49 @@ def _copy_modules(src: Path, dst: Path) -> None:
         shutil.copy(f, dst / f.relative_to(src))
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (("sglang/srt/managers/tokenizer_manager.py", "async def _handle_batch_output(", "async def _handle_batch_output_v2("),
-     "TokenizerManager._handle_batch_output: '_handle_batch_output' is not defined"),
-    (("sglang/srt/managers/tokenizer_manager.py", "async def _handle_batch_output(", "def _handle_batch_output("),
-     "TokenizerManager._handle_batch_output: is def, the hook expects async def"),
-    (("sglang/srt/layers/logits_processor.py", "aux_hidden_states: Optional[AuxHiddenStates] = None,\n        hidden_states_before_norm",
-      "hidden_states_before_norm: Optional[torch.Tensor] = None,\n        aux_hidden_states"),
-     "LogitsProcessor.forward: has parameters ['self', 'input_ids', 'hidden_states', 'lm_head', 'logits_metadata', "
-     "'hidden_states_before_norm', 'aux_hidden_states'], the plugin expects"),
-    (("sglang/srt/managers/schedule_batch.py", "self.customized_info:", "self.customized_infos:"),
-     "Req.customized_info: 'customized_info' is not defined in Req"),
-    (("sglang/srt/managers/utils.py", "cpu_t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)",
-      "cpu_t = _STAGING.setdefault((t.shape, t.dtype), torch.empty(t.shape, dtype=t.dtype))"),
-     "_async_d2h: does not copy into new pinned memory"),
-], ids=["renamed", "no-longer-async", "reordered", "field-gone", "d2h-into-a-kept-buffer"])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (
+            (
+                "sglang/srt/managers/tokenizer_manager.py",
+                "async def _handle_batch_output(",
+                "async def _handle_batch_output_v2(",
+            ),
+            "TokenizerManager._handle_batch_output: '_handle_batch_output' is not defined",
+        ),
+        (
+            (
+                "sglang/srt/managers/tokenizer_manager.py",
+                "async def _handle_batch_output(",
+                "def _handle_batch_output(",
+            ),
+            "TokenizerManager._handle_batch_output: is def, the hook expects async def",
+        ),
+        (
+            (
+                "sglang/srt/layers/logits_processor.py",
+                "aux_hidden_states: Optional[AuxHiddenStates] = None,\n        hidden_states_before_norm",
+                "hidden_states_before_norm: Optional[torch.Tensor] = None,\n        aux_hidden_states",
+            ),
+            "LogitsProcessor.forward: has parameters ['self', 'input_ids', 'hidden_states', 'lm_head', 'logits_metadata', "
+            "'hidden_states_before_norm', 'aux_hidden_states'], the plugin expects",
+        ),
+        (
+            ("sglang/srt/managers/schedule_batch.py", "self.customized_info:", "self.customized_infos:"),
+            "Req.customized_info: 'customized_info' is not defined in Req",
+        ),
+        (
+            (
+                "sglang/srt/managers/utils.py",
+                "cpu_t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)",
+                "cpu_t = _STAGING.setdefault((t.shape, t.dtype), torch.empty(t.shape, dtype=t.dtype))",
+            ),
+            "_async_d2h: does not copy into new pinned memory",
+        ),
+    ],
+    ids=["renamed", "no-longer-async", "reordered", "field-gone", "d2h-into-a-kept-buffer"],
+)
 def test_a_changed_hook_point_in_0_5_17s_source_is_refused(sglang_0_5_17, tmp_path, edit, expected):
     _copy_modules(sglang_0_5_17, tmp_path)
     assert check(RELEASES["0.5.17"], tmp_path) == []  # the copy alone passes

@@ -74,7 +74,10 @@ def test_the_plugin_refuses_another_sglang_version_and_hooks_nothing():
         print("HOOKED", [t for t in HOOKS if t in HookRegistry._hooks])
     """)
     assert "HOOKED []" in out
-    assert "aerie_capture plugin refused to load: sglang==0.5.22 is not supported (supported: sglang==0.5.23, sglang==0.5.17)" in out
+    assert (
+        "aerie_capture plugin refused to load: sglang==0.5.22 is not supported (supported: sglang==0.5.23, sglang==0.5.17)"
+        in out
+    )
 
 
 def test_an_s3_sink_without_credentials_refuses_to_load_naming_the_variables():
@@ -98,7 +101,8 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
     claimed capture frees its bytes for the next request. On 2026-12-04's code before this
     change every admission listed the directory: 0.8 ms of the scheduler thread per request with
     256 captures waiting, on a 2-core VM (benchmarks/bench_sink_admit.py)."""
-    out = _sink_run(f"""
+    out = _sink_run(
+        f"""
         import gc
         from aerie_sglang.plugin.sink import SinkFull
         cap = Path({str(tmp_path)!r}) / "cap"
@@ -136,7 +140,9 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
             sinks.admit(Req(), 5000)
         except SinkFull as e:
             print("TOO-BIG", "more than the bound" in str(e))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "ADMITTED-OVER" not in out, out
     assert "REFUSED True" in out and "ADMITTED-AFTER-RELEASE" in out, out
     assert "REFUSED-OWN" in out and "LISTED-TO-ADMIT 0" in out and "ADMITTED-AFTER-CLAIM" in out, out
@@ -146,8 +152,14 @@ def test_the_bound_counts_files_queued_captures_and_reservations(tmp_path):
 def _sink_run(code: str, tmp_path, env: dict[str, str] | None = None) -> str:
     """`code` in `.venv-sglang` with only the sink imported (torch, no SGLang: a few seconds)."""
     child_env = {k: v for k, v in clean_env().items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
-    proc = subprocess.run([str(sglang_python()), "-c", _PRELUDE + _SINK_PRELUDE + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path, env={**child_env, **(env or {})})
+    proc = subprocess.run(
+        [str(sglang_python()), "-c", _PRELUDE + _SINK_PRELUDE + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**child_env, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -176,7 +188,8 @@ def test_the_shm_sink_is_private_to_the_servers_user(tmp_path):
     """Directory 0700, files 0600; a symlink or a directory of another user is refused naming
     AERIE_CAPTURE_DIR; the sweeper deletes only the plugin's own names. On 2026-12-02's code:
     0755 / 0644, both accepted, and every old `*.safetensors` of the directory deleted."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         import os
         root = Path.cwd()
         sinks = Sinks(CaptureSinkSettings(shm_dir=root / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1))
@@ -212,12 +225,20 @@ def test_the_shm_sink_is_private_to_the_servers_user(tmp_path):
         (cap / ("f" * 32 + ".safetensors")).symlink_to(root / "elsewhere")
         sinks._sweep()
         print("LEFT", sorted(p.name for p in cap.iterdir()))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "MODES 0o700 0o600" in out, out
     assert "SYMLINK REFUSED True" in out and "OTHER-OWNER REFUSED True" in out, out
     assert "NARROWED 0o700" in out, out
     left = out.split("LEFT ", 1)[1]
-    for kept in ("notes.safetensors", "model.safetensors", "e" * 31 + ".safetensors", "keep.txt", "f" * 32 + ".safetensors"):
+    for kept in (
+        "notes.safetensors",
+        "model.safetensors",
+        "e" * 31 + ".safetensors",
+        "keep.txt",
+        "f" * 32 + ".safetensors",
+    ):
         assert kept in left, (kept, left)
     for swept in ("b" * 32 + ".safetensors", "c" * 32 + ".partial", "d" * 32 + ".error"):
         assert swept not in left, (swept, left)
@@ -230,7 +251,8 @@ def test_a_request_collected_while_its_thread_holds_the_sinks_lock_does_not_dead
     lock. On the H200 (2026-12-04, session 13) SGLang's scheduler hung at a capture until its
     watchdog killed the server; this is that collection, made to happen under the lock. With the
     finalizer taking the lock, as it did, the thread deadlocks on itself."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         import gc, os, threading
         sinks = Sinks(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60, writers=1))
         sinks.config.prepare()
@@ -250,7 +272,9 @@ def test_a_request_collected_while_its_thread_holds_the_sinks_lock_does_not_dead
             print("DEADLOCK", flush=True)
             os._exit(0)
         print("RELEASED", sinks.unclaimed_bytes(fresh=False))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "RESERVED 1000" in out and "DEADLOCK" not in out, out
     assert "RELEASED 0" in out, out
 
@@ -260,7 +284,8 @@ def test_a_capture_written_in_pieces_is_whole_and_its_sha256_holds(tmp_path):
     it used a file object and a write per part), which may write less than asked: with writev
     taking at most 7 bytes a call the file is still every byte, safetensors reads it back, its
     bf16 and float32 rows are the submitted ones, and the header's sha256 is of the data."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         import hashlib, json, os
         from safetensors.torch import load_file
         from aerie_sglang.plugin import sink as sink_module
@@ -293,7 +318,9 @@ def test_a_capture_written_in_pieces_is_whole_and_its_sha256_holds(tmp_path):
         except OSError:
             pass
         print("ERROR-NOTE", (root / "cap" / ("b" * 32 + ".error")).read_text().startswith("the SGLang server could not write"))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "SIZE True CALLS True" in out, out
     assert "ERROR-NOTE True" in out, out
     assert "EQUAL True" in out and "SHA True" in out, out
@@ -309,7 +336,8 @@ def test_the_s3_sink_is_bounded_and_expires_unclaimed_captures(s3_store, tmp_pat
     s3_store.put_bytes("capture/notes.txt", b"not a capture")
     s3_store.put_bytes("capture/deeper/" + "9" * 32 + ".safetensors", b"not the plugin's key")
     s3_store.put_bytes("runs/r1/" + "9" * 32 + ".safetensors", b"not under the prefix")
-    out = _sink_run(f"""
+    out = _sink_run(
+        f"""
         from aerie_sglang.plugin.s3 import S3Client
         from aerie_sglang.plugin.sink import SinkFull
         target = S3Target({s3_store.endpoint!r}, {s3_store.bucket!r}, {creds.access_key!r}, {creds.secret_key!r}, "us-east-1", "capture/")
@@ -330,14 +358,17 @@ def test_the_s3_sink_is_bounded_and_expires_unclaimed_captures(s3_store, tmp_pat
         print("AFTER-CLAIM", sinks.unclaimed_bytes())
         wait(lambda: sinks.unclaimed_bytes() == 0, "the unclaimed capture expired", timeout=40)
         print("EXPIRED")
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "ADMITTED-OVER" not in out and "REFUSED True" in out, out
     waiting = int(out.split("UNCLAIMED ")[1].split()[0])
     after = int(out.split("AFTER-CLAIM ")[1].split()[0])
     assert 2500 < waiting <= 4000 and 0 < after < waiting, out
     assert "EXPIRED" in out, out
-    assert sorted(s3_store.list("")) == sorted(["capture/notes.txt", "capture/deeper/" + "9" * 32 + ".safetensors",
-                                                  "runs/r1/" + "9" * 32 + ".safetensors"])
+    assert sorted(s3_store.list("")) == sorted(
+        ["capture/notes.txt", "capture/deeper/" + "9" * 32 + ".safetensors", "runs/r1/" + "9" * 32 + ".safetensors"]
+    )
 
 
 def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_path):
@@ -347,7 +378,8 @@ def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_pat
     H200 (2026-12-03, benchmarks/plugin_on_device.py) keeping the tensor itself gave wrong final
     rows (cos < 0.2 against HF) for 23 of 24 concurrent captures and for a 3-chunk prompt; with the
     copy all were at the bf16 floor."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         from aerie_sglang.plugin import compat, hooks
         rel = compat.RELEASES["0.5.17"]
         hooks.configure(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60), rel, "test", [1, 5])
@@ -360,7 +392,9 @@ def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_pat
         out = hooks.around_logits_processor_forward(lambda *a, **k: Output(), None, None, static, None, Metadata(), [torch.zeros(6, 8)])
         static.fill_(7.0)  # the next batch's replay
         print("KEPT", compat.final_state(rel, out).eq(1).all().item())
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "KEPT True" in out
 
 
@@ -370,7 +404,8 @@ def test_a_batchs_final_device_rows_go_to_the_host_once_and_each_capture_keeps_a
     and waits on the copy's one event. A prompt's first chunk of several keeps a clone (its rows are
     joined on the device). This machine has no GPU: a device tensor, the pinned copy and the CUDA
     event are stand-ins here; benchmarks/plugin_on_device.py checks the values on a GPU."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         from aerie_sglang.plugin import compat, hooks
         rel = compat.RELEASES["0.5.17"]
         hooks.configure(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60), rel, "test", [1, 5])
@@ -407,7 +442,9 @@ def test_a_batchs_final_device_rows_go_to_the_host_once_and_each_capture_keeps_a
         second = batch([4.0, 4])
         hooks._take_rows(Req("e"), hooks._RequestCapture("shm", None, True), second, 0, 2, True)
         print("SECOND-BATCH", len(copies), submitted[-1].ready is not submitted[0].ready)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "COPIES 1 CAPTURES 3" in out and "ONE-EVENT True" in out, out
     assert "ROWS [[0.0], [1.0], [2.0]] [(3, 8), (2, 8), (3, 8)] [(3, 2, 8), (2, 2, 8), (3, 2, 8)]" in out, out
     assert "SPLIT-KEEPS-A-CLONE OnDevice True" in out and "SECOND-BATCH 2 True" in out, out

@@ -112,8 +112,16 @@ def random_drafter(smollm2_path, layer_ids, tmp_path_factory) -> Path:
 def random_starting(smollm2_path, random_drafter, tmp_path_factory):
     """The random drafter's server, started in the background (its start overlaps the plain
     server's: the random drafter's test asks for this fixture before `plain_outputs`)."""
-    starting = start_soon(serve_server(smollm2_path, random_drafter, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
-                                       log_dir=tmp_path_factory.mktemp("sglang-random"), env=EAGLE_ENV))
+    starting = start_soon(
+        serve_server(
+            smollm2_path,
+            random_drafter,
+            num_steps=VERIFY_STEPS,
+            num_draft_tokens=NUM_DRAFT_TOKENS,
+            log_dir=tmp_path_factory.mktemp("sglang-random"),
+            env=EAGLE_ENV,
+        )
+    )
     yield starting
     starting.stop()
 
@@ -128,7 +136,9 @@ def trained_drafter(trained_smol) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- helpers
 
 
-def generate(url: str, prompt_ids: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS, ignore_eos: bool = False) -> list[dict]:
+def generate(
+    url: str, prompt_ids: list[list[int]], max_new_tokens: int = MAX_NEW_TOKENS, ignore_eos: bool = False
+) -> list[dict]:
     """Greedy completions through SGLang's /generate (token ids in, ids + meta_info out)."""
     outputs = []
     with httpx.Client(timeout=600.0) as client:
@@ -146,7 +156,9 @@ def generate(url: str, prompt_ids: list[list[int]], max_new_tokens: int = MAX_NE
 
 def acceptance(outputs: list[dict]) -> float:
     """SGLang's definition over the set: completion tokens / verify steps, both summed."""
-    return sum(o["meta_info"]["completion_tokens"] for o in outputs) / sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    return sum(o["meta_info"]["completion_tokens"] for o in outputs) / sum(
+        o["meta_info"]["spec_verify_ct"] for o in outputs
+    )
 
 
 def tokens_per_s(outputs: list[dict]) -> float:
@@ -155,7 +167,9 @@ def tokens_per_s(outputs: list[dict]) -> float:
 
 def assert_same_text(outputs: list[dict], reference: list[dict]) -> None:
     for i, (got, want) in enumerate(zip(outputs, reference)):
-        assert got["output_ids"] == want["output_ids"], f"prompt {i} ({PROMPTS[i]!r}): {got['text']!r} != {want['text']!r}"
+        assert got["output_ids"] == want["output_ids"], (
+            f"prompt {i} ({PROMPTS[i]!r}): {got['text']!r} != {want['text']!r}"
+        )
         assert got["text"] == want["text"]
 
 
@@ -178,8 +192,17 @@ def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(random_star
     # nothing accepted: every verify step yields exactly the bonus token, the first comes from prefill
     assert acceptance(outputs) < 1.05, per_prompt
     assert all(o["meta_info"]["spec_verify_ct"] >= c - 2 for o, c in zip(outputs, n)), per_prompt
-    report("random drafter", {"acceptance": acceptance(outputs), "per_prompt": per_prompt, "tokens": n,
-                              "tok_s": tokens_per_s(outputs), "plain_tok_s": tokens_per_s(plain_outputs[:1]), "start_s": start_s})
+    report(
+        "random drafter",
+        {
+            "acceptance": acceptance(outputs),
+            "per_prompt": per_prompt,
+            "tokens": n,
+            "tok_s": tokens_per_s(outputs),
+            "plain_tok_s": tokens_per_s(plain_outputs[:1]),
+            "start_s": start_s,
+        },
+    )
 
 
 @pytest.mark.slow
@@ -199,8 +222,9 @@ def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
     # against the drafter's server and the plain one
     from aerie.bench import bench
 
-    with serve_server(smollm2_path, folder, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
-                      log_dir=tmp_path, env=EAGLE_ENV) as server:
+    with serve_server(
+        smollm2_path, folder, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS, log_dir=tmp_path, env=EAGLE_ENV
+    ) as server:
         cli = CliRunner().invoke(bench, [
             "--url", server.url, "--baseline-url", plain_server.url, "--prompts", str(prompts_file),
             "--max-tokens", str(MAX_NEW_TOKENS), "--json", str(tmp_path / "bench.json"),
@@ -226,8 +250,15 @@ def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
     # (3) the project's own evaluation: same prompts, same exported weights, same chain length
     target = evaluate.load_target(smollm2_path, "cpu", torch.float32)
     drafter = load_exported(folder, smollm2_path)
-    project = evaluate.acceptance_length(target, drafter, prompt_ids, lineage["capture_points"], MAX_NEW_TOKENS,
-                                         VERIFY_STEPS, evaluate.eos_token_ids(smollm2_path))
+    project = evaluate.acceptance_length(
+        target,
+        drafter,
+        prompt_ids,
+        lineage["capture_points"],
+        MAX_NEW_TOKENS,
+        VERIFY_STEPS,
+        evaluate.eos_token_ids(smollm2_path),
+    )
     assert project["completion_tokens"] == measured["drafter"]["completion_tokens"]
     assert abs(sglang_acceptance - project["acceptance"]) <= AGREEMENT_TOLERANCE, (sglang_acceptance, project)
 
@@ -259,11 +290,14 @@ def test_one_renamed_tensor_is_refused_by_the_export_check_and_collapses_accepta
         check_sglang_loadable(broken)
 
     # served anyway (one prompt is enough to see it): SGLang loads it without a word, accepts nothing
-    with serve_server(smollm2_path, broken, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS,
-                      log_dir=tmp_path, env=EAGLE_ENV) as server:
+    with serve_server(
+        smollm2_path, broken, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS, log_dir=tmp_path, env=EAGLE_ENV
+    ) as server:
         outputs = generate(server.url, prompt_ids[:1])
         log = server.log_path.read_text(errors="replace")
     assert "draft_lm_head" not in log  # no warning: the silent skip this project guards against
     assert_same_text(outputs, plain_outputs[:1])  # verification still keeps the text right...
     assert acceptance(outputs) < 1.05  # ...but the drafter is dead weight
-    report("renamed lm_head", {"acceptance": acceptance(outputs), "tokens": outputs[0]["meta_info"]["completion_tokens"]})
+    report(
+        "renamed lm_head", {"acceptance": acceptance(outputs), "tokens": outputs[0]["meta_info"]["completion_tokens"]}
+    )

@@ -17,7 +17,11 @@ SHIM = REPO / "services/inference/aerie_sglang/cpu/shim"
 
 
 def run_sglang_python(code: str, *, pythonpath: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": pythonpath}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "PYTHONPATH": pythonpath,
+    }
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     return subprocess.run(
         [str(sglang_python()), "-c", textwrap.dedent(code)],
@@ -27,7 +31,9 @@ def run_sglang_python(code: str, *, pythonpath: str = "", timeout: float = 300) 
 
 def test_installed_sgl_kernel_needs_cuda_and_the_shim_stands_in():
     bare = run_sglang_python("import sgl_kernel")
-    assert bare.returncode != 0 and "libcuda" in bare.stderr, "PyPI's sglang-kernel imports on CPU now: is the shim still needed?"
+    assert bare.returncode != 0 and "libcuda" in bare.stderr, (
+        "PyPI's sglang-kernel imports on CPU now: is the shim still needed?"
+    )
 
     shimmed = run_sglang_python(
         """

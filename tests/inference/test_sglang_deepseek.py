@@ -58,7 +58,10 @@ def prompts(deepseek_tiny) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(deepseek_tiny))
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True) for t in PROMPTS_TEXT]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        for t in PROMPTS_TEXT
+    ]
     return [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats] + SYNTHETIC
 
 
@@ -67,7 +70,12 @@ def reference(deepseek_tiny, prompts) -> dict[tuple, np.ndarray]:
     """transformers' output_hidden_states for every prompt: [N+1, T, H] (index N is post-norm)."""
     model = load_reference(deepseek_tiny)
     with torch.no_grad():
-        return {tuple(ids): np.stack([h[0].numpy() for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]) for ids in prompts}
+        return {
+            tuple(ids): np.stack(
+                [h[0].numpy() for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]
+            )
+            for ids in prompts
+        }
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +119,9 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-def test_the_llama_rule_ids_capture_the_layer_before_each_point(server_starting, deepseek_tiny, prompts, reference, tmp_path):
+def test_the_llama_rule_ids_capture_the_layer_before_each_point(
+    server_starting, deepseek_tiny, prompts, reference, tmp_path
+):
     """The seed's failure reproduced: ids computed by the Llama rule are off by one on DeepSeek.
     First in the module, with its own server, started beside the module's (`server_starting`)."""
     points = [3, 4, 6]  # a first point != 2: here the two rules give different ids
@@ -121,12 +131,21 @@ def test_the_llama_rule_ids_capture_the_layer_before_each_point(server_starting,
     assert captured_points == [2, 3, 5]  # what SGLang's DeepSeek model does with those ids
     with sglang_server(capture_args(deepseek_tiny, llama_ids), log_dir=tmp_path) as llama_server:
         for ids in prompts:
-            out = generate(llama_server, {"input_ids": ids, "return_hidden_states": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+            out = generate(
+                llama_server,
+                {
+                    "input_ids": ids,
+                    "return_hidden_states": True,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                },
+            )
             hf = reference[tuple(ids)]
             aux = np.asarray(out["meta_info"]["hidden_states"][0], dtype=np.float32).reshape(len(ids), len(points), -1)
             for j, (point, got) in enumerate(zip(points, captured_points)):
                 off, on = max_diff(aux[:, j], hf[point]), max_diff(aux[:, j], hf[got])
-                print(f"llama-rule id {llama_ids[j]}, {len(ids)} tokens: {off:.1e} from point {point}, {on:.1e} from point {got}")
+                print(
+                    f"llama-rule id {llama_ids[j]}, {len(ids)} tokens: {off:.1e} from point {point}, {on:.1e} from point {got}"
+                )
                 assert off > 100 * TOLERANCE, f"point {point} matched with Llama-rule ids"
                 assert on <= TOLERANCE, f"Llama-rule id {llama_ids[j]} did not capture point {got}"
 
@@ -135,7 +154,14 @@ def test_deepseek_rule_ids_capture_every_point_through_the_json_path(server, lay
     assert layer_ids == [1, 3, 4]  # SGLang's DeepSeek model adds 1 to each: layers [2, 4, 5]
     H = reference[tuple(prompts[0])].shape[-1]
     for ids in prompts:
-        out = generate(server, {"input_ids": ids, "return_hidden_states": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        out = generate(
+            server,
+            {
+                "input_ids": ids,
+                "return_hidden_states": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            },
+        )
         rows = np.asarray(out["meta_info"]["hidden_states"][0], dtype=np.float32)
         hf = reference[tuple(ids)]
         kept = len(ids) if len(ids) <= CHUNK else len(ids) - CHUNK  # stock SGLang keeps the last prefill chunk's rows
@@ -150,7 +176,9 @@ def test_deepseek_rule_ids_capture_every_point_through_the_json_path(server, lay
 def test_the_binary_plugin_captures_every_point_and_the_final_state(server, prompts, reference):
     from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, fetch_binary, reader_for
 
-    shm = reader_for(httpx.get(server.url + "/server_info", timeout=60).json(), "shm")  # the advertised directory, checked
+    shm = reader_for(
+        httpx.get(server.url + "/server_info", timeout=60).json(), "shm"
+    )  # the advertised directory, checked
     for ids in prompts:
         captured = fetch_binary(descriptor_of(generate(server, capture_body(ids, "shm"))), shm)
         hf = reference[tuple(ids)]
@@ -166,9 +194,13 @@ def test_the_binary_plugin_captures_every_point_and_the_final_state(server, prom
 def test_greedy_decoding_equals_transformers(server, deepseek_tiny, prompts):
     model = load_reference(deepseek_tiny)
     for ids in prompts[:2]:
-        out = generate(server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}})
+        out = generate(
+            server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        )
         with torch.no_grad():
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids):]
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[
+                0, len(ids) :
+            ]
         assert out["output_ids"] == expected.tolist()
 
 
@@ -204,6 +236,10 @@ def test_sglang_keeps_its_plain_torch_moe_on_this_cpu():
     )
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
            "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(REPO / "services/inference/aerie_sglang/cpu/shim")}  # fmt: skip
-    result = subprocess.run([str(sglang_python()), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    result = subprocess.run(
+        [str(sglang_python()), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[1] == "False", "SGLang would use sgl-kernel's AMX layer kernels, which aerie's CPU ops lack"
+    assert result.stdout.split()[1] == "False", (
+        "SGLang would use sgl-kernel's AMX layer kernels, which aerie's CPU ops lack"
+    )

@@ -45,7 +45,9 @@ def random_drafter(folder: Path, target: Path) -> Path:
     cfg = json.loads((target / "config.json").read_text())
     H, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv_heads, head_dim, inter = 4, 2, 32, 128
-    layer_ids = to_engine_ids(default_capture_points(NUM_LAYERS), convention_for("sglang", cfg["architectures"][0]), NUM_LAYERS)
+    layer_ids = to_engine_ids(
+        default_capture_points(NUM_LAYERS), convention_for("sglang", cfg["architectures"][0]), NUM_LAYERS
+    )
     g = torch.Generator().manual_seed(11)
 
     def w(*shape):
@@ -112,10 +114,16 @@ def test_speculative_output_equals_greedy_and_a_random_drafter_accepts_nothing(s
             "input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}})  # fmt: skip
         assert r.status_code == 200, f"{r.text[:500]}; server log:\n{server.log_tail()}"
         out, meta = r.json()["output_ids"], r.json()["meta_info"]
-        print(f"{len(ids)} tokens: {meta['completion_tokens']} / {meta['spec_verify_ct']} verifies = {meta['spec_accept_length']:.3f}")
+        print(
+            f"{len(ids)} tokens: {meta['completion_tokens']} / {meta['spec_verify_ct']} verifies = {meta['spec_accept_length']:.3f}"
+        )
         with torch.no_grad():
-            greedy = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-        assert out == greedy[0, len(ids) :].tolist(), f"speculative output differs from greedy for a prompt of {len(ids)} tokens"
+            greedy = model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+        assert out == greedy[0, len(ids) :].tolist(), (
+            f"speculative output differs from greedy for a prompt of {len(ids)} tokens"
+        )
         assert meta["completion_tokens"] == MAX_NEW_TOKENS
         # the first token comes from prefill, each verify step adds the target's own token plus
         # the accepted drafts: nothing accepted gives n / (n - 1)

@@ -42,8 +42,12 @@ POINTS = [3, 4, 6]
 RIGHT_IDS, LLAMA_RULE_IDS = [3, 4, 6], [2, 3, 5]
 MAX_NEW_TOKENS, STEPS = 32, 3
 EAGLE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "Name three prime numbers.",
-           "How do I boil an egg?"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Name three prime numbers.",
+    "How do I boil an egg?",
+]
 AGREEMENT_TOLERANCE = 0.05
 
 
@@ -57,12 +61,28 @@ def trained(deepseek_tiny, cache_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("deepseek-trained")
     store = FsStore(root / "store")
-    upload_run(store, hidden_run_folder(cache_dir, deepseek_tiny, records=96, max_tokens=128, shard_sequences=16,
-                                        points=POINTS), "ds")
-    config = TrainConfig(draft_vocab_size=512, ttt_steps=3, steps=160, batch_tokens=512, max_seq_tokens=128, lr=3e-3,
-                         warmup_steps=8, checkpoint_every=80, eval_prompts=0, holdout_fraction=0.1)
-    result = stages.train(store, Settings(store=f"file://{store.root}"),
-                          TrainRequest(runs=["ds"], drafter="ds-eagle3", model=str(deepseek_tiny), config=config))
+    upload_run(
+        store,
+        hidden_run_folder(cache_dir, deepseek_tiny, records=96, max_tokens=128, shard_sequences=16, points=POINTS),
+        "ds",
+    )
+    config = TrainConfig(
+        draft_vocab_size=512,
+        ttt_steps=3,
+        steps=160,
+        batch_tokens=512,
+        max_seq_tokens=128,
+        lr=3e-3,
+        warmup_steps=8,
+        checkpoint_every=80,
+        eval_prompts=0,
+        holdout_fraction=0.1,
+    )
+    result = stages.train(
+        store,
+        Settings(store=f"file://{store.root}"),
+        TrainRequest(runs=["ds"], drafter="ds-eagle3", model=str(deepseek_tiny), config=config),
+    )
     return stages.pull(store, "ds-eagle3", root / "pulled"), result
 
 
@@ -85,22 +105,33 @@ def right_outputs(trained, deepseek_tiny, prompt_ids, tmp_path_factory) -> list[
 
 
 def served(model, folder, prompt_ids, tmp_path) -> list[dict]:
-    with serve_server(model, folder, num_steps=STEPS, num_draft_tokens=STEPS + 1, log_dir=tmp_path, env=EAGLE_ENV) as server:
+    with serve_server(
+        model, folder, num_steps=STEPS, num_draft_tokens=STEPS + 1, log_dir=tmp_path, env=EAGLE_ENV
+    ) as server:
         outs = []
         for ids in prompt_ids:
-            r = httpx.post(server.url + "/generate", timeout=600, json={
-                "input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+            r = httpx.post(
+                server.url + "/generate",
+                timeout=600,
+                json={
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+                },
+            )
             assert r.status_code == 200, f"{r.text[:500]}\n{server.log_tail()}"
             outs.append(r.json())
     return outs
 
 
 def acceptance(outputs: list[dict]) -> float:
-    return sum(o["meta_info"]["completion_tokens"] for o in outputs) / sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    return sum(o["meta_info"]["completion_tokens"] for o in outputs) / sum(
+        o["meta_info"]["spec_verify_ct"] for o in outputs
+    )
 
 
-def test_trained_drafter_serves_greedy_text_and_sglang_agrees_with_the_project_loop(trained, deepseek_tiny, prompt_ids,
-                                                                                   right_outputs):
+def test_trained_drafter_serves_greedy_text_and_sglang_agrees_with_the_project_loop(
+    trained, deepseek_tiny, prompt_ids, right_outputs
+):
     from aerie_trainer import evaluate
     from aerie_trainer.export import check_layer_ids, check_sglang_loadable, load_exported
     from tests.targets import load_reference
@@ -115,21 +146,28 @@ def test_trained_drafter_serves_greedy_text_and_sglang_agrees_with_the_project_l
     target = load_reference(deepseek_tiny)
     with torch.no_grad():
         for ids, out in zip(prompt_ids, outputs):
-            greedy = target.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-            assert out["output_ids"] == greedy[0, len(ids):].tolist(), "speculative output differs from greedy"
-    project = evaluate.acceptance_length(target, load_exported(folder, deepseek_tiny), prompt_ids, POINTS, MAX_NEW_TOKENS, STEPS)
+            greedy = target.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+            assert out["output_ids"] == greedy[0, len(ids) :].tolist(), "speculative output differs from greedy"
+    project = evaluate.acceptance_length(
+        target, load_exported(folder, deepseek_tiny), prompt_ids, POINTS, MAX_NEW_TOKENS, STEPS
+    )
     sglang = acceptance(outputs)
-    print(f"\n[deepseek trained] sglang {sglang:.4f} project {project['acceptance']:.4f} per prompt "
-          f"{[round(o['meta_info']['spec_accept_length'], 3) for o in outputs]} vs {project['acceptance_per_prompt']}; "
-          f"train {json.dumps({k: result.model_dump().get(k) for k in ('steps', 'final_loss', 'draft_vocab_coverage', 'simulated_acceptance')})}")
+    print(
+        f"\n[deepseek trained] sglang {sglang:.4f} project {project['acceptance']:.4f} per prompt "
+        f"{[round(o['meta_info']['spec_accept_length'], 3) for o in outputs]} vs {project['acceptance_per_prompt']}; "
+        f"train {json.dumps({k: result.model_dump().get(k) for k in ('steps', 'final_loss', 'draft_vocab_coverage', 'simulated_acceptance')})}"
+    )
     assert result.simulated_acceptance > 2.0, f"the drafter learnt little from the target's states: {result}"
     assert project["completion_tokens"] == sum(o["meta_info"]["completion_tokens"] for o in outputs)
     assert abs(sglang - project["acceptance"]) <= AGREEMENT_TOLERANCE, (sglang, project)
     assert sglang > MAX_NEW_TOKENS / (MAX_NEW_TOKENS - 1) + 0.3, sglang  # clearly more than nothing accepted
 
 
-def test_the_seeds_off_by_one_is_refused_and_collapses_acceptance_when_served(trained, deepseek_tiny, prompt_ids,
-                                                                             right_outputs, tmp_path):
+def test_the_seeds_off_by_one_is_refused_and_collapses_acceptance_when_served(
+    trained, deepseek_tiny, prompt_ids, right_outputs, tmp_path
+):
     from aerie_trainer import evaluate
     from aerie_trainer.export import ExportError, check_layer_ids, load_exported
     from tests.targets import load_reference
@@ -140,16 +178,27 @@ def test_the_seeds_off_by_one_is_refused_and_collapses_acceptance_when_served(tr
     config = json.loads((wrong / "config.json").read_text())
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = LLAMA_RULE_IDS  # what a Llama-minded exporter writes
     (wrong / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match=r"reads .*\[2, 3, 5\].* as capture points \[2, 3, 5\].*\[3, 4, 6\]: an off-by-1; export with \[3, 4, 6\]"):
+    with pytest.raises(
+        ExportError,
+        match=r"reads .*\[2, 3, 5\].* as capture points \[2, 3, 5\].*\[3, 4, 6\]: an off-by-1; export with \[3, 4, 6\]",
+    ):
         check_layer_ids(wrong, POINTS, "DeepseekV3ForCausalLM", 8)
 
     right = acceptance(right_outputs)
     off_outputs = served(deepseek_tiny, wrong, prompt_ids, tmp_path)
     off = acceptance(off_outputs)
     # what SGLang fed the drafter: the neighbouring layers, as the project's loop fed [2, 3, 5] shows
-    neighbours = evaluate.acceptance_length(load_reference(deepseek_tiny), load_exported(folder, deepseek_tiny), prompt_ids,
-                                            LLAMA_RULE_IDS, MAX_NEW_TOKENS, STEPS)
-    print(f"\n[deepseek off-by-one] right ids {right:.4f}, Llama-rule ids {off:.4f} (the project's loop fed layers "
-          f"{LLAMA_RULE_IDS}: {neighbours['acceptance']:.4f}) per prompt {[round(o['meta_info']['spec_accept_length'], 3) for o in off_outputs]}")
+    neighbours = evaluate.acceptance_length(
+        load_reference(deepseek_tiny),
+        load_exported(folder, deepseek_tiny),
+        prompt_ids,
+        LLAMA_RULE_IDS,
+        MAX_NEW_TOKENS,
+        STEPS,
+    )
+    print(
+        f"\n[deepseek off-by-one] right ids {right:.4f}, Llama-rule ids {off:.4f} (the project's loop fed layers "
+        f"{LLAMA_RULE_IDS}: {neighbours['acceptance']:.4f}) per prompt {[round(o['meta_info']['spec_accept_length'], 3) for o in off_outputs]}"
+    )
     assert abs(off - neighbours["acceptance"]) <= AGREEMENT_TOLERANCE, (off, neighbours)
     assert off < right - 0.2, (right, off)

@@ -63,7 +63,8 @@ def test_a_batch_goes_to_the_writer_process_as_one_group_and_lands_as_the_thread
     with one copy per buffer; a float32 capture of its own and one larger than the ring (written
     in-process instead) too. Every file equals, byte for byte, what the writer threads write for
     the same captures; the queued bytes return to 0 and the directory holds exactly the files."""
-    out = _batch_run("""
+    out = _batch_run(
+        """
         import hashlib, json
         files = {}
         for mode in ("threads", "process"):
@@ -88,7 +89,9 @@ def test_a_batch_goes_to_the_writer_process_as_one_group_and_lands_as_the_thread
         raw = files["process"]["a" + "0" * 31]
         n = int.from_bytes(raw[:8], "little")
         print("SHA", json.loads(raw[8:8 + n])["__metadata__"]["sha256"] == hashlib.sha256(raw[8 + n:]).hexdigest())
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "THREADS LEFT 5 UNCLAIMED True" in out and "PROCESS LEFT 5 UNCLAIMED True" in out, out
     assert "IDENTICAL True" in out and "SHA True" in out, out
     # the batch: its aux buffer (40 x 24 bf16) and its final buffer (40 x 8 bf16), once each; then
@@ -101,7 +104,8 @@ def test_a_writer_process_that_dies_leaves_error_notes_and_the_next_batch_starts
     """The writer process is stopped while it holds a batch, then killed: both captures get an
     error note naming the writer process (their clients fail at once instead of timing out), the
     bound no longer counts them, and the next batch is written by a new process."""
-    out = _batch_run("""
+    out = _batch_run(
+        """
         import os, signal
         root = Path.cwd() / "cap"
         sinks = Sinks(CaptureSinkSettings(shm_dir=root, max_unclaimed_bytes=1 << 30, ttl_s=60, writers=2,
@@ -122,7 +126,9 @@ def test_a_writer_process_that_dies_leaves_error_notes_and_the_next_batch_starts
         ids = batch(sinks, "e", None, spans=((0, 40),))
         wait(lambda: (root / f"{ids[0]}.safetensors").exists(), "the next capture")
         print("NEXT", sinks._process._channel.proc.pid != first.pid, sinks._process.stats.restarts, sinks.stats.captures)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "HELD True True" in out, out
     assert out.count("writer process ended (exit code -9) before writing it") == 2, out
     assert "AFTER 0 0 ['.error', '.error']" in out, out
@@ -132,7 +138,8 @@ def test_a_writer_process_that_dies_leaves_error_notes_and_the_next_batch_starts
 def test_the_ring_reuses_its_space_in_order_and_never_hands_out_space_in_use(tmp_path):
     """Regions are taken in order and wrap at the end; a region freed out of order comes back only
     with those before it; a request larger than the free contiguous space waits (None)."""
-    out = _sink_run("""
+    out = _sink_run(
+        """
         from aerie_sglang.plugin.writer_process import Ring
         ring = Ring(100, Path.cwd())
         a, b, c = ring.take(40), ring.take(40), ring.take(20)
@@ -148,7 +155,9 @@ def test_the_ring_reuses_its_space_in_order_and_never_hands_out_space_in_use(tmp
         ring.map[0:3] = b"abc"
         import mmap, os
         print("SHARED", mmap.mmap(ring.fd, 100, prot=mmap.PROT_READ)[0:3])
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "TAKEN [(0, 40), (40, 40), (80, 20)] None" in out, out
     assert "STILL-FULL None 60" in out, out
     assert "WRAPPED (0, 50) None 50" in out, out
@@ -156,7 +165,8 @@ def test_the_ring_reuses_its_space_in_order_and_never_hands_out_space_in_use(tmp
 
 
 def test_a_misspelt_writer_setting_refuses_the_sink_naming_it(tmp_path):
-    out = _sink_run("""
+    out = _sink_run(
+        """
         for env in ({"AERIE_CAPTURE_WRITER": "fork"}, {"AERIE_CAPTURE_WRITER": "process", "AERIE_CAPTURE_RING_BYTES": "0"}):
             try:
                 CaptureSinkSettings.from_env(env)
@@ -164,7 +174,9 @@ def test_a_misspelt_writer_setting_refuses_the_sink_naming_it(tmp_path):
             except CaptureConfigError as e:
                 print("REFUSED", e)
         print("DEFAULT", CaptureSinkSettings.from_env({}).writer, CaptureSinkSettings.from_env({"AERIE_CAPTURE_WRITER": "Process"}).writer)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "ACCEPTED" not in out, out
     assert "REFUSED AERIE_CAPTURE_WRITER='fork' is not one of threads, process" in out, out
     assert "REFUSED AERIE_CAPTURE_RING_BYTES='0' must be greater than 0" in out, out
@@ -176,7 +188,8 @@ def test_the_writer_process_lists_and_sweeps_the_directory_instead_of_the_server
     stats every file, each stat a GIL release in the server): the writer process lists it every
     second and the bound follows what clients claim, and it deletes the plugin's old captures
     and nothing else."""
-    out = _batch_run("""
+    out = _batch_run(
+        """
         import os
         root = Path.cwd() / "cap"
         sinks = Sinks(CaptureSinkSettings(shm_dir=root, max_unclaimed_bytes=1 << 30, ttl_s=60, writers=1,
@@ -200,7 +213,9 @@ def test_the_writer_process_lists_and_sweeps_the_directory_instead_of_the_server
             os.utime(path, (time.time() - 3600, time.time() - 3600))
         wait(lambda: not old.exists(), "the old capture swept")
         print("SWEPT", sorted(p.name for p in root.iterdir()) == sorted(["keep.txt", f"{ids[1]}.safetensors"]))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert "COUNTED True" in out, out
     assert "CLAIMED-SEEN SERVER-LISTINGS 0" in out, out
     assert "SWEPT True" in out, out

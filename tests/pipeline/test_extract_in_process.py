@@ -28,7 +28,9 @@ def test_shards_in_flight_store_what_one_at_a_time_stores_and_the_first_error_st
         run="inflight", dataset=str(DATA / "malformed.jsonl"), model=str(smollm2_path), capture_points=POINTS,
         dtype="bfloat16", options=IngestOptions(max_tokens=96, shard_tokens=64),
     ))  # fmt: skip
-    names = sorted(k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("inflight", "tokens")) if k.endswith(".json"))
+    names = sorted(
+        k.split("/")[-1][:-5] for k in fs_store.list(layout.shards_prefix("inflight", "tokens")) if k.endswith(".json")
+    )
     assert len(names) >= 3
     two = Settings(engine="hf", tokens_per_batch=96, worker_concurrency=2)  # two at once on the CPU too
     assert shards_in_flight(two) == 2
@@ -42,6 +44,8 @@ def test_shards_in_flight_store_what_one_at_a_time_stores_and_the_first_error_st
     in_flight = {n: fs_store.get_bytes(layout.shard("inflight", "hidden", n)) for n in names}
     for n in names:  # one shard at a time, as before: the same bytes
         fs_store.delete(layout.shard_record("inflight", "hidden", n))
-        assert not run_extract(fs_store, Settings(engine="hf", tokens_per_batch=96), ExtractRequest(run="inflight", shard=n)).skipped
+        assert not run_extract(
+            fs_store, Settings(engine="hf", tokens_per_batch=96), ExtractRequest(run="inflight", shard=n)
+        ).skipped
         assert fs_store.get_bytes(layout.shard("inflight", "hidden", n)) == in_flight[n]
     assert extract_in_process(fs_store, two, "inflight", names) == len(names)

@@ -59,8 +59,14 @@ def test_aerie_run_quick_publishes_a_trained_drafter_and_reruns_idempotently(tmp
 
 
 def _aerie_run(args: list[str], env: dict[str, str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).with_name("aerie")), "run", "--quick", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("aerie")), "run", "--quick", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow
@@ -69,9 +75,29 @@ def test_aerie_run_regenerate_trains_on_the_targets_own_answers(tmp_path, smollm
     speculative loop): the regenerate stage answers in this process (the hf engine, no server), the
     token shard holds that answer, and the drafter trained on that run is published and pulled."""
     env = clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent))
-    out = _aerie_run(["--regenerate", "--regenerate-max-tokens", "4", "--dataset", str(DATA / "sharegpt_cut.json"),
-                      "--records", "1", "--run", "regen", "--steps", "1", "--draft-vocab", "64", "--eval-prompts", "0",
-                      "--out", str(tmp_path / "drafter")], env, tmp_path)
+    out = _aerie_run(
+        [
+            "--regenerate",
+            "--regenerate-max-tokens",
+            "4",
+            "--dataset",
+            str(DATA / "sharegpt_cut.json"),
+            "--records",
+            "1",
+            "--run",
+            "regen",
+            "--steps",
+            "1",
+            "--draft-vocab",
+            "64",
+            "--eval-prompts",
+            "0",
+            "--out",
+            str(tmp_path / "drafter"),
+        ],
+        env,
+        tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "wall time: regenerate" in out.stdout and "aerie run: summary" in out.stdout, out.stdout[-3000:]
 
@@ -79,7 +105,9 @@ def test_aerie_run_regenerate_trains_on_the_targets_own_answers(tmp_path, smollm
     record = store.get_json(layout.regenerated_record("regen", "000000"), RegeneratedRecord)
     assert record.servers == ["hf"] and record.conversations == record.turns == record.token_sequences == 1, record
     assert 0 < record.completion_tokens <= 4, record
-    (answered,) = [json.loads(line) for line in store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()]
+    (answered,) = [
+        json.loads(line) for line in store.get_bytes(layout.regenerated("regen", "000000")).decode().splitlines()
+    ]
     question, answer = answered["messages"]
     assert question == {"role": "user", "content": "Give me a synonym for happy."} and answer["role"] == "assistant"
     assert answer["content"] and answer["content"] != "Joyful.", answered  # the target's words, not the dataset's

@@ -15,20 +15,48 @@ from tests.runs import DATA
 def test_options_over_the_size(smollm2_path):
     quick = training_config(SIZES["quick"], smollm2_path, None, None, None, None)
     assert (quick.steps, quick.lr, quick.ttt_steps, quick.grad_clip, quick.preset) == (120, 3e-3, 2, 1.0, None)
-    mine = training_config(SIZES["quick"], smollm2_path, 50, 512, None, None, lr=1e-3, ttt_steps=4, batch_tokens=128,
-                           seq_len=64, drafter_shape='{"intermediate_size": 256}', train_config='{"grad_accum": 2}')
-    assert (mine.steps, mine.draft_vocab_size, mine.lr, mine.ttt_steps, mine.batch_tokens, mine.max_seq_tokens,
-            mine.drafter.intermediate_size, mine.grad_accum) == (50, 512, 1e-3, 4, 128, 64, 256, 2)
+    mine = training_config(
+        SIZES["quick"],
+        smollm2_path,
+        50,
+        512,
+        None,
+        None,
+        lr=1e-3,
+        ttt_steps=4,
+        batch_tokens=128,
+        seq_len=64,
+        drafter_shape='{"intermediate_size": 256}',
+        train_config='{"grad_accum": 2}',
+    )
+    assert (
+        mine.steps,
+        mine.draft_vocab_size,
+        mine.lr,
+        mine.ttt_steps,
+        mine.batch_tokens,
+        mine.max_seq_tokens,
+        mine.drafter.intermediate_size,
+        mine.grad_accum,
+    ) == (50, 512, 1e-3, 4, 128, 64, 256, 2)
     by_epochs = training_config(SIZES["quick"], smollm2_path, None, None, None, None, epochs=2)
     assert (by_epochs.steps, by_epochs.epochs, by_epochs.warmup_steps) == (None, 2, None)
 
 
 def test_a_preset_is_checked_against_the_model(smollm2_path, tmp_path):
-    with pytest.raises(click.UsageError, match="preset llama-3.1-8b is for meta-llama/Llama-3.1-8B-Instruct; the model differs"):
+    with pytest.raises(
+        click.UsageError, match="preset llama-3.1-8b is for meta-llama/Llama-3.1-8B-Instruct; the model differs"
+    ):
         training_config(SIZES["default"], smollm2_path, None, None, None, None, preset="llama-3.1-8b")
     (tmp_path / "config.json").write_text((DATA / "llama_3_1_8b_instruct_config.json").read_text())
     config = training_config(SIZES["default"], tmp_path, None, None, None, None, preset="llama-3.1-8b", lr=5e-5)
     assert (config.preset, config.steps, config.epochs, config.lr, config.draft_vocab_size, config.ttt_steps) == (
-        "llama-3.1-8b", None, 10, 5e-5, 32000, 7)
+        "llama-3.1-8b",
+        None,
+        10,
+        5e-5,
+        32000,
+        7,
+    )
     with pytest.raises(click.BadParameter, match="training setting lr=-1"):
         training_config(SIZES["default"], smollm2_path, None, None, None, None, train_config=json.dumps({"lr": -1}))

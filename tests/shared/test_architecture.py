@@ -36,14 +36,24 @@ def test_the_trainer_does_not_depend_on_the_extractor():
 
 
 def test_each_stage_is_defined_once_and_every_caller_uses_it():
-    sources = {p: p.read_text() for root in ("shared", "services", "benchmarks", "tests") for p in (REPO / root).rglob("*.py")
-               if ".venv" not in p.parts}
+    sources = {
+        p: p.read_text()
+        for root in ("shared", "services", "benchmarks", "tests")
+        for p in (REPO / root).rglob("*.py")
+        if ".venv" not in p.parts
+    }
     for stage in ("run_ingest", "run_extract", "run_train"):
         defined = [p for p, text in sources.items() if re.search(rf"^def {stage}\(", text, re.M)]
         assert len(defined) == 1, (stage, defined)
     # the transports call aerie.stages: the tasks, `aerie run`, the GPU driver, the tests' drafter
-    for path in ("services/extractor/aerie_extractor/tasks.py", "services/trainer/aerie_trainer/tasks.py",
-                 "shared/aerie/pipeline.py", "benchmarks/gpu_pipeline.py", "tests/trained.py", "tests/runs.py"):
+    for path in (
+        "services/extractor/aerie_extractor/tasks.py",
+        "services/trainer/aerie_trainer/tasks.py",
+        "shared/aerie/pipeline.py",
+        "benchmarks/gpu_pipeline.py",
+        "tests/trained.py",
+        "tests/runs.py",
+    ):
         text = (REPO / path).read_text()
         assert re.search(r"stages\.(ingest|extract|train)\(", text), path
         assert not re.search(r"\brun_(ingest|extract|train)\(", text), f"{path} calls a stage's implementation directly"
@@ -51,11 +61,26 @@ def test_each_stage_is_defined_once_and_every_caller_uses_it():
 
 def test_command_surface():
     """`aerie` commands come from one mechanism (entry points), and the set does not grow by accident."""
-    out = subprocess.run([str(Path(sys.executable).with_name("aerie")), "--help"], env=clean_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("aerie")), "--help"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     commands = sorted(re.findall(r"^  ([a-z-]+)\s", out.stdout.split("Commands:")[1], re.M))
-    assert commands == ["align", "bench", "capture-ids", "prepare-store", "pull", "retry-failed", "run", "smoke", "train"], commands
+    assert commands == [
+        "align",
+        "bench",
+        "capture-ids",
+        "prepare-store",
+        "pull",
+        "retry-failed",
+        "run",
+        "smoke",
+        "train",
+    ], commands
     for service in ("extractor", "trainer"):  # no argparse CLI of their own
         for path in (REPO / "services" / service).rglob("*.py"):
             assert "argparse" not in path.read_text(), path

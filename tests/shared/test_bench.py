@@ -30,9 +30,16 @@ def test_default_prompt_set_is_mt_bench_found_without_importing_it():
 
 def test_prompt_files_and_the_line_that_is_wrong(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text('{"prompt": "hi"}\n\n{"question_id": 7, "category": "x", "turns": ["a", "b"]}\n'
-                    '{"prompt": "one\u2028line\x85still"}\n', encoding="utf-8")  # raw separators inside a string
-    assert [(p.id, p.turns) for p in load_prompts(good)] == [("1", ["hi"]), ("7", ["a", "b"]), ("4", ["one\u2028line\x85still"])]
+    good.write_text(
+        '{"prompt": "hi"}\n\n{"question_id": 7, "category": "x", "turns": ["a", "b"]}\n'
+        '{"prompt": "one\u2028line\x85still"}\n',
+        encoding="utf-8",
+    )  # raw separators inside a string
+    assert [(p.id, p.turns) for p in load_prompts(good)] == [
+        ("1", ["hi"]),
+        ("7", ["a", "b"]),
+        ("4", ["one\u2028line\x85still"]),
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"messages": []}\n')
     with pytest.raises(BenchError, match=r"line 2 of .*bad.jsonl: needs \"turns\""):
@@ -88,11 +95,27 @@ def test_no_server_at_the_url_says_so(tmp_path):
 def test_the_table_shows_both_columns():
     from rich.console import Console
 
-    drafter = {"url": "http://a", "draft_model": "/d", "acceptance_length": 1.5, "accept_rate": 0.2,
-               "tokens_per_s": 30.0, "completion_tokens": 100, "requests": 2}
-    baseline = dict(drafter, url="http://b", draft_model=None, acceptance_length=None, accept_rate=None, tokens_per_s=20.0)
-    report = {"prompts": 2, "turns": 1, "max_tokens": 64, "drafter": drafter, "baseline": baseline,
-              "speedup": 1.5, "identical_outputs": 2}
+    drafter = {
+        "url": "http://a",
+        "draft_model": "/d",
+        "acceptance_length": 1.5,
+        "accept_rate": 0.2,
+        "tokens_per_s": 30.0,
+        "completion_tokens": 100,
+        "requests": 2,
+    }
+    baseline = dict(
+        drafter, url="http://b", draft_model=None, acceptance_length=None, accept_rate=None, tokens_per_s=20.0
+    )
+    report = {
+        "prompts": 2,
+        "turns": 1,
+        "max_tokens": 64,
+        "drafter": drafter,
+        "baseline": baseline,
+        "speedup": 1.5,
+        "identical_outputs": 2,
+    }
     console = Console(record=True, width=120)
     console.print(bench.render(report))
     text = console.export_text()
@@ -128,8 +151,13 @@ def test_a_setting_whose_server_dies_is_recorded_as_failed_and_the_sweep_goes_on
     import sys
 
     launch = f"{sys.executable} -c \"import sys; print('no such flag'); sys.exit(3)\""
-    report = bench.run_sweep(launch, [bench.parse_setting("3,1,4"), bench.parse_setting("5,8,16")],
-                             [bench.Prompt("1", "", ["hi"])], start_timeout_s=60, log_dir=tmp_path)
+    report = bench.run_sweep(
+        launch,
+        [bench.parse_setting("3,1,4"), bench.parse_setting("5,8,16")],
+        [bench.Prompt("1", "", ["hi"])],
+        start_timeout_s=60,
+        log_dir=tmp_path,
+    )
     assert [p["error"].split(" before")[0].endswith("exited with 3") for p in report["points"]] == [True, True]
     assert "no such flag" in report["points"][0]["error"] and report["best"] is None
 
@@ -137,7 +165,9 @@ def test_a_setting_whose_server_dies_is_recorded_as_failed_and_the_sweep_goes_on
 @pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.timeout(2400)  # builds the shared trained drafter when no test has (tests/trained.py)
-def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(trained_smol, smollm2_path, fs_store, tmp_path):
+def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(
+    trained_smol, smollm2_path, fs_store, tmp_path
+):
     """Two settings of the shared trained drafter (each a real SGLang CPU server, ~25 s to start):
     acceptance and tokens/s per setting, the best one, stored beside the lineage (which is unchanged).
     Two chains: a tree (topk > 1) crashes the CPU extend-attention op of aerie_sglang.cpu (its tree
@@ -151,11 +181,27 @@ def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(
     lineage = DrafterLineage.model_validate_json((trained_smol.folder / "aerie.json").read_bytes())
     drafters.publish(fs_store, trained_smol.folder, lineage.model_dump(exclude={"files"}))
     before = fs_store.get_bytes(layout.drafter_lineage(lineage.name, lineage.version))
-    launch = " ".join([str(sglang_python()), "-m", "aerie_sglang.cpu.launch", "--serve-eagle", "--model-path", str(smollm2_path),
-                       "--dtype", "float32", *CPU_ARGS, "--speculative-draft-model-path", str(trained_smol.folder)])
+    launch = " ".join(
+        [
+            str(sglang_python()),
+            "-m",
+            "aerie_sglang.cpu.launch",
+            "--serve-eagle",
+            "--model-path",
+            str(smollm2_path),
+            "--dtype",
+            "float32",
+            *CPU_ARGS,
+            "--speculative-draft-model-path",
+            str(trained_smol.folder),
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
     env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    prompts = [bench.Prompt(str(i), "", [t]) for i, t in enumerate(["What is the capital of France?", "Write a haiku about the sea."])]
+    prompts = [
+        bench.Prompt(str(i), "", [t])
+        for i, t in enumerate(["What is the capital of France?", "Write a haiku about the sea."])
+    ]
     settings = [bench.parse_setting("2,1,3"), bench.parse_setting("3,1,4")]
     report = bench.run_sweep(launch, settings, prompts, max_tokens=32, log_dir=tmp_path, env=env)
     print(json.dumps(report, indent=1))

@@ -29,8 +29,11 @@ def one_line(out: subprocess.CompletedProcess, *names: str) -> str:
 
 
 def test_aerie_run_names_a_run_after_any_file_name():
-    for path, name in [("/data/my chat data.jsonl", "my-chat-data-quick-32"), ("Été: 100%.json", "t-100-quick-32"),
-                       ("/x/...jsonl", "dataset-quick-32")]:
+    for path, name in [
+        ("/data/my chat data.jsonl", "my-chat-data-quick-32"),
+        ("Été: 100%.json", "t-100-quick-32"),
+        ("/x/...jsonl", "dataset-quick-32"),
+    ]:
         assert run_name_for(path, "quick-32") == name
         IngestRequest(run=name, dataset="d", model="m")  # the contracts' name pattern accepts it
 
@@ -39,17 +42,41 @@ def test_cli_failures_are_one_line_aerie_run_my_chat_data_broker_down(tmp_path, 
     """A dataset named `my chat data.jsonl`, Redis down: the run name is derived, the broker is
     named, and nothing is uploaded before the broker is reached."""
     dataset = tmp_path / "my chat data.jsonl"
-    dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey."}]}) + "\n")
+    dataset.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey."}]}) + "\n"
+    )
     store = tmp_path / "store"
-    out = aerie(clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent)), "run", "--quick", "--dataset", str(dataset), "--model", str(smollm2_path),
-                "--store", f"file://{store}", "--broker", f"redis://127.0.0.1:{free_port()}/0", cwd=tmp_path)
+    out = aerie(
+        clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent)),
+        "run",
+        "--quick",
+        "--dataset",
+        str(dataset),
+        "--model",
+        str(smollm2_path),
+        "--store",
+        f"file://{store}",
+        "--broker",
+        f"redis://127.0.0.1:{free_port()}/0",
+        cwd=tmp_path,
+    )
     one_line(out, "unreachable", "AERIE_BROKER")
     assert not (store / "datasets").exists()
 
 
 def test_cli_failures_are_one_line_aerie_run_missing_dataset(tmp_path, smollm2_path):
-    out = aerie(clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent)), "run", "--quick", "--dataset", "my chta.jsonl",
-                "--model", str(smollm2_path), "--store", f"file://{tmp_path / 'store'}", cwd=tmp_path)
+    out = aerie(
+        clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent)),
+        "run",
+        "--quick",
+        "--dataset",
+        "my chta.jsonl",
+        "--model",
+        str(smollm2_path),
+        "--store",
+        f"file://{tmp_path / 'store'}",
+        cwd=tmp_path,
+    )
     one_line(out, "my chta.jsonl", "no such file")
 
 

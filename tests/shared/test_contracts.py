@@ -19,10 +19,17 @@ def test_names_in_queue_messages_are_validated_shard(shard):
     assert ExtractRequest(run="r1", shard=layout.shard_name(7)).shard == "000007"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("runs", ["../r1"]), ("runs", ["r1", "a/b"]), ("runs", [""]),
-    ("train_id", "../../drafters/x"), ("train_id", "a b"), ("train_id", "v1\n"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("runs", ["../r1"]),
+        ("runs", ["r1", "a/b"]),
+        ("runs", [""]),
+        ("train_id", "../../drafters/x"),
+        ("train_id", "a b"),
+        ("train_id", "v1\n"),
+    ],
+)
 def test_names_in_queue_messages_are_validated_train(field, value):
     """Every run a training reads and its train id (which becomes the drafter version)."""
     fields = {"runs": ["r1"], "drafter": "d", "model": "/models/target", field: value}
@@ -33,8 +40,11 @@ def test_names_in_queue_messages_are_validated_train(field, value):
 
 def test_names_in_keys_match_whole_in_the_layout():
     """A trailing newline passes a `^...$` pattern under Python's `re.match`; the layout matches whole."""
-    for build, name in ((lambda n: layout.alignment_report("r1", n), "server"), (lambda n: layout.train_progress("r1", n), "t1"),
-                        (lambda n: layout.drafter_bench("d", "v1", n), "sweep")):
+    for build, name in (
+        (lambda n: layout.alignment_report("r1", n), "server"),
+        (lambda n: layout.train_progress("r1", n), "t1"),
+        (lambda n: layout.drafter_bench("d", "v1", n), "sweep"),
+    ):
         assert name in build(name)
         with pytest.raises(ValueError):
             build(name + "\n")

@@ -16,8 +16,15 @@ from aerie.contracts import DrafterLineage, EngineSpec, TargetSpec, TrainConfig
 from aerie.store import NotFound
 from tests.services import clean_env, store_env
 
-TARGET = TargetSpec(model="m", architecture="LlamaForCausalLM", num_layers=30, hidden_size=8, vocab_size=16,
-                    weights_sha256="w" * 64, tokenizer_sha256="t" * 64)
+TARGET = TargetSpec(
+    model="m",
+    architecture="LlamaForCausalLM",
+    num_layers=30,
+    hidden_size=8,
+    vocab_size=16,
+    weights_sha256="w" * 64,
+    tokenizer_sha256="t" * 64,
+)
 
 
 def publish(store, tmp_path, name="smol", version="v1"):
@@ -25,10 +32,23 @@ def publish(store, tmp_path, name="smol", version="v1"):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     save_file({"fc.weight": np.ones((8, 24), dtype=np.float32)}, str(folder / "model.safetensors"))
-    return drafters.publish(store, folder, dict(
-        name=name, version=version, runs=["r1"], target=TARGET, capture_points=[2, 15, 27], exported_layer_ids=[1, 14, 26],
-        engine=EngineSpec(name="hf", version="t", convention="hf", layer_ids=[2, 15, 27]), exported_convention="sglang-llama",
-        draft_vocab_size=4, config=TrainConfig(), metrics={"acceptance": 1.5}))
+    return drafters.publish(
+        store,
+        folder,
+        dict(
+            name=name,
+            version=version,
+            runs=["r1"],
+            target=TARGET,
+            capture_points=[2, 15, 27],
+            exported_layer_ids=[1, 14, 26],
+            engine=EngineSpec(name="hf", version="t", convention="hf", layer_ids=[2, 15, 27]),
+            exported_convention="sglang-llama",
+            draft_vocab_size=4,
+            config=TrainConfig(),
+            metrics={"acceptance": 1.5},
+        ),
+    )
 
 
 def test_publish_resolve_pull(store, tmp_path):
@@ -51,7 +71,9 @@ def test_pull_refuses_names_outside_dest(fs_store, tmp_path, name):
     `..` escaped DEST)."""
     lineage = publish(fs_store, tmp_path)
     files = {**lineage.files, name: lineage.files["config.json"]}
-    fs_store.put_bytes(layout.drafter_file("smol", "v1", "aerie.json"), lineage.model_copy(update={"files": files}).to_json())
+    fs_store.put_bytes(
+        layout.drafter_file("smol", "v1", "aerie.json"), lineage.model_copy(update={"files": files}).to_json()
+    )
     dest = tmp_path / "d" / "dest"
     with pytest.raises(drafters.DrafterError, match="refused, nothing written"):
         drafters.pull(fs_store, "smol", dest)
@@ -80,10 +102,17 @@ def test_aerie_pull_needs_only_the_shared_package(s3_store, tmp_path):
     packages cannot be imported in that process, and it still pulls."""
     publish(s3_store, tmp_path, version="v7")
     blocked = ["torch", "transformers", "aerie_trainer", "aerie_extractor", "aerie_sglang"]
-    code = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None  # import of any of them raises\n"
-            "from aerie.cli import main\nmain()")
-    out = subprocess.run([sys.executable, "-c", code, "pull", "smol", str(tmp_path / "out")], env=clean_env(**store_env(s3_store)),
-                         capture_output=True, text=True, timeout=120)
+    code = (
+        f"import sys\nfor m in {blocked!r}: sys.modules[m] = None  # import of any of them raises\n"
+        "from aerie.cli import main\nmain()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "pull", "smol", str(tmp_path / "out")],
+        env=clean_env(**store_env(s3_store)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "smol:v7" in out.stdout and (tmp_path / "out" / "model.safetensors").is_file()
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
 import threading
 import time
+
+import pytest
 
 from aerie.queue import claim_once, held, mark_done, retryable
 from aerie.settings import Settings
@@ -51,7 +51,9 @@ def test_a_second_delivery_waits_for_the_live_holder_and_takes_over_once_it_is_k
     from tests.services import clean_env
 
     settings = Settings(broker=redis_url)
-    first = subprocess.Popen([sys.executable, "-c", HOLDER, redis_url], stdout=subprocess.PIPE, text=True, env=clean_env())
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, redis_url], stdout=subprocess.PIPE, text=True, env=clean_env()
+    )
     try:
         assert first.stdout.readline().strip() == "holding"
         second = threading.Event()

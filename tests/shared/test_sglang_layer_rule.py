@@ -77,7 +77,9 @@ class ModelSource:
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
                 module.classes[node.name] = node
-            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets
+            ):
                 module.entry = [n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)]
         return module
 
@@ -178,7 +180,10 @@ class ModelSource:
                     and isinstance(n.func.value, ast.Attribute) and isinstance(n.func.value.value, ast.Name)
                     and n.func.value.value.id == "self"):  # fmt: skip
                 targets = self.attribute_classes(ref, n.func.value.attr)
-                rules = {self.rule(t) if isinstance(t, tuple) else f"unresolved: self.{n.func.value.attr} = {t}" for t in targets}
+                rules = {
+                    self.rule(t) if isinstance(t, tuple) else f"unresolved: self.{n.func.value.attr} = {t}"
+                    for t in targets
+                }
                 if not rules:
                     return f"unresolved: nothing assigned to self.{n.func.value.attr}"
                 if len(rules) > 1:
@@ -231,7 +236,9 @@ def test_the_reading_finds_each_way_of_applying_a_rule(sglang_rules):
     # the scan must see the plain Llama rule, inheritance and delegation, not only DeepSeek's own method
     assert sglang_rules["DeepseekV3ForCausalLM"] == "deepseek"  # its own method
     assert sglang_rules["MistralLarge3ForCausalLM"] == "deepseek"  # inherited from DeepseekV3ForCausalLM
-    assert sglang_rules["KimiK25ForConditionalGeneration"] == "deepseek"  # self.language_model = DeepseekV3ForCausalLM(...)
+    assert (
+        sglang_rules["KimiK25ForConditionalGeneration"] == "deepseek"
+    )  # self.language_model = DeepseekV3ForCausalLM(...)
     assert sglang_rules["LlamaForCausalLM"] == sglang_rules["Qwen2ForCausalLM"] == "other"
     assert sglang_rules["Qwen3VLMoeForConditionalGeneration"] == "other"  # through an __init__ parameter's default
     assert sglang_rules["Qwen3_5ForCausalLM"] == "other"  # through a class attribute (body_cls)

@@ -1,6 +1,5 @@
 """The shard format: packed, no padding, plain safetensors, validated with precise errors."""
 
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ rng = np.random.default_rng(0)
 
 def make_sequences(n=5, K=3, H=16, signal="final", dtype=ml_dtypes.bfloat16):
     seqs = []
-    for i in range(n):
+    for _ in range(n):
         T = int(rng.integers(3, 40))
         s = {
             "input_ids": rng.integers(0, 1000, T).astype(np.int32),

@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 
 from aerie.shard import (
-    E4M3_MAX, Shard, ShardError, UnknownDtype, dequantize_e4m3, dequantize_tensors, pack, quantize_e4m3,
+    E4M3_MAX,
+    Shard,
+    ShardError,
+    UnknownDtype,
+    dequantize_e4m3,
+    dequantize_tensors,
+    pack,
+    quantize_e4m3,
 )
 from tests.shared.test_shard import make_sequences
 
@@ -130,7 +137,10 @@ def broken(mutate):
         (lambda s: setattr(s, "states_dtype", "F64"), "states_dtype 'F64' is not one of"),
         (lambda s: setattr(s, "final", s.final.astype(np.float32)), "aux is fp8 but final is float32"),
         (lambda s: s.aux_scale.__setitem__((4, 1, 0), -1.0), "aux_scale holds a NaN/Inf or negative scale at token 4"),
-        (lambda s: s.final_scale.__setitem__((2, 0), np.nan), "final_scale holds a NaN/Inf or negative scale at token 2"),
+        (
+            lambda s: s.final_scale.__setitem__((2, 0), np.nan),
+            "final_scale holds a NaN/Inf or negative scale at token 2",
+        ),
         (lambda s: s.aux.view(np.uint8).__setitem__((9, 0, 0), 0x7F), "aux holds NaN/Inf at token 9"),
     ],
 )
@@ -160,7 +170,9 @@ def test_unknown_dtypes_are_refused_in_one_line():
     data = pack(make_sequences(), capture_points=[1, 2, 3]).quantize().to_bytes()
     # a dtype this aerie does not know (say a future e5m2 writer's)
     e5m2 = _with_header(data, lambda h: h["aux"].update(dtype="F8_E5M2"))
-    with pytest.raises(UnknownDtype, match=r"^tensor 'aux' is stored as F8_E5M2, which this aerie does not read .*re-extract the run$"):
+    with pytest.raises(
+        UnknownDtype, match=r"^tensor 'aux' is stored as F8_E5M2, which this aerie does not read .*re-extract the run$"
+    ):
         Shard.from_buffer(e5m2)
     odd = _with_header(data, lambda h: h["__metadata__"].update(states_dtype="F64"))
     with pytest.raises(UnknownDtype, match="states_dtype 'F64' is not one of"):

@@ -47,8 +47,12 @@ def test_put_parts_writes_the_buffers_in_order(store):
     """A shard's parts (header, then each tensor, some larger than a write chunk, some empty)
     make the object, and its sha256, of their bytes joined; a failed write leaves nothing."""
     rng = np.random.default_rng(2)
-    parts = [memoryview(b"head"), memoryview(rng.integers(0, 256, (9 << 20) + 3, dtype=np.uint8)),
-             memoryview(b""), memoryview(rng.standard_normal(1000).astype(np.float32).view(np.uint8))]
+    parts = [
+        memoryview(b"head"),
+        memoryview(rng.integers(0, 256, (9 << 20) + 3, dtype=np.uint8)),
+        memoryview(b""),
+        memoryview(rng.standard_normal(1000).astype(np.float32).view(np.uint8)),
+    ]
     joined = b"".join(p.tobytes() for p in parts)
     assert store.put_parts("runs/r/parts.bin", parts) == hashlib.sha256(joined).hexdigest()
     assert store.get_bytes("runs/r/parts.bin") == joined

@@ -11,6 +11,7 @@ from aerie import layout
 from aerie.shard import Shard
 from tests.runs import hidden_run_folder, upload_run
 
+
 # --------------------------------------------------------------------------------------
 # Tests of the data pipeline
 # --------------------------------------------------------------------------------------
@@ -78,7 +79,9 @@ def test_mixed_runs_are_refused(fs_store, small_run):
     with pytest.raises(DataError, match="no runs/missing/run.json"):
         load_runs(fs_store, ["missing"])
     upload_run(fs_store, small_run, "r3")
-    assert len(load_runs(fs_store, ["r1", "r3"]).shards) == 2 * len(list((small_run / "runs" / "RUN" / "hidden").glob("*.safetensors")))
+    assert len(load_runs(fs_store, ["r1", "r3"]).shards) == 2 * len(
+        list((small_run / "runs" / "RUN" / "hidden").glob("*.safetensors"))
+    )
 
 
 def test_fp8_runs_batch_as_the_dequantized_states(store, small_run):
@@ -97,23 +100,33 @@ def test_fp8_runs_batch_as_the_dequantized_states(store, small_run):
     it = data.batches()
     _, stored = next(it)
     it.close()
-    assert stored.aux.dtype == torch.float8_e4m3fn and stored.aux_scale.shape[-1] == 9 and stored.states_dtype == torch.bfloat16
+    assert (
+        stored.aux.dtype == torch.float8_e4m3fn
+        and stored.aux_scale.shape[-1] == 9
+        and stored.states_dtype == torch.bfloat16
+    )
     batch = stored.to("cpu")
     assert batch.aux_scale is None and batch.aux.dtype == torch.bfloat16 and batch.final.dtype == torch.bfloat16
     shard_idx, seq_idx = data.epoch_plan(0)[0][0]
     fp8 = Shard.from_buffer(store.get_bytes(data.shards[shard_idx].key))
     seq = fp8.sequence(seq_idx)  # numpy dequantized
     T = min(len(seq["input_ids"]), 96)
-    np.testing.assert_array_equal(batch.aux[0, : T - 1].float().numpy(), seq["aux"][: T - 1].astype(np.float32).reshape(T - 1, -1))
+    np.testing.assert_array_equal(
+        batch.aux[0, : T - 1].float().numpy(), seq["aux"][: T - 1].astype(np.float32).reshape(T - 1, -1)
+    )
     np.testing.assert_array_equal(batch.final[0, : T - 1].float().numpy(), seq["final"][1:T].astype(np.float32))
     assert not batch.aux[0, T - 1 :].any()  # padding stays zero
     # the bf16 states they came from, within e4m3's precision
-    bf16 = Shard.from_buffer(store.get_bytes(layout.shard("r1", "hidden", data.shards[shard_idx].name))).sequence(seq_idx)
+    bf16 = Shard.from_buffer(store.get_bytes(layout.shard("r1", "hidden", data.shards[shard_idx].name))).sequence(
+        seq_idx
+    )
     a, b = bf16["aux"].astype(np.float32), seq["aux"].astype(np.float32)
     assert (np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)).max() < 2.0**-4
     # byte-range readers (the vocabulary's count of target tokens) get dequantized states too
     t = read_tensors(store, data.shards[shard_idx].key, ["final", "offsets"])
     assert sorted(t) == ["final", "offsets"]
     np.testing.assert_array_equal(t["final"], dequantize_e4m3(fp8.final, fp8.final_scale, "BF16"))
-    with pytest.raises(DataError, match=r"differ in storage \(dtype, scale block\) \(\(None, None\) vs \('float8_e4m3fn', 64\)\)"):
+    with pytest.raises(
+        DataError, match=r"differ in storage \(dtype, scale block\) \(\(None, None\) vs \('float8_e4m3fn', 64\)\)"
+    ):
         load_runs(store, ["r1", "r8"])

@@ -15,12 +15,20 @@ from safetensors.torch import load as st_load
 
 from aerie import layout
 from aerie.contracts import TrainConfig
-
 from tests.runs import hidden_run_folder, upload_run
 from tests.services import REPO, clean_env, store_env
 
-CFG = TrainConfig(draft_vocab_size=1024, ttt_steps=2, steps=4, batch_tokens=128, max_seq_tokens=96, warmup_steps=1,
-                  checkpoint_every=2, eval_prompts=0, holdout_fraction=0.2)
+CFG = TrainConfig(
+    draft_vocab_size=1024,
+    ttt_steps=2,
+    steps=4,
+    batch_tokens=128,
+    max_seq_tokens=96,
+    warmup_steps=1,
+    checkpoint_every=2,
+    eval_prompts=0,
+    holdout_fraction=0.2,
+)
 
 
 @pytest.mark.slow
@@ -29,21 +37,49 @@ def test_two_ranks_equal_one_process_with_accumulation_under_ddp_and_fsdp(fs_sto
 
     def train(train_id: str, grad_accum: int, **env: str) -> dict:
         cfg = CFG.model_copy(update={"grad_accum": grad_accum})
-        args = [sys.executable, "-m", "aerie.cli", "train", "--runs", "r1", "--drafter", "ddp", "--model", str(smollm2_path),
-                "--config", cfg.model_dump_json(), "--train-id", train_id, "--no-publish"]
-        out = subprocess.run(args, env=clean_env(**store_env(fs_store), OMP_NUM_THREADS="1", **env), cwd=REPO,
-                             capture_output=True, text=True, timeout=900)
+        args = [
+            sys.executable,
+            "-m",
+            "aerie.cli",
+            "train",
+            "--runs",
+            "r1",
+            "--drafter",
+            "ddp",
+            "--model",
+            str(smollm2_path),
+            "--config",
+            cfg.model_dump_json(),
+            "--train-id",
+            train_id,
+            "--no-publish",
+        ]
+        out = subprocess.run(
+            args,
+            env=clean_env(**store_env(fs_store), OMP_NUM_THREADS="1", **env),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        result = json.loads(out.stdout[out.stdout.rindex("{\n \"drafter\""):])  # after the progress lines
+        result = json.loads(out.stdout[out.stdout.rindex('{\n "drafter"') :])  # after the progress lines
         prefix = layout.checkpoint_prefix(train_id, 4)
-        return {"result": result, "trainer": json.loads(fs_store.get_bytes(prefix + "trainer.json")),
-                "model": st_load(fs_store.get_bytes(prefix + "model.safetensors")),
-                "optimizer": st_load(fs_store.get_bytes(prefix + "optimizer.safetensors"))}
+        return {
+            "result": result,
+            "trainer": json.loads(fs_store.get_bytes(prefix + "trainer.json")),
+            "model": st_load(fs_store.get_bytes(prefix + "model.safetensors")),
+            "optimizer": st_load(fs_store.get_bytes(prefix + "optimizer.safetensors")),
+        }
 
     one = train("one", grad_accum=2)
     ddp = train("ddp", grad_accum=1, AERIE_TRAIN_RANKS="2")
     fsdp = train("fsdp", grad_accum=1, AERIE_TRAIN_RANKS="2", AERIE_TRAIN_SHARDING="fsdp")
-    assert (one["result"]["sharding"], ddp["result"]["sharding"], fsdp["result"]["sharding"]) == ("single", "ddp", "fsdp")
+    assert (one["result"]["sharding"], ddp["result"]["sharding"], fsdp["result"]["sharding"]) == (
+        "single",
+        "ddp",
+        "fsdp",
+    )
     assert ddp["result"]["ranks"] == fsdp["result"]["ranks"] == 2
     assert len({round(x, 6) for x in one["trainer"]["losses"]}) == 4  # the curve moves: a real comparison
     for two in (ddp, fsdp):
@@ -55,4 +91,6 @@ def test_two_ranks_equal_one_process_with_accumulation_under_ddp_and_fsdp(fs_sto
             torch.testing.assert_close(two["model"][name], tensor, rtol=1e-3, atol=1e-5, msg=name)
         for name, tensor in one["optimizer"].items():
             torch.testing.assert_close(two["optimizer"][name].float(), tensor.float(), rtol=1e-3, atol=1e-6, msg=name)
-    assert {g["params"][0] for g in fsdp["trainer"]["param_groups"]} == {g["params"][0] for g in one["trainer"]["param_groups"]}
+    assert {g["params"][0] for g in fsdp["trainer"]["param_groups"]} == {
+        g["params"][0] for g in one["trainer"]["param_groups"]
+    }

@@ -17,9 +17,20 @@ V, VD, H, K = 64, 24, 32, 3
 
 def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, num_aux=K, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=512,
-                        vocab_size=V, draft_vocab_size=VD, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=H,
+        num_aux=K,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     drafter = Eagle3Drafter(cfg).double()
     with torch.no_grad():
         drafter.embed_tokens.weight.normal_()
@@ -40,7 +51,10 @@ def test_ttt_steps_see_what_chain_drafting_sees():
     aux = torch.randn(B, L, K * H, generator=g, dtype=torch.float64)
     zeros = torch.zeros(B, L + S, dtype=torch.bool)
     logits: list[torch.Tensor] = []
-    target_logits, target_lse = torch.zeros(B, L + S, VD, dtype=torch.float64), torch.zeros(B, L + S, dtype=torch.float64)
+    target_logits, target_lse = (
+        torch.zeros(B, L + S, VD, dtype=torch.float64),
+        torch.zeros(B, L + S, dtype=torch.float64),
+    )
     TTT(drafter, S, 0.8)(input_ids, aux, target_logits, target_lse, zeros.long(), zeros, zeros, keep_logits=logits)
     for b in range(B):
         for t in (0, 3, L - 1):
@@ -51,7 +65,9 @@ def test_ttt_steps_see_what_chain_drafting_sees():
             everything = torch.ones(1, t + 1, dtype=torch.bool)
             for k in range(1, S):
                 tok = input_ids[b : b + 1, t + k : t + k + 1]
-                out, hidden, kv = drafter(tok, hidden, torch.tensor([t + k]), prefix=base, prefix_mask=everything, chain=chain)
+                out, hidden, kv = drafter(
+                    tok, hidden, torch.tensor([t + k]), prefix=base, prefix_mask=everything, chain=chain
+                )
                 chain.append(kv)
                 torch.testing.assert_close(out[0, -1], logits[k][b, t])
 

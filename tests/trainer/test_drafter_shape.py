@@ -43,19 +43,27 @@ def sglang_shapes(config: DrafterConfig, layer_ids: list[int]) -> dict[str, list
     out = {}
     for name in meta_state(config):
         target, shard = export.sglang_param_name(name, params)
-        out[name] = None if target is None or target in ("hot_token_id",) or target.startswith("t2d") else params[target][shard]
+        out[name] = (
+            None if target is None or target in ("hot_token_id",) or target.startswith("t2d") else params[target][shard]
+        )
     return out
 
 
-@pytest.mark.parametrize("target, vocab, theta, factor", [(DEEPSEEK_V3, 129280, 10000.0, 40.0), (KIMI_K25, 163840, 50000.0, 64.0)],
-                         ids=["deepseek-v3", "kimi-k2.5"])
+@pytest.mark.parametrize(
+    "target, vocab, theta, factor",
+    [(DEEPSEEK_V3, 129280, 10000.0, 40.0), (KIMI_K25, 163840, 50000.0, 64.0)],
+    ids=["deepseek-v3", "kimi-k2.5"],
+)
 def test_mla_targets_get_a_llama_shape_of_their_own(target, vocab, theta, factor):
     config = DrafterConfig.from_target(target, num_aux=3, draft_vocab_size=32000)
     assert (config.hidden_size, config.target_hidden_size, config.vocab_size) == (7168, 7168, vocab)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (56, 8, 128)
     assert config.intermediate_size == 12288
     assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == factor
-    assert config.rope_parameters["rope_theta"] == theta and config.rope_parameters["original_max_position_embeddings"] == 4096
+    assert (
+        config.rope_parameters["rope_theta"] == theta
+        and config.rope_parameters["original_max_position_embeddings"] == 4096
+    )
     shapes = meta_state(config)
     assert shapes["fc.weight"] == [7168, 3 * 7168] and shapes["lm_head.weight"] == [32000, 7168]
     assert shapes["midlayer.self_attn.q_proj.weight"] == [56 * 128, 2 * 7168]
@@ -68,20 +76,37 @@ def test_mla_targets_get_a_llama_shape_of_their_own(target, vocab, theta, factor
 
 def test_a_llama_class_target_is_copied(smollm2_path):
     config = DrafterConfig.from_target(load_target_config(smollm2_path), num_aux=3, draft_vocab_size=4096)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (9, 3, 64, 1536)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (
+        9,
+        3,
+        64,
+        1536,
+    )
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
 
 
 def test_the_shape_is_a_setting():
-    shape = DrafterShape(num_attention_heads=32, num_key_value_heads=4, head_dim=64, intermediate_size=8192,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    shape = DrafterShape(
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     config = DrafterConfig.from_target(DEEPSEEK_V3, num_aux=3, draft_vocab_size=32000, shape=shape)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (32, 4, 64, 8192)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size) == (
+        32,
+        4,
+        64,
+        8192,
+    )
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
     with pytest.raises(DrafterError, match="not a multiple of num_key_value_heads 3"):
         DrafterConfig.from_target(DEEPSEEK_V3, 3, 32000, DrafterShape(num_attention_heads=32, num_key_value_heads=3))
     with pytest.raises(DrafterError, match="rope_type 'dynamic' is not supported"):
-        DrafterConfig.from_target(DEEPSEEK_V3, 3, 32000, DrafterShape(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+        DrafterConfig.from_target(
+            DEEPSEEK_V3, 3, 32000, DrafterShape(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+        )
 
 
 def test_one_capture_point_is_refused_at_build_and_at_export(smollm2_path, tmp_path):
@@ -123,10 +148,16 @@ def test_the_exported_rope_is_the_one_sglang_computes(target, tmp_path):
     config.json: the serving engine rotates exactly as the trainer did."""
     config = DrafterConfig.from_target(target, num_aux=3, draft_vocab_size=32000)
     (tmp_path / "config.json").write_text(json.dumps(export.drafter_config_json(config, target, [1, 29, 57])))
-    positions = [0, 1, 7, 100, 4095, 4096, 20_000, 150_000, 200_000][: 9 if config.max_position_embeddings > 200_000 else 8]
-    out = subprocess.run([str(sglang_python()), "-c", textwrap.dedent(_SGLANG_ROPE), str(tmp_path), json.dumps(positions)],
-                         env=clean_env(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(REPO / "services/inference/aerie_sglang/cpu/shim")),
-                         capture_output=True, text=True, timeout=600)
+    positions = [0, 1, 7, 100, 4095, 4096, 20_000, 150_000, 200_000][
+        : 9 if config.max_position_embeddings > 200_000 else 8
+    ]
+    out = subprocess.run(
+        [str(sglang_python()), "-c", textwrap.dedent(_SGLANG_ROPE), str(tmp_path), json.dumps(positions)],
+        env=clean_env(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(REPO / "services/inference/aerie_sglang/cpu/shim")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     assert theirs["kind"] == "YaRNScalingRotaryEmbedding"

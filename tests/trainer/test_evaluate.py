@@ -9,7 +9,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from aerie_trainer.evaluate import acceptance_length, first_draft_right, greedy_generate, load_target, speculative_generate
+from aerie_trainer.evaluate import (
+    acceptance_length,
+    first_draft_right,
+    greedy_generate,
+    load_target,
+    speculative_generate,
+)
 from aerie_trainer.model import build_drafter
 
 pytestmark = pytest.mark.slow  # loads the target and decodes: ~1-2 min on 2 cores
@@ -42,7 +48,12 @@ def prompts(smollm2_path):
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     texts = ["What is the capital of France?", "Write a haiku about the sea."]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)["input_ids"] for t in texts]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for t in texts
+    ]
 
 
 def test_untrained_drafter_gives_greedy_output_one_token_per_verify(target, smollm2_path, prompts):
@@ -106,13 +117,20 @@ def test_first_draft_right_is_the_share_of_slots_whose_draft_is_the_targets_next
 
     slots = len(seq) - 1
     assert first_draft_right(target, EvenSlots(drafter), [seq], POINTS) == [((slots + 1) // 2) / slots]
-    assert first_draft_right(target, EvenSlots(drafter), [seq], POINTS, zero_states=True) == [((slots + 1) // 2) / slots]
+    assert first_draft_right(target, EvenSlots(drafter), [seq], POINTS, zero_states=True) == [
+        ((slots + 1) // 2) / slots
+    ]
 
 
 def test_eval_prompts_keep_raw_line_separators_inside_their_strings(smollm2_path):
     from aerie_trainer.evaluate import prompts_from_file
 
-    text = json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False) + "\n" + json.dumps({"prompt": "four"}) + "\n"
+    text = (
+        json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False)
+        + "\n"
+        + json.dumps({"prompt": "four"})
+        + "\n"
+    )
     got = prompts_from_file(text, smollm2_path)
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     assert len(got) == 2 and "one\u2028two\x85three" in tok.decode(got[0])

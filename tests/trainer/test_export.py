@@ -17,12 +17,10 @@ from aerie.capture import default_capture_points
 from aerie.contracts import EngineSpec, IngestOptions, RunSpec, TrainConfig, TrainRequest
 from aerie.store import NotFound
 from aerie.target import describe
-
 from aerie_trainer import export
 from aerie_trainer.data import RunSet
 from aerie_trainer.model import build_drafter, load_target_config
 from tests.services import REPO
-
 
 VD = 1024
 
@@ -71,9 +69,14 @@ def test_mapping_constants_are_sglangs_own():
     source = path.read_text()
     # the facts the check relies on: d2t becomes hot_token_id, t2d is skipped, fc is K*Ht wide,
     # the first layer's qkv reads 2H, a tied config aliases lm_head to the embeddings
-    for fact in ('if "d2t" in name:', 'if "t2d" in name:', "self.hidden_size_in * self.num_aux_hidden_states",
-                 "hidden_size = 2 * self.hidden_size if self.is_input_layer else self.hidden_size",
-                 "self.lm_head = self.model.embed_tokens", 'eagle_config.get("eagle_aux_hidden_state_layer_ids")'):
+    for fact in (
+        'if "d2t" in name:',
+        'if "t2d" in name:',
+        "self.hidden_size_in * self.num_aux_hidden_states",
+        "hidden_size = 2 * self.hidden_size if self.is_input_layer else self.hidden_size",
+        "self.lm_head = self.model.embed_tokens",
+        'eagle_config.get("eagle_aux_hidden_state_layer_ids")',
+    ):
         assert fact in source, fact
 
 
@@ -120,7 +123,11 @@ def _rewrite(folder: Path, change) -> Path:
 
 def test_check_catches_what_sglang_would_silently_skip(exported):
     with pytest.raises(export.ExportError, match="'midlayer.mlp.down.weight' matches no SGLang parameter"):
-        export.check_sglang_loadable(_rewrite(exported, lambda t: t.__setitem__("midlayer.mlp.down.weight", t.pop("midlayer.mlp.down_proj.weight"))))
+        export.check_sglang_loadable(
+            _rewrite(
+                exported, lambda t: t.__setitem__("midlayer.mlp.down.weight", t.pop("midlayer.mlp.down_proj.weight"))
+            )
+        )
 
 
 def test_check_catches_a_missing_shard_and_a_wrong_shape(exported):
@@ -153,10 +160,20 @@ def test_export_refuses_a_drafter_missing_a_tensor(drafter, smollm2_path, tmp_pa
 def test_publish_then_pull(store, drafter, smollm2_path, tmp_path):
     target = describe(smollm2_path)
     points = default_capture_points(target.num_layers)
-    spec = RunSpec(run="r1", dataset="d", target=target, ingest=IngestOptions(), capture_points=points,
-                   engine=EngineSpec(name="hf", version="t", convention="hf", layer_ids=points))
-    request = TrainRequest(runs=["r1"], drafter="smol", model=str(smollm2_path), config=TrainConfig(draft_vocab_size=VD))
-    lineage = export.publish(store, drafter, RunSet([spec], []), request, "v1", {"acceptance": 1.5, "losses": [2.0, 1.0]})
+    spec = RunSpec(
+        run="r1",
+        dataset="d",
+        target=target,
+        ingest=IngestOptions(),
+        capture_points=points,
+        engine=EngineSpec(name="hf", version="t", convention="hf", layer_ids=points),
+    )
+    request = TrainRequest(
+        runs=["r1"], drafter="smol", model=str(smollm2_path), config=TrainConfig(draft_vocab_size=VD)
+    )
+    lineage = export.publish(
+        store, drafter, RunSet([spec], []), request, "v1", {"acceptance": 1.5, "losses": [2.0, 1.0]}
+    )
     assert lineage.exported_layer_ids == [1, 14, 26] and lineage.exported_convention == "sglang-llama"
     assert lineage.capture_points == [2, 15, 27] and lineage.target.weights_sha256 == target.weights_sha256
     assert store.get_bytes(layout.drafter_latest("smol")) == b"v1"

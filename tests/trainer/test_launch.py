@@ -13,7 +13,6 @@ import pytest
 
 from aerie.queue import retryable
 from aerie_trainer.launch import RankFailed, job_failure
-
 from tests.services import REPO, clean_env, free_port
 
 RANK = textwrap.dedent("""
@@ -41,8 +40,17 @@ RANK = textwrap.dedent("""
 
 def two_ranks(job: Path, how: str) -> list[int]:
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(job), how], env={**env, "RANK": str(r)}, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(job), how],
+            env={**env, "RANK": str(r)},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     for p in procs:
         p.wait(timeout=180)
     return [p.returncode for p in procs]
@@ -68,6 +76,7 @@ def test_a_ranks_own_error_is_the_cause_not_its_peers_lost_connection(tmp_path):
 def test_rank_zeros_own_error_keeps_its_retry_and_no_failure_file_is_a_rank_that_died(tmp_path, said):
     assert isinstance(job_failure(tmp_path, "d", 2, -9), RankFailed)
     (tmp_path / "failure-0.json").write_text(
-        f'{{"rank": 0, "error": "StoreError: gone", "retryable": {str(said).lower()}, "lost_peer": false}}')
+        f'{{"rank": 0, "error": "StoreError: gone", "retryable": {str(said).lower()}, "lost_peer": false}}'
+    )
     error = job_failure(tmp_path, "d", 2, 1)
     assert str(error) == "training d failed on rank 0: StoreError: gone" and retryable(error) is said

@@ -57,7 +57,9 @@ def test_a_preset_builds_its_drafter_from_the_real_config(name):
 
 
 def test_a_preset_for_another_model_is_refused_by_name():
-    with pytest.raises(presets.PresetError, match=r"preset qwen3-8b is for Qwen/Qwen3-8B; the model differs: .*hidden_size 7168"):
+    with pytest.raises(
+        presets.PresetError, match=r"preset qwen3-8b is for Qwen/Qwen3-8B; the model differs: .*hidden_size 7168"
+    ):
         presets.check_model(presets.load("qwen3-8b"), config("kimi-k2.5"))
     with pytest.raises(presets.PresetError, match="no preset 'llama-3-8b': known presets are deepseek-v3, kimi-k2.5"):
         presets.load("llama-3-8b")
@@ -74,7 +76,9 @@ def test_fsdp_is_chosen_when_the_drafter_does_not_fit_one_device():
     kind, why = choose_sharding(8, "auto", memory, 48 * GiB)
     assert kind == "fsdp" and "exceeds" in why and memory.sharded(8) < FIT_FRACTION * 48 * GiB
     assert choose_sharding(1, "auto", memory, 48 * GiB)[0] == "single"
-    assert choose_sharding(2, "fsdp", memory, None)[0] == "fsdp" and choose_sharding(2, "auto", memory, None)[0] == "ddp"
+    assert (
+        choose_sharding(2, "fsdp", memory, None)[0] == "fsdp" and choose_sharding(2, "auto", memory, None)[0] == "ddp"
+    )
 
 
 def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_path):
@@ -86,18 +90,41 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
     model.mkdir()
     (model / "config.json").write_text((DATA / CONFIGS["llama-3.1-8b"][0]).read_text())
     dataset = tmp_path / "chat.jsonl"
-    dataset.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}) + "\n")
+    dataset.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}) + "\n"
+    )
     env = worker_env(s3_store, private_redis)
-    base = [CELERY, "-A", EXTRACTOR_APP, "enqueue", "--dataset", str(dataset), "--run", "llama-run",
-            "--model", str(model), "--train-drafter", "llama-eagle3"]
-    out = subprocess.run([*base, "--preset", "llama-3.1-8b", "--epochs", "3"], env=env, capture_output=True, text=True, timeout=120)
+    base = [
+        CELERY,
+        "-A",
+        EXTRACTOR_APP,
+        "enqueue",
+        "--dataset",
+        str(dataset),
+        "--run",
+        "llama-run",
+        "--model",
+        str(model),
+        "--train-drafter",
+        "llama-eagle3",
+    ]
+    out = subprocess.run(
+        [*base, "--preset", "llama-3.1-8b", "--epochs", "3"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     client = redis.Redis.from_url(private_redis)
     message = json.loads(client.lpop("ingest"))
     request = IngestRequest.model_validate(json.loads(base64.b64decode(message["body"]))[1])
     assert request.capture_points == [2, 16, 29]
     train = request.train_after.config
-    assert (train.preset, train.lr, train.epochs, train.steps, train.ttt_steps, train.grad_clip) == ("llama-3.1-8b", 1e-4, 3, None, 7, 0.5)
+    assert (train.preset, train.lr, train.epochs, train.steps, train.ttt_steps, train.grad_clip) == (
+        "llama-3.1-8b",
+        1e-4,
+        3,
+        None,
+        7,
+        0.5,
+    )
 
     wrong = subprocess.run([*base, "--preset", "qwen3-8b"], env=env, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "preset qwen3-8b is for Qwen/Qwen3-8B" in wrong.stderr, wrong.stderr

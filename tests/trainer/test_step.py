@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from aerie_trainer import loss as loss_module
 from aerie_trainer.attention import attend
 from aerie_trainer.ttt import TTT
-
 from tests.services import REPO
-from tests.trainer.test_drafter import K, VD, H, V, tiny_drafter
+from tests.trainer.test_drafter import VD, H, K, V, tiny_drafter
 
 
 def reference_attention(q, k, v, mask, chain=()):
@@ -63,6 +62,7 @@ def test_attention_over_prefix_and_chain_equals_the_reference(nh, nkv, chain_len
     some = torch.rand(T, T, generator=g) < 0.6
     some[:, 0] = True  # every query sees at least one key
     for mask, given in ((causal, None), (some, some)):
+
         def new(q, k, v, *chain_tensors):
             if not chain_tensors:
                 return attend(q, k, v, mask=given)
@@ -137,8 +137,15 @@ def test_one_weight_cast_per_forward_equals_a_cast_per_call():
     for once in (True, False):
         drafter = tiny_drafter()
         ttt = TTT(drafter, S, 0.8, compute_dtype=torch.float32, cast_once=once)
-        loss, step_loss, correct, valid = ttt(input_ids, aux, target_logits.float(), target_lse.float(),
-                                              torch.zeros(B, L + S, dtype=torch.long), mask, mask)
+        loss, step_loss, correct, valid = ttt(
+            input_ids,
+            aux,
+            target_logits.float(),
+            target_lse.float(),
+            torch.zeros(B, L + S, dtype=torch.long),
+            mask,
+            mask,
+        )
         loss.backward()
         assert loss.dtype == torch.float32 and drafter.fc.weight.grad.dtype == torch.float64
         results.append((loss.detach(), {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
@@ -151,8 +158,13 @@ def test_one_weight_cast_per_forward_equals_a_cast_per_call():
 def test_bench_step_smoke_runs_aeries_step_on_the_cpu(tmp_path):
     """benchmarks/bench_step.py --device cpu --tiny: aerie's step runs in the benchmark, timed, finite."""
     out = tmp_path / "tiny.json"
-    run = subprocess.run([sys.executable, "benchmarks/bench_step.py", "--device", "cpu", "--tiny", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_step.py", "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert [r["trainer"] for r in results] == ["aerie"]
@@ -173,14 +185,23 @@ def test_target_distribution_of_every_slot_equals_that_of_the_trained_slots(sign
     if signal == "final":
         lm_head = torch.randn(V, H, generator=g, dtype=torch.float64)
         head = TargetHead(lm_head, drafter.t2d, drafter.d2t, torch.float64)
-        batch = Batch(torch.zeros(B, W, dtype=torch.long), torch.zeros(B, W - 3, K * H), loss_mask,
-                      final=torch.randn(B, W, H, generator=g, dtype=torch.float64) * 3)
+        batch = Batch(
+            torch.zeros(B, W, dtype=torch.long),
+            torch.zeros(B, W - 3, K * H),
+            loss_mask,
+            final=torch.randn(B, W, H, generator=g, dtype=torch.float64) * 3,
+        )
     else:
         head = TargetHead(None, drafter.t2d, drafter.d2t, torch.float32)
         ids = torch.randint(0, V, (B, W, 4), generator=g)
         ids[0, 0] = torch.tensor([1, 3, 5, 7])  # odd ids: none in the draft vocab (a slot with no mass)
-        batch = Batch(torch.zeros(B, W, dtype=torch.long), torch.zeros(B, W - 3, K * H), loss_mask,
-                      topk_ids=ids, topk_logprobs=torch.randn(B, W, 4, generator=g).log_softmax(-1))
+        batch = Batch(
+            torch.zeros(B, W, dtype=torch.long),
+            torch.zeros(B, W - 3, K * H),
+            loss_mask,
+            topk_ids=ids,
+            topk_logprobs=torch.randn(B, W, 4, generator=g).log_softmax(-1),
+        )
     out = {}
     for select in (True, False):
         head.select_rows = select

@@ -63,11 +63,26 @@ def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_pat
     """Train 12 steps straight; train again, crash at step 9 (checkpoint at 6), resume to 12:
     the same loss curve, step for step."""
     upload_run(fs_store, sharegpt_run, "sharegpt")
-    cfg = TrainConfig(draft_vocab_size=2048, ttt_steps=2, steps=12, batch_tokens=192, max_seq_tokens=96, grad_accum=2,
-                      warmup_steps=3, checkpoint_every=6, eval_prompts=0, holdout_fraction=0.1)
+    cfg = TrainConfig(
+        draft_vocab_size=2048,
+        ttt_steps=2,
+        steps=12,
+        batch_tokens=192,
+        max_seq_tokens=96,
+        grad_accum=2,
+        warmup_steps=3,
+        checkpoint_every=6,
+        eval_prompts=0,
+        holdout_fraction=0.1,
+    )
     settings = settings_for(fs_store)
-    straight = run_train(fs_store, settings, TrainRequest(runs=["sharegpt"], drafter="a", model=str(smollm2_path), config=cfg,
-                                                          train_id="straight", publish=False))
+    straight = run_train(
+        fs_store,
+        settings,
+        TrainRequest(
+            runs=["sharegpt"], drafter="a", model=str(smollm2_path), config=cfg, train_id="straight", publish=False
+        ),
+    )
 
     class Crash(Exception):
         pass
@@ -76,7 +91,9 @@ def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_pat
         if event.stage == "train" and event.step == 9:
             raise Crash
 
-    request = TrainRequest(runs=["sharegpt"], drafter="a", model=str(smollm2_path), config=cfg, train_id="crashy", publish=False)
+    request = TrainRequest(
+        runs=["sharegpt"], drafter="a", model=str(smollm2_path), config=cfg, train_id="crashy", publish=False
+    )
     with pytest.raises(Crash):
         run_train(fs_store, settings, request, progress=crash_at_9)
     assert json.loads(fs_store.get_bytes(layout.checkpoint_latest("crashy")))["step"] == 6

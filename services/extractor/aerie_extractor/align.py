@@ -54,8 +54,16 @@ from aerie import layout
 from aerie.alignment import print_report
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import (
-    AlignmentReport, AlignRequest, CosineStats, PointAlignment, RunSpec, SampledSequence, ServerIdentity, ShardRecord,
-    SignalAlignment, TokenizationCheck,
+    AlignmentReport,
+    AlignRequest,
+    CosineStats,
+    PointAlignment,
+    RunSpec,
+    SampledSequence,
+    ServerIdentity,
+    ShardRecord,
+    SignalAlignment,
+    TokenizationCheck,
 )
 from aerie.runs import RunError, load_run, shard_names
 from aerie.settings import Settings
@@ -64,7 +72,12 @@ from aerie.store import ObjectStore
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import model_info, server_info, topk_rows
 from aerie_extractor.engines.sglang_binary import (
-    BinaryCaptureError, advertised, capture_body, choose_sink, descriptor_of, fetch_binary,
+    BinaryCaptureError,
+    advertised,
+    capture_body,
+    choose_sink,
+    descriptor_of,
+    fetch_binary,
 )
 
 log = logging.getLogger(__name__)
@@ -112,14 +125,18 @@ def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tu
             f"--return-aux-hidden-state-layer-ids {suggested} --disable-radix-cache"
         )
     if not info.get("disable_radix_cache"):
-        raise EngineMismatch(f"SGLang server {url} runs with its radix cache on: it would return states of uncached tokens "
-                             "only: restart it with --disable-radix-cache")
+        raise EngineMismatch(
+            f"SGLang server {url} runs with its radix cache on: it would return states of uncached tokens "
+            "only: restart it with --disable-radix-cache"
+        )
     ids = [int(i) for i in info.get("return_aux_hidden_state_layer_ids") or []]
     try:
         points = from_engine_ids(ids, convention, target.num_layers)
     except CaptureError as e:
-        raise EngineMismatch(f"SGLang server {url} captures layer ids {ids} that name no capture points of a "
-                             f"{target.num_layers}-layer {architecture}: {e}") from None
+        raise EngineMismatch(
+            f"SGLang server {url} captures layer ids {ids} that name no capture points of a "
+            f"{target.num_layers}-layer {architecture}: {e}"
+        ) from None
     model_path = str(model.get("model_path") or info.get("model_path") or "")
     weights = tokenizer = None
     folder = Path(model_path)
@@ -132,14 +149,31 @@ def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tu
         if dtype == "auto":
             cfg = load_config(folder)
             dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
-    configuration = [model_path, weights or info.get("model_checksum"), str(info.get("version")), info.get("quantization"),
-                     int(info.get("tp_size") or 1), dtype, info.get("kv_cache_dtype"), info.get("revision")]
+    configuration = [
+        model_path,
+        weights or info.get("model_checksum"),
+        str(info.get("version")),
+        info.get("quantization"),
+        int(info.get("tp_size") or 1),
+        dtype,
+        info.get("kv_cache_dtype"),
+        info.get("revision"),
+    ]
     digest = hashlib.sha256(json.dumps(configuration, default=str).encode()).hexdigest()[:12]
     identity = ServerIdentity(
-        url=url, server_id=f"{_slug(Path(model_path).name or 'sglang')}-{digest}", model_path=model_path,
-        architecture=architecture, weights_sha256=weights, tokenizer_sha256=tokenizer, sglang_version=str(info.get("version")),
-        quantization=info.get("quantization"), tp_size=int(info.get("tp_size") or 1), dtype=dtype,
-        kv_cache_dtype=info.get("kv_cache_dtype"), aux_layer_ids=ids, aux_points=points,
+        url=url,
+        server_id=f"{_slug(Path(model_path).name or 'sglang')}-{digest}",
+        model_path=model_path,
+        architecture=architecture,
+        weights_sha256=weights,
+        tokenizer_sha256=tokenizer,
+        sglang_version=str(info.get("version")),
+        quantization=info.get("quantization"),
+        tp_size=int(info.get("tp_size") or 1),
+        dtype=dtype,
+        kv_cache_dtype=info.get("kv_cache_dtype"),
+        aux_layer_ids=ids,
+        aux_points=points,
         transport=transport,  # type: ignore[arg-type]
     )
     return identity, info
@@ -160,7 +194,9 @@ class Client:
         self.settings, self.url, self.H, self.k = settings, url, hidden_size, k
         key = getattr(settings, "engine_api_key", None)  # SGLang's --api-key, when the settings carry one
         key = key.get_secret_value() if hasattr(key, "get_secret_value") else key
-        self.http = httpx.Client(timeout=settings.engine_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
+        self.http = httpx.Client(
+            timeout=settings.engine_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None
+        )
         self.sinks = None
         self.note = ""
 
@@ -186,32 +222,46 @@ class Client:
         if transport == "binary":
             body = {**capture_body(ids, self.sinks.sink), **topk}  # type: ignore[union-attr]
         else:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                    "return_hidden_states": True, **topk}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_hidden_states": True,
+                **topk,
+            }
         try:
-            r = self.http.post(self.url + "/generate", content=orjson.dumps(body), headers={"content-type": "application/json"})
+            r = self.http.post(
+                self.url + "/generate", content=orjson.dumps(body), headers={"content-type": "application/json"}
+            )
         except httpx.HTTPError as e:
-            raise EngineError(f"SGLang server {self.url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})") from e
+            raise EngineError(
+                f"SGLang server {self.url}: request for {len(ids)} tokens failed ({type(e).__name__}: {e})"
+            ) from e
         if r.status_code != 200:
             raise (EngineMismatch if 400 <= r.status_code < 500 else EngineError)(
-                f"SGLang server {self.url} refused {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}")
+                f"SGLang server {self.url} refused {len(ids)} tokens (HTTP {r.status_code}): {r.text[:300]}"
+            )
         out = orjson.loads(r.content)
         meta = out.get("meta_info") or {}
         T = len(ids)
         topk_ids, topk_logprobs = topk_rows(meta, T, self.k)
         if transport == "binary":
             tensors = fetch_binary(descriptor_of(out), self.sinks)  # type: ignore[arg-type]
-            return Served(tensors["aux"].astype(np.float32), tensors["final"].astype(np.float32), topk_ids, topk_logprobs)
+            return Served(
+                tensors["aux"].astype(np.float32), tensors["final"].astype(np.float32), topk_ids, topk_logprobs
+            )
         rows = (meta.get("hidden_states") or [None])[0]
         if not rows:
-            raise EngineMismatch(f"SGLang server {self.url} returned no hidden states: start it with "
-                                 "--enable-return-aux-hidden-states")
+            raise EngineMismatch(
+                f"SGLang server {self.url} returned no hidden states: start it with --enable-return-aux-hidden-states"
+            )
         if not isinstance(rows[0], list):  # a one-token prompt may come back flat
             rows = [rows]
         aux = np.asarray(rows, dtype=np.float32)
         if aux.ndim != 2 or aux.shape[0] != T or aux.shape[1] % self.H:
-            raise EngineMismatch(f"SGLang server {self.url} returned hidden states {list(aux.shape)} for {T} tokens of "
-                                 f"hidden size {self.H}: another model, or the radix cache on?")
+            raise EngineMismatch(
+                f"SGLang server {self.url} returned hidden states {list(aux.shape)} for {T} tokens of "
+                f"hidden size {self.H}: another model, or the radix cache on?"
+            )
         return Served(aux.reshape(T, -1, self.H), None, topk_ids, topk_logprobs)
 
     def tokenize(self, text: str) -> list[int] | None:
@@ -231,8 +281,10 @@ class Client:
 # --------------------------------------------------------------------------------------
 def draw_sample(store: ObjectStore, run: str, samples: int, seed: int) -> list[tuple[ShardRecord, int]]:
     """`samples` (shard record, sequence index) pairs drawn by `seed` over the run's hidden shards, in order."""
-    records = [store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
-               for name in shard_names(store, run, "hidden")]
+    records = [
+        store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
+        for name in shard_names(store, run, "hidden")
+    ]
     total = sum(r.sequences for r in records)
     if total == 0:
         raise RunError(f"run {run!r} has no extracted sequences (runs/{run}/hidden/): extract it before aligning")
@@ -268,7 +320,9 @@ class ShardRows:
         row_bytes = (spec["data_offsets"][1] - spec["data_offsets"][0]) // max(shape[0], 1)
         start = self.base + spec["data_offsets"][0] + a * row_bytes
         raw = self.store.get_range(self.key, start, (b - a) * row_bytes)
-        head = json.dumps({name: {"dtype": spec["dtype"], "shape": [b - a, *shape[1:]], "data_offsets": [0, len(raw)]}}).encode()
+        head = json.dumps(
+            {name: {"dtype": spec["dtype"], "shape": [b - a, *shape[1:]], "data_offsets": [0, len(raw)]}}
+        ).encode()
         tensors, _ = read_safetensors(struct.pack("<Q", len(head)) + head + raw)
         return tensors[name]
 
@@ -338,8 +392,13 @@ def cosine_stats(pairs: list[tuple[np.ndarray, np.ndarray]]) -> CosineStats:
     c = np.concatenate([cosines(s, r) for s, r in pairs])
     diff = sum(float(((s - r) ** 2).sum(dtype=np.float64)) for s, r in pairs)
     norm = sum(float((r.astype(np.float64) ** 2).sum()) for _, r in pairs)
-    return CosineStats(mean=float(c.mean()), p1=float(np.percentile(c, 1)), min=float(c.min()),
-                       rel_l2=float(np.sqrt(diff / max(norm, 1e-30))), tokens=int(c.size))
+    return CosineStats(
+        mean=float(c.mean()),
+        p1=float(np.percentile(c, 1)),
+        min=float(c.min()),
+        rel_l2=float(np.sqrt(diff / max(norm, 1e-30))),
+        tokens=int(c.size),
+    )
 
 
 def thresholds(settings: Settings, run_dtype: str, server_dtype: str) -> tuple[str, float, float]:
@@ -375,8 +434,13 @@ def check_tokenization(client: Client, run: RunSpec, sequences: list[np.ndarray]
             return TokenizationCheck(note="not checked: the server has no /v1/tokenize")
         at = first_difference(ours, theirs)
         if at is not None:
-            return TokenizationCheck(checked=s + 1, differs_at=at, sample=s, run_token=_token(tokenizer, ours, at),
-                                     server_token=_token(tokenizer, theirs, at))
+            return TokenizationCheck(
+                checked=s + 1,
+                differs_at=at,
+                sample=s,
+                run_token=_token(tokenizer, ours, at),
+                server_token=_token(tokenizer, theirs, at),
+            )
     return TokenizationCheck(checked=len(sequences))
 
 
@@ -384,64 +448,97 @@ def _token(tokenizer, tokens: list[int], at: int) -> str:
     return f"{tokens[at]} {tokenizer.id_to_token(tokens[at])!r}" if at < len(tokens) else "(end)"
 
 
-def diagnose(run: RunSpec, server: ServerIdentity, points: list[PointAlignment], signal: SignalAlignment | None,
-             tokenization: TokenizationCheck, min_cosine: float, min_top1: float) -> list[str]:
+def diagnose(
+    run: RunSpec,
+    server: ServerIdentity,
+    points: list[PointAlignment],
+    signal: SignalAlignment | None,
+    tokenization: TokenizationCheck,
+    min_cosine: float,
+    min_top1: float,
+) -> list[str]:
     """The causes the measurements point at, most likely first (empty when everything passed)."""
     causes: list[str] = []
     convention = convention_for("sglang", server.architecture or run.target.architecture)
     if tokenization.differs_at is not None:
-        causes.append(f"tokenization differs at position {tokenization.differs_at} of sample {tokenization.sample} "
-                      f"(run's tokenizer: {tokenization.run_token}, server: {tokenization.server_token}): the server's "
-                      "tokenizer is not the run's")
+        causes.append(
+            f"tokenization differs at position {tokenization.differs_at} of sample {tokenization.sample} "
+            f"(run's tokenizer: {tokenization.run_token}, server: {tokenization.server_token}): the server's "
+            "tokenizer is not the run's"
+        )
     failed = [p for p in points if not p.passed]
-    shifted = [p for p in failed if p.best_point is not None and p.best_point != p.point
-               and p.cosines[p.best_point] >= min_cosine]
+    shifted = [
+        p
+        for p in failed
+        if p.best_point is not None and p.best_point != p.point and p.cosines[p.best_point] >= min_cosine
+    ]
     if shifted:
         deltas = {p.best_point - p.point for p in shifted}  # type: ignore[operator]
         for p in shifted:
             d = p.best_point - p.point  # type: ignore[operator]
             own = "not captured by the server" if p.at_point is None else f"cos {p.at_point.mean:.4f}"
-            causes.append(f"point {p.point} matches the server's point {p.best_point} (cos {p.cosines[p.best_point]:.5f}; "
-                          f"at its own point {own}): an off-by-{_ORDINAL.get(abs(d), abs(d))} in the layer ids")
+            causes.append(
+                f"point {p.point} matches the server's point {p.best_point} (cos {p.cosines[p.best_point]:.5f}; "
+                f"at its own point {own}): an off-by-{_ORDINAL.get(abs(d), abs(d))} in the layer ids"
+            )
         if len(deltas) == 1 and len(shifted) == len(points):
             d = deltas.pop()
-            causes.insert(len(causes) - len(shifted), (
-                f"every point matches the server's point {'+' if d > 0 else ''}{d}: the run's states were captured "
-                f"{abs(d)} layer(s) {'deeper' if d > 0 else 'shallower'} than its capture points say, or this SGLang "
-                f"{server.sglang_version} numbers {server.architecture} layers other than aerie's {convention} convention"))
+            causes.insert(
+                len(causes) - len(shifted),
+                (
+                    f"every point matches the server's point {'+' if d > 0 else ''}{d}: the run's states were captured "
+                    f"{abs(d)} layer(s) {'deeper' if d > 0 else 'shallower'} than its capture points say, or this SGLang "
+                    f"{server.sglang_version} numbers {server.architecture} layers other than aerie's {convention} convention"
+                ),
+            )
     missing = [p for p in failed if p.at_point is None and p not in shifted]
     if missing:
         ids = neighbour_layer_ids(run.capture_points, convention, run.target.num_layers)
-        close = "; ".join(f"point {p.point} is closest to the server's point {p.best_point} (cos {p.cosines[p.best_point]:.4f})"
-                          for p in missing if p.best_point is not None)
+        close = "; ".join(
+            f"point {p.point} is closest to the server's point {p.best_point} (cos {p.cosines[p.best_point]:.4f})"
+            for p in missing
+            if p.best_point is not None
+        )
         wanted = to_engine_ids(run.capture_points, convention, run.target.num_layers)
         same_count = len(server.aux_points) == len(run.capture_points)
         shift = {b - a for a, b in zip(run.capture_points, server.aux_points)} if same_count else set()
-        why = (f": the server's layer ids {server.aux_layer_ids} are the run's ids {wanted} off by {shift.pop():+d}"
-               if len(shift) == 1 and 0 not in shift else "")
-        causes.append(f"the server does not capture point(s) {[p.point for p in missing]} (its ids {server.aux_layer_ids} "
-                      f"are points {server.aux_points}){why}{'; ' + close if close else ''}: start it with "
-                      f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))} (the run's points and their neighbours)")
+        why = (
+            f": the server's layer ids {server.aux_layer_ids} are the run's ids {wanted} off by {shift.pop():+d}"
+            if len(shift) == 1 and 0 not in shift
+            else ""
+        )
+        causes.append(
+            f"the server does not capture point(s) {[p.point for p in missing]} (its ids {server.aux_layer_ids} "
+            f"are points {server.aux_points}){why}{'; ' + close if close else ''}: start it with "
+            f"--return-aux-hidden-state-layer-ids {' '.join(map(str, ids))} (the run's points and their neighbours)"
+        )
     lower = [p for p in failed if p.at_point is not None and p not in shifted]
     if lower:
         figures = ", ".join(f"{p.point}: {p.at_point.mean:.4f} (p1 {p.at_point.p1:.4f})" for p in lower)  # type: ignore[union-attr]
         which = "every point" if len(lower) == len(points) else f"point(s) {[p.point for p in lower]}"
         weights = ""
         if server.weights_sha256 and server.weights_sha256 != run.target.weights_sha256:
-            weights = (f"; the server's weights (sha256 {server.weights_sha256[:12]}) are not the run's target's "
-                       f"({run.target.weights_sha256[:12]}): re-quantized or modified weights")
+            weights = (
+                f"; the server's weights (sha256 {server.weights_sha256[:12]}) are not the run's target's "
+                f"({run.target.weights_sha256[:12]}): re-quantized or modified weights"
+            )
         top1 = f"; top-1 agreement {signal.top1_agreement:.1%}" if signal is not None else ""
         causes.append(
             f"{which} at a lower cosine, matching its own layer best ({figures}; threshold {min_cosine}){top1}: the server "
             f"computes the same layers with other numbers: a different quantization or dtype than the run (server: "
             f"quantization {server.quantization or 'none'}, dtype {server.dtype}; run: {run.dtype} states from "
-            f"{run.engine.name} {run.engine.version} in {run.engine.dtype}){weights}")
+            f"{run.engine.name} {run.engine.version} in {run.engine.dtype}){weights}"
+        )
     if signal is not None and not signal.passed and not failed:
-        causes.append(f"the capture points agree but the target distribution does not (top-1 agreement "
-                      f"{signal.top1_agreement:.1%}, threshold {min_top1:.0%}): the server's final norm or lm_head differ "
-                      "from the run's target")
+        causes.append(
+            f"the capture points agree but the target distribution does not (top-1 agreement "
+            f"{signal.top1_agreement:.1%}, threshold {min_top1:.0%}): the server's final norm or lm_head differ "
+            "from the run's target"
+        )
     if causes and run.engine.name == "sglang" and run.engine.version != server.sglang_version:
-        causes.append(f"the run was extracted with SGLang {run.engine.version}, the server runs {server.sglang_version}")
+        causes.append(
+            f"the run was extracted with SGLang {run.engine.version}, the server runs {server.sglang_version}"
+        )
     return causes
 
 
@@ -484,47 +581,84 @@ def run_align(store: ObjectStore, settings: Settings, request: AlignRequest) -> 
     precision, min_cos, min_p1 = thresholds(settings, run.dtype, server.dtype)
     points = []
     for i, p in enumerate(run.capture_points):
-        means = {q: float(np.concatenate([cosines(r["aux"][:, i].astype(np.float32), o.aux[:, j])
-                                          for r, o in zip(stored, served)]).mean())
-                 for j, q in enumerate(server.aux_points)}
+        means = {
+            q: float(
+                np.concatenate(
+                    [cosines(r["aux"][:, i].astype(np.float32), o.aux[:, j]) for r, o in zip(stored, served)]
+                ).mean()
+            )
+            for j, q in enumerate(server.aux_points)
+        }
         at = None
         if p in server.aux_points:
             j = server.aux_points.index(p)
             at = cosine_stats([(r["aux"][:, i].astype(np.float32), o.aux[:, j]) for r, o in zip(stored, served)])
         best = max(means, key=means.__getitem__) if means else None
-        points.append(PointAlignment(point=p, at_point=at, best_point=best, cosines=means,
-                                     passed=at is not None and at.mean >= min_cos and at.p1 >= min_p1))
+        points.append(
+            PointAlignment(
+                point=p,
+                at_point=at,
+                best_point=best,
+                cosines=means,
+                passed=at is not None and at.mean >= min_cos and at.p1 >= min_p1,
+            )
+        )
     signal = compare_signal(run, stored, served, settings, min_cos, min_p1)
-    report_passed = all(p.passed for p in points) and (signal is None or signal.passed) and tokenization.differs_at is None
-    causes = [] if report_passed else diagnose(run, server, points, signal, tokenization, min_cos, settings.align_min_top1)
+    report_passed = (
+        all(p.passed for p in points) and (signal is None or signal.passed) and tokenization.differs_at is None
+    )
+    causes = (
+        [] if report_passed else diagnose(run, server, points, signal, tokenization, min_cos, settings.align_min_top1)
+    )
     if client.note:
-        tokenization = tokenization.model_copy(update={"note": "; ".join(filter(None, [tokenization.note, client.note]))})
+        tokenization = tokenization.model_copy(
+            update={"note": "; ".join(filter(None, [tokenization.note, client.note]))}
+        )
     report = AlignmentReport(
-        run=run.run, server=server, run_dtype=run.dtype, precision=precision, min_cosine=min_cos, min_cosine_p1=min_p1,
-        min_top1=settings.align_min_top1, seed=request.seed, samples=samples, tokens=sum(s.tokens for s in samples),
-        points=points, signal=signal, tokenization=tokenization, passed=report_passed, causes=causes,
+        run=run.run,
+        server=server,
+        run_dtype=run.dtype,
+        precision=precision,
+        min_cosine=min_cos,
+        min_cosine_p1=min_p1,
+        min_top1=settings.align_min_top1,
+        seed=request.seed,
+        samples=samples,
+        tokens=sum(s.tokens for s in samples),
+        points=points,
+        signal=signal,
+        tokenization=tokenization,
+        passed=report_passed,
+        causes=causes,
         seconds=round(time.monotonic() - started, 3),
     )
     store.put_json(layout.alignment_report(run.run, server.server_id), report)
     return report
 
 
-def compare_signal(run: RunSpec, stored: list[dict], served: list[Served], settings: Settings,
-                   min_cos: float, min_p1: float) -> SignalAlignment | None:
+def compare_signal(
+    run: RunSpec, stored: list[dict], served: list[Served], settings: Settings, min_cos: float, min_p1: float
+) -> SignalAlignment | None:
     """The target signal: final states (binary), top-1 agreement and log-prob error (both transports)."""
     if run.target_signal == "topk":
         agree = np.concatenate([r["topk_ids"][:, 0] == o.topk_ids[:, 0] for r, o in zip(stored, served)])
         k = stored[0]["topk_ids"].shape[1]
-        overlap = np.concatenate([[len(set(a) & set(b)) / k for a, b in zip(r["topk_ids"], o.topk_ids)]
-                                  for r, o in zip(stored, served)])
+        overlap = np.concatenate(
+            [[len(set(a) & set(b)) / k for a, b in zip(r["topk_ids"], o.topk_ids)] for r, o in zip(stored, served)]
+        )
         errors = []
         for r, o in zip(stored, served):
             for ids, lp, sids, slp in zip(r["topk_ids"], r["topk_logprobs"], o.topk_ids, o.topk_logprobs):
                 ours = dict(zip(ids.tolist(), lp.tolist()))
                 errors += [abs(ours[t] - v) for t, v in zip(sids.tolist(), slp.tolist()) if t in ours]
         top1 = float(agree.mean())
-        return SignalAlignment(signal="topk", top1_agreement=top1, topk_overlap=float(overlap.mean()),
-                               logprob_mae=float(np.mean(errors)) if errors else None, passed=top1 >= settings.align_min_top1)
+        return SignalAlignment(
+            signal="topk",
+            top1_agreement=top1,
+            topk_overlap=float(overlap.mean()),
+            logprob_mae=float(np.mean(errors)) if errors else None,
+            passed=top1 >= settings.align_min_top1,
+        )
     final = None
     if all(o.final is not None for o in served):
         final = cosine_stats([(r["final"].astype(np.float32), o.final) for r, o in zip(stored, served)])
@@ -532,8 +666,16 @@ def compare_signal(run: RunSpec, stored: list[dict], served: list[Served], setti
         head = LmHead(run.target.model)
     except (FileNotFoundError, OSError, ValueError) as e:
         log.warning("align: top-1 agreement not measured: %s", e)
-        return None if final is None else SignalAlignment(signal="final", final=final, top1_agreement=float("nan"),
-                                                          passed=final.mean >= min_cos and final.p1 >= min_p1)
+        return (
+            None
+            if final is None
+            else SignalAlignment(
+                signal="final",
+                final=final,
+                top1_agreement=float("nan"),
+                passed=final.mean >= min_cos and final.p1 >= min_p1,
+            )
+        )
     agree, errors = [], []
     for r, o in zip(stored, served):
         top, logprobs = head.logits_stats(r["final"], o.topk_ids)
@@ -541,8 +683,13 @@ def compare_signal(run: RunSpec, stored: list[dict], served: list[Served], setti
         errors.append(np.abs(logprobs - o.topk_logprobs).ravel())
     top1 = float(np.concatenate(agree).mean())
     passed = top1 >= settings.align_min_top1 and (final is None or (final.mean >= min_cos and final.p1 >= min_p1))
-    return SignalAlignment(signal="final", final=final, top1_agreement=top1, logprob_mae=float(np.concatenate(errors).mean()),
-                           passed=passed)
+    return SignalAlignment(
+        signal="final",
+        final=final,
+        top1_agreement=top1,
+        logprob_mae=float(np.concatenate(errors).mean()),
+        passed=passed,
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -56,9 +56,15 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--capture-points", default=None, help="comma-separated capture points (default 2,N//2,N-3)")
 @click.option("--engine", type=click.Choice(["hf", "sglang"]), default=None, help="default: AERIE_ENGINE")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
-@click.option("--storage-dtype", type=click.Choice(["float8_e4m3fn"]), default=None,
-              help="store the states as fp8 (e4m3 + a float32 scale per row): about half of bf16's bytes (default: in --dtype)")
-@click.option("--scale-block", type=int, default=None, help="with --storage-dtype: values per scale (default: the whole row)")
+@click.option(
+    "--storage-dtype",
+    type=click.Choice(["float8_e4m3fn"]),
+    default=None,
+    help="store the states as fp8 (e4m3 + a float32 scale per row): about half of bf16's bytes (default: in --dtype)",
+)
+@click.option(
+    "--scale-block", type=int, default=None, help="with --storage-dtype: values per scale (default: the whole row)"
+)
 @click.option("--target-signal", type=click.Choice(["final", "topk"]), default="final")
 @click.option("--topk", type=int, default=20)
 @click.option("--loss-on", type=click.Choice(["all", "last"]), default="all", help="assistant turns trained on")
@@ -66,45 +72,117 @@ def _points(value: str | None) -> list[int] | None:
 @click.option("--overlong", type=click.Choice(["truncate", "reject"]), default="truncate")
 @click.option("--shard-tokens", type=int, default=65536)
 @click.option("--max-records", type=int, default=None, help="stop after this many accepted records")
-@click.option("--max-record-bytes", type=int, default=None,
-              help="reject dataset lines / array elements larger than this (default 1 MiB: IngestOptions.max_record_bytes)")
-@click.option("--regenerate", is_flag=True, help="answer every user turn again with the target (the regenerate stage) and train on that")
-@click.option("--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)")
-@click.option("--regenerate-max-turns", type=int, default=None, help="with --regenerate: assistant turns answered per conversation (default all)")
-@click.option("--regenerate-reasoning", type=click.Choice(["keep", "drop"]), default=None,
-              help="with --regenerate: a reasoning model's think segment trained on (keep, default) or dropped")
-@click.option("--regenerate-temperature", type=float, default=None, help="with --regenerate: sampling temperature (default 0: greedy)")
-@click.option("--regenerate-shard-records", type=int, default=None, help="with --regenerate: conversations per task (default 256)")
+@click.option(
+    "--max-record-bytes",
+    type=int,
+    default=None,
+    help="reject dataset lines / array elements larger than this (default 1 MiB: IngestOptions.max_record_bytes)",
+)
+@click.option(
+    "--regenerate",
+    is_flag=True,
+    help="answer every user turn again with the target (the regenerate stage) and train on that",
+)
+@click.option(
+    "--regenerate-max-tokens", type=int, default=None, help="with --regenerate: new tokens per answer (default 512)"
+)
+@click.option(
+    "--regenerate-max-turns",
+    type=int,
+    default=None,
+    help="with --regenerate: assistant turns answered per conversation (default all)",
+)
+@click.option(
+    "--regenerate-reasoning",
+    type=click.Choice(["keep", "drop"]),
+    default=None,
+    help="with --regenerate: a reasoning model's think segment trained on (keep, default) or dropped",
+)
+@click.option(
+    "--regenerate-temperature",
+    type=float,
+    default=None,
+    help="with --regenerate: sampling temperature (default 0: greedy)",
+)
+@click.option(
+    "--regenerate-shard-records", type=int, default=None, help="with --regenerate: conversations per task (default 256)"
+)
 @click.option("--fan-out/--no-fan-out", default=True, help="enqueue one extract task per shard")
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
-@click.option("--server", "align_server", default=None,
-              help="with --train-drafter: check the run against this serving SGLang (capture mode) before training (aerie align)")
+@click.option(
+    "--server",
+    "align_server",
+    default=None,
+    help="with --train-drafter: check the run against this serving SGLang (capture mode) before training (aerie align)",
+)
 @click.option("--allow-misaligned", is_flag=True, help="with --server: train even when the alignment check fails")
 @train_options()
 @one_line_failures
 @click.pass_context
-def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storage_dtype, scale_block, target_signal, topk, loss_on,
-            max_tokens, overlong, shard_tokens, max_records, max_record_bytes, regenerate, regenerate_max_tokens, regenerate_max_turns,
-            regenerate_reasoning, regenerate_temperature, regenerate_shard_records, fan_out, train_drafter, upload, wait, align_server,
-            allow_misaligned, **training):
+def enqueue(
+    ctx,
+    dataset,
+    run_name,
+    model,
+    capture_points,
+    engine,
+    dtype,
+    storage_dtype,
+    scale_block,
+    target_signal,
+    topk,
+    loss_on,
+    max_tokens,
+    overlong,
+    shard_tokens,
+    max_records,
+    max_record_bytes,
+    regenerate,
+    regenerate_max_tokens,
+    regenerate_max_turns,
+    regenerate_reasoning,
+    regenerate_temperature,
+    regenerate_shard_records,
+    fan_out,
+    train_drafter,
+    upload,
+    wait,
+    align_server,
+    allow_misaligned,
+    **training,
+):
     """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
     from aerie import presets
 
-    regeneration = {f"regenerate_{k}": v for k, v in (("max_tokens", regenerate_max_tokens), ("max_turns", regenerate_max_turns),
-                    ("reasoning", regenerate_reasoning), ("temperature", regenerate_temperature),
-                    ("shard_records", regenerate_shard_records)) if v is not None}
+    regeneration = {
+        f"regenerate_{k}": v
+        for k, v in (
+            ("max_tokens", regenerate_max_tokens),
+            ("max_turns", regenerate_max_turns),
+            ("reasoning", regenerate_reasoning),
+            ("temperature", regenerate_temperature),
+            ("shard_records", regenerate_shard_records),
+        )
+        if v is not None
+    }
     if regeneration and not regenerate:
-        raise click.UsageError(f"--{next(iter(regeneration)).replace('_', '-')} is a setting of --regenerate: add --regenerate")
+        raise click.UsageError(
+            f"--{next(iter(regeneration)).replace('_', '-')} is a setting of --regenerate: add --regenerate"
+        )
 
     if align_server and not train_drafter or allow_misaligned and not align_server:
-        raise click.UsageError("--server checks the run before --train-drafter trains on it, and --allow-misaligned "
-                               "overrides that check: give --train-drafter with --server, --server with --allow-misaligned")
+        raise click.UsageError(
+            "--server checks the run before --train-drafter trains on it, and --allow-misaligned "
+            "overrides that check: give --train-drafter with --server, --server with --allow-misaligned"
+        )
     app, settings = _app_settings(ctx)
     try:  # the training settings (and a preset's capture points) are checked before anything is sent
         config = presets.train_config(model_config=_model_config(model), **training)
-        capture_points = capture_points or (",".join(map(str, presets.capture_points(training["preset"]) or [])) or None)
+        capture_points = capture_points or (
+            ",".join(map(str, presets.capture_points(training["preset"]) or [])) or None
+        )
     except presets.PresetError as e:
         raise click.UsageError(str(e)) from None
     local, sha = Path(dataset).expanduser(), None
@@ -117,12 +195,30 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storag
         model = str(Path(model).expanduser().resolve())
     try:
         request = IngestRequest(
-            run=run_name, dataset=dataset, model=model, capture_points=_points(capture_points), engine=engine,
-            dtype=dtype, storage_dtype=storage_dtype, scale_block=scale_block, target_signal=target_signal, topk=topk, fan_out=fan_out,
-            options=IngestOptions(loss_on=loss_on, max_tokens=max_tokens, overlong=overlong, shard_tokens=shard_tokens,
-                                  max_records=max_records, **({"max_record_bytes": max_record_bytes} if max_record_bytes else {}),
-                                  regenerate=regenerate, **regeneration),
-            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config) if train_drafter else None,
+            run=run_name,
+            dataset=dataset,
+            model=model,
+            capture_points=_points(capture_points),
+            engine=engine,
+            dtype=dtype,
+            storage_dtype=storage_dtype,
+            scale_block=scale_block,
+            target_signal=target_signal,
+            topk=topk,
+            fan_out=fan_out,
+            options=IngestOptions(
+                loss_on=loss_on,
+                max_tokens=max_tokens,
+                overlong=overlong,
+                shard_tokens=shard_tokens,
+                max_records=max_records,
+                **({"max_record_bytes": max_record_bytes} if max_record_bytes else {}),
+                regenerate=regenerate,
+                **regeneration,
+            ),
+            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config)
+            if train_drafter
+            else None,
             align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
         )
     except ValueError as e:  # a refused name or option: one line naming the field
@@ -135,9 +231,15 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storag
     if sha is not None:
         datasets.upload(store, local, sha)
         ctx.obj.echo(f"uploaded {local} -> {dataset}")
-    elif upload and not datasets.is_local_form(dataset) and not any(store.exists(k) for k in (dataset, layout.dataset(dataset))):
-        raise click.ClickException(f"--dataset {dataset}: neither a file here nor an object in {store.url} "
-                                   "(give a local file to upload, or the key of an uploaded dataset)")
+    elif (
+        upload
+        and not datasets.is_local_form(dataset)
+        and not any(store.exists(k) for k in (dataset, layout.dataset(dataset)))
+    ):
+        raise click.ClickException(
+            f"--dataset {dataset}: neither a file here nor an object in {store.url} "
+            "(give a local file to upload, or the key of an uploaded dataset)"
+        )
     result = app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
     ctx.obj.echo(f"enqueued {INGEST_TASK} {result.id} for run {run_name}")
     if wait:
@@ -146,10 +248,14 @@ def enqueue(ctx, dataset, run_name, model, capture_points, engine, dtype, storag
         try:
             summary = result.get(timeout=wait)
         except ResultTimeout:
-            raise click.ClickException(f"the ingest of run {run_name} (task {result.id}) did not finish within --wait {wait:g} s: "
-                                       "is a worker consuming queue 'ingest'? (`progress --run` shows it)") from None
-        ctx.obj.echo(f"ingested: {summary['sequences']} sequences, {summary['tokens']} tokens in "
-                     f"{len(summary['shards'])} shards, {summary['rejects']} rejects")
+            raise click.ClickException(
+                f"the ingest of run {run_name} (task {result.id}) did not finish within --wait {wait:g} s: "
+                "is a worker consuming queue 'ingest'? (`progress --run` shows it)"
+            ) from None
+        ctx.obj.echo(
+            f"ingested: {summary['sequences']} sequences, {summary['tokens']} tokens in "
+            f"{len(summary['shards'])} shards, {summary['rejects']} rejects"
+        )
 
 
 def _model_config(model: str) -> dict | None:
@@ -165,12 +271,29 @@ def status_table(status: RunStatus):
 
     table = Table(title=f"run {status.run}")
     regen = status.regenerate_total > 0
-    for col in ("shards", *(("regenerated",) if regen else ()), "tokenized", "extracted", "failed", "sequences", "tokens",
-                "rejects", "complete"):
+    for col in (
+        "shards",
+        *(("regenerated",) if regen else ()),
+        "tokenized",
+        "extracted",
+        "failed",
+        "sequences",
+        "tokens",
+        "rejects",
+        "complete",
+    ):
         table.add_column(col, justify="right")
-    table.add_row(str(status.shards_total), *((str(status.regenerated),) if regen else ()), str(status.tokens_done),
-                  str(status.hidden_done), str(status.failed), str(status.sequences), str(status.tokens), str(status.rejects),
-                  "yes" if status.complete else "no")
+    table.add_row(
+        str(status.shards_total),
+        *((str(status.regenerated),) if regen else ()),
+        str(status.tokens_done),
+        str(status.hidden_done),
+        str(status.failed),
+        str(status.sequences),
+        str(status.tokens),
+        str(status.rejects),
+        "yes" if status.complete else "no",
+    )
     return table
 
 
@@ -196,7 +319,9 @@ def progress(ctx, run_name, watch, timeout, as_json):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         deadline = time.monotonic() + timeout
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        ) as bar:
             task = bar.add_task(f"run {run_name}: shards extracted", total=max(status.shards_total, 1))
             while not status.complete and status.failed == 0 and time.monotonic() < deadline:
                 time.sleep(2)

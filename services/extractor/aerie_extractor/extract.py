@@ -113,7 +113,13 @@ def run_extract(
     """Extract one shard of a run; skip it when a valid hidden shard already exists."""
     started, taken = time.monotonic(), []
     try:
-        captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))
+        captured = _capture(
+            store,
+            settings,
+            request,
+            engine,
+            empty=lambda shape, dtype: _spare.take(shape, dtype, taken),
+        )
         if captured is None:
             return ExtractResult(run=request.run, shard=request.shard, skipped=True)
         return _store_hidden(store, started, *captured)
@@ -156,7 +162,13 @@ def extract_shards(
                 break
             started, taken = time.monotonic(), []
             try:
-                captured = _capture(store, settings, request, engine, empty=lambda shape, dtype: _spare.take(shape, dtype, taken))
+                captured = _capture(
+                    store,
+                    settings,
+                    request,
+                    engine,
+                    empty=lambda shape, dtype, taken=taken: _spare.take(shape, dtype, taken),
+                )
             except BaseException as e:  # noqa: BLE001
                 _spare.give(taken)
                 error = e
@@ -194,7 +206,10 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
         # the engine writes straight into the shard's arrays: no per-sequence copies to pack
         T, dtype = tokens.num_tokens, np_dtype(spec.dtype)
         hidden = Shard(
-            input_ids=tokens.input_ids, loss_mask=tokens.loss_mask, offsets=tokens.offsets, capture_points=list(spec.capture_points),
+            input_ids=tokens.input_ids,
+            loss_mask=tokens.loss_mask,
+            offsets=tokens.offsets,
+            capture_points=list(spec.capture_points),
             extra_metadata=meta,
         )
         if spec.storage_dtype is not None and getattr(engine, "quantize_on_device", False):  # fp8 from the device
@@ -232,7 +247,12 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
 
 
 def _store_hidden(
-    store: ObjectStore, started: float, request: ExtractRequest, spec: RunSpec, hidden: Shard, capture_seconds: float | None,
+    store: ObjectStore,
+    started: float,
+    request: ExtractRequest,
+    spec: RunSpec,
+    hidden: Shard,
+    capture_seconds: float | None,
     finite: bool | _Captured,
 ) -> ExtractResult:
     """Validate, hash and write a packed hidden shard, then its record (in this order)."""
@@ -242,7 +262,9 @@ def _store_hidden(
     stored = time.monotonic()
     try:
         hidden.validate(check_finite=not finite)
-        if spec.storage_dtype is not None and not hidden.quantized:  # fp8: numpy only, in this writer thread (no torch on the SGLang path)
+        if (
+            spec.storage_dtype is not None and not hidden.quantized
+        ):  # fp8: numpy only, in this writer thread (no torch on the SGLang path)
             hidden = hidden.quantize(spec.storage_dtype, spec.scale_block).validate()
     except ShardError as e:
         raise EngineMismatch(f"shard {name}: the engine's output is not a valid hidden shard: {e}") from e
@@ -252,15 +274,30 @@ def _store_hidden(
     sha = store.put_parts(key, parts)
     seconds = time.monotonic() - started
     record = ShardRecord(
-        run=run, shard=name, kind="hidden", key=key, sha256=sha, bytes=size,
-        sequences=hidden.num_sequences, tokens=hidden.num_tokens, loss_tokens=int(hidden.loss_mask.sum()),
-        engine=spec.engine, seconds=round(seconds, 3),
+        run=run,
+        shard=name,
+        kind="hidden",
+        key=key,
+        sha256=sha,
+        bytes=size,
+        sequences=hidden.num_sequences,
+        tokens=hidden.num_tokens,
+        loss_tokens=int(hidden.loss_mask.sum()),
+        engine=spec.engine,
+        seconds=round(seconds, 3),
     )
     store.put_json(layout.shard_record(run, "hidden", name), record)
     store.delete(layout.shard_failure(run, name))
     return ExtractResult(
-        run=run, shard=name, skipped=False, sequences=record.sequences, tokens=record.tokens,
-        bytes=record.bytes, seconds=seconds, capture_seconds=capture_seconds, store_seconds=time.monotonic() - stored,
+        run=run,
+        shard=name,
+        skipped=False,
+        sequences=record.sequences,
+        tokens=record.tokens,
+        bytes=record.bytes,
+        seconds=seconds,
+        capture_seconds=capture_seconds,
+        store_seconds=time.monotonic() - stored,
     )
 
 
@@ -308,4 +345,12 @@ class _Spare:
 _spare = _Spare()
 
 
-__all__ = ["ExtractError", "drop_engine", "extract_shards", "get_engine", "hidden_is_valid", "load_tokens", "run_extract"]
+__all__ = [
+    "ExtractError",
+    "drop_engine",
+    "extract_shards",
+    "get_engine",
+    "hidden_is_valid",
+    "load_tokens",
+    "run_extract",
+]

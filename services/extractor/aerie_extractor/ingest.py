@@ -112,14 +112,20 @@ _JSON_SPACE = b" \t\r\n"
 _SEPARATORS = re.compile(r"[ \t\r\n,]*")
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8, as 'surrogateescape' decodes them
 _OUTSIDE_STRING = re.compile(r'["{}\[\],]')  # what opens a string or changes the nesting
-_STRING_BODY = re.compile(r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.S)  # a string's characters and escapes, up to its quote (possessive: no backtracking state)
+_STRING_BODY = re.compile(
+    r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.S
+)  # a string's characters and escapes, up to its quote (possessive: no backtracking state)
 
 
 def _over_long(what: str, cap: int) -> Rejected:
-    return Rejected(f"over-long {what}: more than {cap} bytes (limit IngestOptions.max_record_bytes; enqueue --max-record-bytes)")
+    return Rejected(
+        f"over-long {what}: more than {cap} bytes (limit IngestOptions.max_record_bytes; enqueue --max-record-bytes)"
+    )
 
 
-def iter_records(chunks: Iterator[bytes], max_record_bytes: int = IngestOptions.model_fields["max_record_bytes"].default) -> Iterator[tuple[int, object]]:
+def iter_records(
+    chunks: Iterator[bytes], max_record_bytes: int = IngestOptions.model_fields["max_record_bytes"].default
+) -> Iterator[tuple[int, object]]:
     """(1-based line, parsed record or Rejected) for JSONL or a JSON array (possibly cut off).
 
     A record of more than `max_record_bytes` is refused without being held: its bytes are
@@ -155,8 +161,13 @@ def _iter_jsonl(chunks: Iterator[bytes], line_no: int, cap: int) -> Iterator[tup
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield line_no, Rejected(f"invalid UTF-8: byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line ({e.reason}); "
-                                    "save the file as UTF-8")
+            yield (
+                line_no,
+                Rejected(
+                    f"invalid UTF-8: byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line ({e.reason}); "
+                    "save the file as UTF-8"
+                ),
+            )
             return
         try:
             yield line_no, json.loads(text)
@@ -305,7 +316,10 @@ def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]
         if end - text.pos > cap:
             yield line, _over_long("record", cap)
         elif _NOT_UTF8.search(raw):
-            yield line, Rejected("invalid UTF-8: the record holds bytes that are not UTF-8 text; save the file as UTF-8")
+            yield (
+                line,
+                Rejected("invalid UTF-8: the record holds bytes that are not UTF-8 text; save the file as UTF-8"),
+            )
         else:
             yield line, record
         line += raw.count("\n")
@@ -316,13 +330,17 @@ def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]
 # Records -> normalized messages
 # --------------------------------------------------------------------------------------
 def _type(v: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(type(v), type(v).__name__)
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}.get(
+        type(v), type(v).__name__
+    )
 
 
 def normalize(record: object) -> list[dict[str, str]]:
     """A ShareGPT or OpenAI record -> [{role, content}], roles system/user/assistant."""
     if not isinstance(record, dict):
-        raise Rejected(f"wrong type: the record is {_type(record)}, expected an object with 'conversations' or 'messages'")
+        raise Rejected(
+            f"wrong type: the record is {_type(record)}, expected an object with 'conversations' or 'messages'"
+        )
     if "conversations" in record:
         turns, role_key, text_key = record["conversations"], "from", "value"
         fmt = "conversations"
@@ -330,13 +348,17 @@ def normalize(record: object) -> list[dict[str, str]]:
         turns, role_key, text_key = record["messages"], "role", "content"
         fmt = "messages"
     else:
-        raise Rejected(f"wrong type: the record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(record)[:8]}")
+        raise Rejected(
+            f"wrong type: the record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(record)[:8]}"
+        )
     if not isinstance(turns, list):
         raise Rejected(f"wrong type: '{fmt}' is {_type(turns)}, expected a list of turns")
     messages = []
     for i, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
-            raise Rejected(f"wrong type: turn {i} is {_type(turn)}, expected an object with '{role_key}' and '{text_key}'")
+            raise Rejected(
+                f"wrong type: turn {i} is {_type(turn)}, expected an object with '{role_key}' and '{text_key}'"
+            )
         who = turn.get(role_key)
         if not isinstance(who, str):
             raise Rejected(f"wrong type: turn {i} '{role_key}' is {_type(who)}, expected a string")
@@ -345,7 +367,9 @@ def normalize(record: object) -> list[dict[str, str]]:
             raise Rejected(f"unknown role {who!r} in turn {i} (known: {', '.join(sorted(ROLES))})")
         content = turn.get(text_key)
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise Rejected(f"wrong type: turn {i} '{text_key}' has non-text parts; only text is supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -414,12 +438,16 @@ class ChatTokenizer:
         if not any(m["role"] == "user" for m in messages[:first]):
             raise Rejected(f"turn {first + 1} is an assistant turn with no user turn before it: nothing to answer")
         try:
-            prompt = self.tokenizer(self.render(messages[:first], generation_prompt=True), add_special_tokens=False)["input_ids"]
+            prompt = self.tokenizer(self.render(messages[:first], generation_prompt=True), add_special_tokens=False)[
+                "input_ids"
+            ]
         except Exception as e:  # jinja raises for conversations the template refuses
             raise Rejected(f"chat template refused the conversation: {e}") from None
         if len(prompt) >= max_tokens:
-            raise Rejected(f"over-long: no assistant token within the first {max_tokens} tokens (the first prompt alone "
-                           f"is {len(prompt)} tokens): not regenerated")
+            raise Rejected(
+                f"over-long: no assistant token within the first {max_tokens} tokens (the first prompt alone "
+                f"is {len(prompt)} tokens): not regenerated"
+            )
         return messages, len(prompt)
 
     def sequences(self, messages: list[dict[str, str]], loss_on: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -438,15 +466,19 @@ class ChatTokenizer:
         out = []
         for j in turns[-1:] if loss_on == "last" else turns:
             if not any(m["role"] == "user" for m in messages[:j]):
-                raise Rejected(f"turn {j + 1} is an assistant turn with no user turn before it (template rewrites earlier turns)")
+                raise Rejected(
+                    f"turn {j + 1} is an assistant turn with no user turn before it (template rewrites earlier turns)"
+                )
             try:
                 prompt = self.render(messages[:j], generation_prompt=True)
                 text = self.render(messages[: j + 1])
             except Exception as e:
                 raise Rejected(f"chat template refused the conversation: {e}") from None
             if not text.startswith(prompt):
-                raise Rejected(f"chat template is not prefix-stable at turn {j + 1} even on its own: the prompt rendered "
-                               "with the generation prompt is not a prefix of the turn's rendering")
+                raise Rejected(
+                    f"chat template is not prefix-stable at turn {j + 1} even on its own: the prompt rendered "
+                    "with the generation prompt is not a prefix of the turn's rendering"
+                )
             out.append(self._tokenize(text, [(len(prompt), len(text.rstrip()))]))
         return out
 
@@ -471,10 +503,11 @@ class ChatTokenizer:
             mask[(offsets[:, 0] >= a) & (offsets[:, 0] < b) & (offsets[:, 1] > offsets[:, 0])] = 1
         return ids, mask
 
-
     def _encode_tagged(self, messages: list[dict[str, str]], loss_on: str) -> tuple[np.ndarray, np.ndarray]:
         try:
-            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            out = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
         except Exception as e:
             raise Rejected(f"chat template refused the conversation: {e}") from None
         ids = np.asarray(out["input_ids"], dtype=np.int32)
@@ -508,13 +541,18 @@ def write_token_shard(store: ObjectStore, run: str, name: str, sequences: list[d
     key = layout.shard(run, "tokens", name)
     sha = store.put_bytes(key, data)
     record = ShardRecord(
-        run=run, shard=name, kind="tokens", key=key, sha256=sha, bytes=len(data),
-        sequences=shard.num_sequences, tokens=shard.num_tokens, loss_tokens=int(shard.loss_mask.sum()),
+        run=run,
+        shard=name,
+        kind="tokens",
+        key=key,
+        sha256=sha,
+        bytes=len(data),
+        sequences=shard.num_sequences,
+        tokens=shard.num_tokens,
+        loss_tokens=int(shard.loss_mask.sum()),
     )
     store.put_json(layout.shard_record(run, "tokens", name), record)
     return record
-
-
 
 
 def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
@@ -536,8 +574,10 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
             "in other pods), or ingest with target_signal 'topk'"
         )
     if request.scale_block and target.hidden_size % request.scale_block:
-        raise IngestError(f"run {request.run!r}: scale_block {request.scale_block} does not divide the target's hidden size "
-                          f"{target.hidden_size}: pick a divisor, or leave it unset (one scale per row)")
+        raise IngestError(
+            f"run {request.run!r}: scale_block {request.scale_block} does not divide the target's hidden size "
+            f"{target.hidden_size}: pick a divisor, or leave it unset (one scale per row)"
+        )
     return RunSpec(
         run=request.run,
         dataset=request.dataset,
@@ -594,14 +634,18 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
 
     def flush_rejects(part: str) -> None:
         if rejects:
-            store.put_bytes(layout.rejects(request.run, part), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects))
+            store.put_bytes(
+                layout.rejects(request.run, part), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects)
+            )
             summary.rejects += len(rejects)
             rejects.clear()
 
     def flush_conversations() -> None:
         name = layout.shard_name(len(summary.regenerate_shards))
-        store.put_bytes(layout.conversations(request.run, name),
-                        b"".join(json.dumps(c, ensure_ascii=False).encode() + b"\n" for c in conversations))
+        store.put_bytes(
+            layout.conversations(request.run, name),
+            b"".join(json.dumps(c, ensure_ascii=False).encode() + b"\n" for c in conversations),
+        )
         flush_rejects(name)
         summary.regenerate_shards.append(name)
         conversations.clear()
@@ -626,7 +670,9 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
             messages = normalize(record)
             if opts.regenerate:  # answered by the regenerate stage, tokenized there
                 answerable, prompt_tokens = chat.answerable(messages, opts.max_tokens)
-                conversations.append({"line": line, "source": source, "messages": answerable, "prompt_tokens": prompt_tokens})
+                conversations.append(
+                    {"line": line, "source": source, "messages": answerable, "prompt_tokens": prompt_tokens}
+                )
                 if len(conversations) >= opts.regenerate_shard_records:
                     flush_conversations()
                 accepted += 1
@@ -659,7 +705,13 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     store.delete(layout.ingest_failure(request.run))  # an earlier attempt's, if any
     log.info(
         "ingest %s: %d shards, %d sequences, %d tokens, %d rejects%s",
-        request.run, len(summary.shards), summary.sequences, summary.tokens, summary.rejects,
-        f", {accepted} conversations in {len(summary.regenerate_shards)} shards to regenerate" if opts.regenerate else "",
+        request.run,
+        len(summary.shards),
+        summary.sequences,
+        summary.tokens,
+        summary.rejects,
+        f", {accepted} conversations in {len(summary.regenerate_shards)} shards to regenerate"
+        if opts.regenerate
+        else "",
     )
     return summary

@@ -47,7 +47,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aerie import layout
-from aerie.contracts import IngestOptions, ProgressEvent, RegeneratedRecord, RegenerateRequest, RegenerateResult, RejectRecord
+from aerie.contracts import (
+    IngestOptions,
+    ProgressEvent,
+    RegeneratedRecord,
+    RegenerateRequest,
+    RegenerateResult,
+    RejectRecord,
+)
 from aerie.runs import load_run
 from aerie.settings import Settings
 from aerie.store import NotFound, ObjectStore
@@ -96,8 +103,12 @@ def assistant_turn(answer: Answer, reasoning: str) -> str:
     return answer.content.strip()
 
 
-async def regenerate_conversation(messages: Messages, chat: Callable[[Messages, int], Awaitable[Answer]],
-                                  options: IngestOptions, prompt_tokens: int = 0) -> tuple[Messages, int]:
+async def regenerate_conversation(
+    messages: Messages,
+    chat: Callable[[Messages, int], Awaitable[Answer]],
+    options: IngestOptions,
+    prompt_tokens: int = 0,
+) -> tuple[Messages, int]:
     """(the conversation with its assistant turns answered again, turns answered). Each answer
     is asked on the regenerated history; stops at the turn limit or once the conversation
     reaches `options.max_tokens`. No answer asks for more new tokens than fit before
@@ -136,8 +147,15 @@ class OpenAIChat:
 
     health_poll_s = 5.0
 
-    def __init__(self, urls: list[str], options: IngestOptions, timeout_s: float, concurrency: int,
-                 headers: dict[str, str] | None = None, outage_wait_s: float = 0.0):
+    def __init__(
+        self,
+        urls: list[str],
+        options: IngestOptions,
+        timeout_s: float,
+        concurrency: int,
+        headers: dict[str, str] | None = None,
+        outage_wait_s: float = 0.0,
+    ):
         import httpx
 
         if not urls:
@@ -146,14 +164,22 @@ class OpenAIChat:
         self.options, self.outage_wait_s = options, outage_wait_s
         self._outages: dict[str, asyncio.Lock] = {}
         self._gave_up: set[str] = set()
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_S)
-        self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, limits=limits)  # headers: SGLang's --api-key
+        limits = httpx.Limits(
+            max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_S
+        )
+        self.client = httpx.AsyncClient(
+            timeout=timeout_s, headers=headers, limits=limits
+        )  # headers: SGLang's --api-key
 
     async def __call__(self, url: str, messages: Messages, max_new: int | None = None) -> Answer:
         import httpx
 
-        body = {"model": "default", "messages": messages, "temperature": self.options.regenerate_temperature,
-                "max_tokens": max_new or self.options.regenerate_max_tokens}
+        body = {
+            "model": "default",
+            "messages": messages,
+            "temperature": self.options.regenerate_temperature,
+            "max_tokens": max_new or self.options.regenerate_max_tokens,
+        }
         try:
             try:
                 r = await self._post(url, body)
@@ -163,12 +189,16 @@ class OpenAIChat:
                 await self._wait_healthy(url)  # a restarting server: wait for it, then ask once more
                 r = await self._post(url, body)
         except httpx.HTTPError as e:
-            raise EngineError(f"regeneration: {url} unreachable ({type(e).__name__}: {' '.join(str(e).split())}): is the "
-                              "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S "
-                              f"{self.outage_wait_s:g} s)") from None
+            raise EngineError(
+                f"regeneration: {url} unreachable ({type(e).__name__}: {' '.join(str(e).split())}): is the "
+                "server up? (AERIE_REGENERATE_URLS / AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S "
+                f"{self.outage_wait_s:g} s)"
+            ) from None
         if r.status_code in (401, 403):  # the whole run's configuration, not this record
-            raise EngineMismatch(f"regeneration: {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
-                                 "set AERIE_ENGINE_API_KEY to that key")
+            raise EngineMismatch(
+                f"regeneration: {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
+                "set AERIE_ENGINE_API_KEY to that key"
+            )
         if 400 <= r.status_code < 500:
             raise RegenerateRefused(f"regeneration refused by {url}: HTTP {r.status_code}: {_short(r.text)}")
         if r.status_code != 200:
@@ -177,11 +207,17 @@ class OpenAIChat:
             reply = r.json()
             message = reply["choices"][0]["message"]
             usage = reply.get("usage") or {}
-            return Answer(message.get("content") or "", message.get("reasoning_content"),
-                          int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            return Answer(
+                message.get("content") or "",
+                message.get("reasoning_content"),
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+            )
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-            raise EngineError(f"regeneration: {url} answered without choices[0].message: {_short(r.text)} "
-                              "(is it an OpenAI-compatible server? AERIE_REGENERATE_URLS)") from None
+            raise EngineError(
+                f"regeneration: {url} answered without choices[0].message: {_short(r.text)} "
+                "(is it an OpenAI-compatible server? AERIE_REGENERATE_URLS)"
+            ) from None
 
     async def _post(self, url: str, body: dict):
         """POST, sent again (on a new connection) when the server closed the connection before
@@ -217,8 +253,11 @@ class OpenAIChat:
                     self._gave_up.add(url)
                     return  # the request after it fails and says so
                 if not warned:
-                    log.warning("regeneration: %s is down: waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
-                                url, self.outage_wait_s)
+                    log.warning(
+                        "regeneration: %s is down: waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
+                        url,
+                        self.outage_wait_s,
+                    )
                     warned = True
                 await asyncio.sleep(min(self.health_poll_s, max(deadline - time.monotonic(), 0.0)))
 
@@ -242,7 +281,9 @@ class HFChat:
 
         self.torch, self.options, self.device = torch, options, device
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16
+        )
         self.model.to(device).eval()
         self.lock = threading.Lock()
 
@@ -253,11 +294,16 @@ class HFChat:
         sample = self.options.regenerate_temperature > 0
         with self.lock, torch.inference_mode():
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new or self.options.regenerate_max_tokens,
-                do_sample=sample, temperature=self.options.regenerate_temperature if sample else None,
-                top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new or self.options.regenerate_max_tokens,
+                do_sample=sample,
+                temperature=self.options.regenerate_temperature if sample else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
-        new = out[0, ids.shape[1]:]
+        new = out[0, ids.shape[1] :]
         return Answer(self.tokenizer.decode(new, skip_special_tokens=True), None, int(ids.shape[1]), int(new.shape[0]))
 
     async def __call__(self, url: str, messages: Messages, max_new: int | None = None) -> Answer:
@@ -270,14 +316,18 @@ class HFChat:
 _hf_chats: dict[tuple, HFChat] = {}
 
 
-def make_chat(settings: Settings, engine: str, model_path: str, options: IngestOptions) -> tuple[OpenAIChat | HFChat, list[str], int]:
+def make_chat(
+    settings: Settings, engine: str, model_path: str, options: IngestOptions
+) -> tuple[OpenAIChat | HFChat, list[str], int]:
     """(the chat engine, its URLs, requests in flight) for a run on `engine`."""
     urls = list(settings.regenerate_urls) or (list(settings.engine_urls) if engine == "sglang" else [])
     if urls:
         from aerie_extractor.engines.sglang import auth_headers
 
         concurrency = settings.regenerate_concurrency
-        chat = OpenAIChat(urls, options, settings.engine_timeout_s, concurrency, auth_headers(settings), settings.engine_outage_wait_s)
+        chat = OpenAIChat(
+            urls, options, settings.engine_timeout_s, concurrency, auth_headers(settings), settings.engine_outage_wait_s
+        )
         return chat, urls, concurrency
     if engine == "hf":
         key = (model_path, settings.device, options.regenerate_temperature, options.regenerate_max_tokens)
@@ -329,8 +379,15 @@ class Meter:
         return self.completion_tokens / max(self.seconds, 1e-9)
 
 
-async def answer_all(records: list[dict], chat, urls: list[str], concurrency: int, options: IngestOptions,
-                     progress: Callable[[ProgressEvent], None] | None = None, meter: Meter | None = None) -> tuple[list[dict], Meter]:
+async def answer_all(
+    records: list[dict],
+    chat,
+    urls: list[str],
+    concurrency: int,
+    options: IngestOptions,
+    progress: Callable[[ProgressEvent], None] | None = None,
+    meter: Meter | None = None,
+) -> tuple[list[dict], Meter]:
     """Every record answered (`messages` regenerated, `turns`) or refused (`reject`), in order.
     The first engine error cancels the rest and is raised (the task retries the shard)."""
     meter = meter or Meter()
@@ -341,8 +398,9 @@ async def answer_all(records: list[dict], chat, urls: list[str], concurrency: in
         async with gate:
             base = {"line": record["line"], "source": record["source"]}
             try:
-                messages, turns = await regenerate_conversation(record["messages"], meter.wrap(chat, urls[i % len(urls)]), options,
-                                                                record.get("prompt_tokens") or 0)
+                messages, turns = await regenerate_conversation(
+                    record["messages"], meter.wrap(chat, urls[i % len(urls)]), options, record.get("prompt_tokens") or 0
+                )
                 out[i] = {**base, "messages": messages, "turns": turns}
             except RegenerateRefused as e:
                 out[i] = {**base, "reject": str(e)}
@@ -351,10 +409,18 @@ async def answer_all(records: list[dict], chat, urls: list[str], concurrency: in
     async def report() -> None:
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
-            progress(ProgressEvent(stage="regenerate", step=meter.done, steps=len(records), tokens=meter.completion_tokens,
-                                   tokens_per_second=round(meter.tokens_per_second(), 1), in_flight=meter.in_flight,
-                                   message=f"{meter.done}/{len(records)} conversations, {meter.tokens_per_second():.0f} tok/s, "
-                                           f"{meter.in_flight} in flight"))
+            progress(
+                ProgressEvent(
+                    stage="regenerate",
+                    step=meter.done,
+                    steps=len(records),
+                    tokens=meter.completion_tokens,
+                    tokens_per_second=round(meter.tokens_per_second(), 1),
+                    in_flight=meter.in_flight,
+                    message=f"{meter.done}/{len(records)} conversations, {meter.tokens_per_second():.0f} tok/s, "
+                    f"{meter.in_flight} in flight",
+                )
+            )
 
     tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(records)]
     reporter = asyncio.create_task(report()) if progress is not None else None
@@ -386,7 +452,9 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def _rows(data: bytes) -> list[dict]:
-    return [json.loads(line) for line in data.decode().split("\n") if line.strip()]  # not splitlines: U+2028 is inside strings
+    return [
+        json.loads(line) for line in data.decode().split("\n") if line.strip()
+    ]  # not splitlines: U+2028 is inside strings
 
 
 def stored_answers(store: ObjectStore, run: str, shard: str) -> tuple[RegeneratedRecord, list[dict]] | None:
@@ -402,8 +470,12 @@ def stored_answers(store: ObjectStore, run: str, shard: str) -> tuple[Regenerate
     return record, _rows(data)
 
 
-def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRequest,
-                   progress: Callable[[ProgressEvent], None] | None = None) -> RegenerateResult:
+def run_regenerate(
+    store: ObjectStore,
+    settings: Settings,
+    request: RegenerateRequest,
+    progress: Callable[[ProgressEvent], None] | None = None,
+) -> RegenerateResult:
     """Answer `runs/<run>/conversations/<shard>.jsonl` (once), tokenize it into the token shard."""
     from aerie_extractor.ingest import ChatTokenizer, Rejected, fit, write_token_shard
 
@@ -425,7 +497,9 @@ def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRe
         try:
             records = _rows(store.get_bytes(layout.conversations(run, shard)))
         except NotFound:
-            raise RegenerateError(f"run {run!r} has no conversation shard {shard} ({layout.conversations(run, shard)})") from None
+            raise RegenerateError(
+                f"run {run!r} has no conversation shard {shard} ({layout.conversations(run, shard)})"
+            ) from None
         chat, urls, concurrency = make_chat(settings, spec.engine.name, spec.target.model, options)
         started = time.monotonic()
         answered, meter = asyncio.run(_answer_shard(records, chat, urls, concurrency, options, progress))
@@ -434,16 +508,33 @@ def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRe
         sha = store.put_bytes(key, data)
         seconds = time.monotonic() - started
         record = RegeneratedRecord(
-            run=run, shard=shard, key=key, sha256=sha, conversations=sum("messages" in a for a in answered),
-            turns=sum(a.get("turns", 0) for a in answered), rejects=sum("reject" in a for a in answered),
-            prompt_tokens=meter.prompt_tokens, completion_tokens=meter.completion_tokens, seconds=round(seconds, 3),
-            tokens_per_second=round(meter.completion_tokens / max(seconds, 1e-9), 2), max_in_flight=meter.max_in_flight,
-            mean_in_flight=round(meter.busy_s / max(seconds, 1e-9), 3), servers=urls,
+            run=run,
+            shard=shard,
+            key=key,
+            sha256=sha,
+            conversations=sum("messages" in a for a in answered),
+            turns=sum(a.get("turns", 0) for a in answered),
+            rejects=sum("reject" in a for a in answered),
+            prompt_tokens=meter.prompt_tokens,
+            completion_tokens=meter.completion_tokens,
+            seconds=round(seconds, 3),
+            tokens_per_second=round(meter.completion_tokens / max(seconds, 1e-9), 2),
+            max_in_flight=meter.max_in_flight,
+            mean_in_flight=round(meter.busy_s / max(seconds, 1e-9), 3),
+            servers=urls,
         )
         store.put_json(layout.regenerated_record(run, shard), record)
-        log.info("regenerate %s/%s: %d conversations, %d turns, %d completion tokens in %.1f s (%.0f tok/s, max %d in flight)",
-                 run, shard, record.conversations, record.turns, record.completion_tokens, seconds, record.tokens_per_second,
-                 record.max_in_flight)
+        log.info(
+            "regenerate %s/%s: %d conversations, %d turns, %d completion tokens in %.1f s (%.0f tok/s, max %d in flight)",
+            run,
+            shard,
+            record.conversations,
+            record.turns,
+            record.completion_tokens,
+            seconds,
+            record.tokens_per_second,
+            record.max_in_flight,
+        )
 
     # tokenize, as ingest does (each turn on its own where the template rewrites earlier turns)
     chat_tokenizer = ChatTokenizer(spec.target.model)
@@ -458,17 +549,34 @@ def run_regenerate(store: ObjectStore, settings: Settings, request: RegenerateRe
         except Rejected as e:
             rejects.append(RejectRecord(source=row["source"], line=row["line"], reason=str(e)))
     if rejects:
-        store.put_bytes(layout.regenerate_rejects(run, shard), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects))
+        store.put_bytes(
+            layout.regenerate_rejects(run, shard), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects)
+        )
     if sequences:
         tokens = write_token_shard(store, run, shard, sequences)
         result.sequences, result.tokens = tokens.sequences, tokens.tokens
     store.put_json(layout.regenerated_record(run, shard), record.model_copy(update={"token_sequences": len(sequences)}))
     store.delete(layout.shard_failure(run, shard))  # an earlier attempt's, if any
     result.conversations, result.turns, result.rejects = record.conversations, record.turns, len(rejects)
-    result.completion_tokens, result.seconds, result.tokens_per_second = record.completion_tokens, record.seconds, record.tokens_per_second
+    result.completion_tokens, result.seconds, result.tokens_per_second = (
+        record.completion_tokens,
+        record.seconds,
+        record.tokens_per_second,
+    )
     result.max_in_flight, result.mean_in_flight = record.max_in_flight, record.mean_in_flight
     return result
 
 
-__all__ = ["Answer", "HFChat", "Meter", "OpenAIChat", "RegenerateError", "RegenerateRefused", "answer_all", "assistant_turn",
-           "make_chat", "regenerate_conversation", "run_regenerate"]
+__all__ = [
+    "Answer",
+    "HFChat",
+    "Meter",
+    "OpenAIChat",
+    "RegenerateError",
+    "RegenerateRefused",
+    "answer_all",
+    "assistant_turn",
+    "make_chat",
+    "regenerate_conversation",
+    "run_regenerate",
+]

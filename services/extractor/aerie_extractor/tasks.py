@@ -31,8 +31,21 @@ from celery import Task, shared_task
 from aerie import layout, runs, stages
 from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest, RegenerateRequest
 from aerie.queue import (
-    ALIGN_TASK, EXTRACT_TASK, INGEST_TASK, MAX_RETRIES, REGENERATE_TASK, TRAIN_TASK, claim_once, enqueue, held, mark_done,
-    parse_message, run_task, task_progress, task_settings, task_store,
+    ALIGN_TASK,
+    EXTRACT_TASK,
+    INGEST_TASK,
+    MAX_RETRIES,
+    REGENERATE_TASK,
+    TRAIN_TASK,
+    claim_once,
+    enqueue,
+    held,
+    mark_done,
+    parse_message,
+    run_task,
+    task_progress,
+    task_settings,
+    task_store,
 )
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -56,9 +69,14 @@ def ingest(self: Task, **kwargs) -> dict:
         if result.regenerate_shards:
             created = runs.load_run(task_store(settings), request.run).created_at
             for shard in result.regenerate_shards:
-                result.fanned_out += send_once(self.app, settings, f"regenerate:{request.run}:{created}:{shard}",
-                                               self.request.id or "local", REGENERATE_TASK,
-                                               RegenerateRequest(run=request.run, shard=shard).model_dump(mode="json"))
+                result.fanned_out += send_once(
+                    self.app,
+                    settings,
+                    f"regenerate:{request.run}:{created}:{shard}",
+                    self.request.id or "local",
+                    REGENERATE_TASK,
+                    RegenerateRequest(run=request.run, shard=shard).model_dump(mode="json"),
+                )
     return result.model_dump(mode="json")
 
 
@@ -77,8 +95,16 @@ def regenerate(self: Task, **kwargs) -> dict:
     owner = self.request.id or "local"
     if request.fan_out and store.exists(layout.shard_record(request.run, "tokens", request.shard)):
         created = runs.load_run(store, request.run).created_at
-        result.extract_enqueued = bool(send_once(self.app, settings, f"extract:{request.run}:{created}:{request.shard}", owner,
-                                                 EXTRACT_TASK, ExtractRequest(run=request.run, shard=request.shard).model_dump(mode="json")))
+        result.extract_enqueued = bool(
+            send_once(
+                self.app,
+                settings,
+                f"extract:{request.run}:{created}:{request.shard}",
+                owner,
+                EXTRACT_TASK,
+                ExtractRequest(run=request.run, shard=request.shard).model_dump(mode="json"),
+            )
+        )
     elif request.fan_out:  # every conversation refused: nothing to extract, and the run may be complete now
         maybe_enqueue_train(self.app, settings, store, request.run, owner)
     return result.model_dump(mode="json")
@@ -102,7 +128,9 @@ def extract(self: Task, **kwargs) -> dict:
         runs.record_failure(task_store(settings), request.run, request.shard, error, attempts)
 
     result = run_task(self, lambda: stages.extract(task_store(settings), settings, request), give_up)
-    result.train_enqueued = maybe_enqueue_train(self.app, settings, task_store(settings), request.run, self.request.id or "local")
+    result.train_enqueued = maybe_enqueue_train(
+        self.app, settings, task_store(settings), request.run, self.request.id or "local"
+    )
     return result.model_dump(mode="json")
 
 
@@ -119,8 +147,13 @@ def align(self: Task, **kwargs) -> dict:
         if not report.passed and not request.allow_misaligned:
             raise AlignmentFailed(failure_message(report))
         enqueue(self.app, TRAIN_TASK, request.then_train.model_dump(mode="json"))
-        log.info("run %s %s: enqueued %s for drafter %s", request.run, "aligned" if report.passed else
-                 "NOT aligned (allow_misaligned)", TRAIN_TASK, request.then_train.drafter)
+        log.info(
+            "run %s %s: enqueued %s for drafter %s",
+            request.run,
+            "aligned" if report.passed else "NOT aligned (allow_misaligned)",
+            TRAIN_TASK,
+            request.then_train.drafter,
+        )
     return report.model_dump(mode="json")
 
 
@@ -141,10 +174,25 @@ def maybe_enqueue_train(app, settings: Settings, store: ObjectStore, run: str, o
         return False
     if spec.align is not None:  # the check first; it enqueues the training
         gate = spec.align
-        enqueue(app, ALIGN_TASK, AlignRequest(run=run, server=gate.server, samples=gate.samples, seed=gate.seed,
-                                              then_train=spec.train_after, allow_misaligned=gate.allow_misaligned).model_dump(mode="json"))
+        enqueue(
+            app,
+            ALIGN_TASK,
+            AlignRequest(
+                run=run,
+                server=gate.server,
+                samples=gate.samples,
+                seed=gate.seed,
+                then_train=spec.train_after,
+                allow_misaligned=gate.allow_misaligned,
+            ).model_dump(mode="json"),
+        )
     else:
         enqueue(app, TRAIN_TASK, spec.train_after.model_dump(mode="json"))
     mark_done(settings, name)
-    log.info("run %s complete: enqueued %s for drafter %s", run, ALIGN_TASK if spec.align else TRAIN_TASK, spec.train_after.drafter)
+    log.info(
+        "run %s complete: enqueued %s for drafter %s",
+        run,
+        ALIGN_TASK if spec.align else TRAIN_TASK,
+        spec.train_after.drafter,
+    )
     return True

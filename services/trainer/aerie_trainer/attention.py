@@ -120,10 +120,15 @@ def _math_backward(dout, q, k, v, out, lse, mask, scale):
 # The prefix part on a GPU: PyTorch's flash-attention kernels
 # --------------------------------------------------------------------------------------
 def flash_mode(q, k) -> str | None:
-    """"gqa" (flash takes the grouped heads as they are), "expand" (it needs them repeated), or
+    """ "gqa" (flash takes the grouped heads as they are), "expand" (it needs them repeated), or
     None (no flash here: CPU, float32, odd head dim, non-square causal, or a failed probe)."""
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and q.shape[2] == k.shape[2]):
+    if not (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and q.shape[2] == k.shape[2]
+    ):
         return None
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if index not in _FLASH_MODE:
@@ -138,7 +143,7 @@ def _probe_flash(device, dtype) -> str | None:
     B, nh, nkv, T, hd = 1, 4, 2, 96, 64
     q, do = (torch.randn(B, T, nh, hd, generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(2))
     k, v = (torch.randn(B, T, nkv, hd, generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(2))
-    scale = hd ** -0.5
+    scale = hd**-0.5
     ref_out, ref_lse = _math_forward(q, k, v, None, scale)
     ref_grads = _math_backward(do, q, k, v, ref_out, ref_lse, None, scale)
     for mode in ("gqa", "expand"):
@@ -165,7 +170,8 @@ def _repeat(t, rep):
 def _flash_forward(q, k, v, scale, mode):
     rep = q.shape[1] // k.shape[1] if mode == "expand" else 1
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, _repeat(k, rep), _repeat(v, rep), 0.0, True, False, scale=scale)
+        q, _repeat(k, rep), _repeat(v, rep), 0.0, True, False, scale=scale
+    )
     return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
@@ -174,8 +180,22 @@ def _flash_backward(dout, q, k, v, out, lse, extras, scale, mode):
     nkv = k.shape[1]
     rep = q.shape[1] // nkv if mode == "expand" else 1
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, _repeat(k, rep), _repeat(v, rep), out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset,
-        scale=scale)
+        dout,
+        q,
+        _repeat(k, rep),
+        _repeat(v, rep),
+        out,
+        lse,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        seed,
+        offset,
+        scale=scale,
+    )
     if rep > 1:
         dk, dv = (t.unflatten(1, (nkv, rep)).sum(2) for t in (dk, dv))
     return dq, dk, dv
@@ -233,5 +253,8 @@ def merge_backward_torch(dout, q, out, lse, ck, cv, dq, scale):
     dq5 = dq.to(acc).unflatten(1, (nkv, -1)) + (ds[..., None] * k6).sum(0) * scale
     dck = (ds[..., None] * q5).sum(3) * scale  # (n, B, nkv, T, hd): summed over the group's heads
     dcv = (p[..., None] * do5).sum(3)
-    return (dq5.flatten(1, 2).to(q.dtype), dck.permute(0, 1, 3, 2, 4).to(ck.dtype),
-            dcv.permute(0, 1, 3, 2, 4).to(cv.dtype))
+    return (
+        dq5.flatten(1, 2).to(q.dtype),
+        dck.permute(0, 1, 3, 2, 4).to(ck.dtype),
+        dcv.permute(0, 1, 3, 2, 4).to(cv.dtype),
+    )

@@ -75,7 +75,9 @@ class Checkpointer:
     def save(self, weights: dict[str, torch.Tensor], optim: dict, state: TrainerState) -> str:
         """weights: the drafter's tensors by name, embeddings excluded; optim: parallel.full_state's."""
         prefix = layout.checkpoint_prefix(self.train_id, state.step)
-        self.store.put_bytes(prefix + "model.safetensors", st_save({k: v.detach().cpu().contiguous() for k, v in weights.items()}))
+        self.store.put_bytes(
+            prefix + "model.safetensors", st_save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+        )
         opt_tensors, groups = flatten_optimizer(optim)
         self.store.put_bytes(prefix + "optimizer.safetensors", st_save(opt_tensors))
         rng = {"torch_cpu": torch.get_rng_state()}
@@ -84,7 +86,9 @@ class Checkpointer:
         self.store.put_bytes(prefix + "rng.safetensors", st_save(rng))
         record = {"train_id": self.train_id, **state.__dict__, "param_groups": groups}
         self.store.put_bytes(prefix + "trainer.json", json.dumps(record, indent=1).encode())
-        self.store.put_bytes(layout.checkpoint_latest(self.train_id), json.dumps({"step": state.step, "prefix": prefix}).encode())
+        self.store.put_bytes(
+            layout.checkpoint_latest(self.train_id), json.dumps({"step": state.step, "prefix": prefix}).encode()
+        )
         self._prune(state.step)
         return prefix
 
@@ -97,7 +101,9 @@ class Checkpointer:
         prefix = layout.checkpoint_prefix(self.train_id, step)
         weights = st_load(self.store.get_bytes(prefix + "model.safetensors"))
         record = json.loads(self.store.get_bytes(prefix + "trainer.json"))
-        optim = unflatten_optimizer(st_load(self.store.get_bytes(prefix + "optimizer.safetensors")), record.pop("param_groups"))
+        optim = unflatten_optimizer(
+            st_load(self.store.get_bytes(prefix + "optimizer.safetensors")), record.pop("param_groups")
+        )
         rng = st_load(self.store.get_bytes(prefix + "rng.safetensors"))
         torch.set_rng_state(rng["torch_cpu"])
         if torch.cuda.is_available():

@@ -1,8 +1,8 @@
 """The trainer's user command, registered in `aerie` through the `aerie.commands` entry point.
 
-    aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
-    AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
-    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
+aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
+AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
+torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import click
 
 
 @click.command("train")
-@click.option("--runs", "runs", required=True, multiple=True, help="run whose hidden shards to train on (repeat for several)")
+@click.option(
+    "--runs", "runs", required=True, multiple=True, help="run whose hidden shards to train on (repeat for several)"
+)
 @click.option("--drafter", required=True, help="drafter name (published under drafters/<name>/)")
 @click.option("--model", required=True, help="target model folder (embeddings, lm_head, config)")
-@click.option("--config", "config_json", default="{}", help='TrainConfig fields as JSON, e.g. \'{"steps": 300}\'')
+@click.option("--config", "config_json", default="{}", help="TrainConfig fields as JSON, e.g. '{\"steps\": 300}'")
 @click.option("--train-id", default=None, help="checkpoint namespace (default: derived from the request)")
 @click.option("--no-publish", is_flag=True, help="train and evaluate only")
 def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
@@ -29,8 +31,14 @@ def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
     from aerie.settings import Settings
     from aerie.store import open_store
 
-    request = TrainRequest(runs=list(runs), drafter=drafter, model=model, config=TrainConfig.model_validate_json(config_json),
-                           train_id=train_id, publish=not no_publish)
+    request = TrainRequest(
+        runs=list(runs),
+        drafter=drafter,
+        model=model,
+        config=TrainConfig.model_validate_json(config_json),
+        train_id=train_id,
+        publish=not no_publish,
+    )
     settings = Settings.load()
     main = int(os.environ.get("RANK", "0")) == 0
 

@@ -78,7 +78,9 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
         try:
             specs.append(store.get_json(layout.run_spec(run), RunSpec))
         except NotFound:
-            raise DataError(f"run {run!r}: no {layout.run_spec(run)} in {store.url}: ingest and extract it first") from None
+            raise DataError(
+                f"run {run!r}: no {layout.run_spec(run)} in {store.url}: ingest and extract it first"
+            ) from None
     first = specs[0]
     for spec in specs[1:]:
         for what, a, b in (
@@ -87,7 +89,11 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
             ("capture points", first.capture_points, spec.capture_points),
             ("hidden size", first.target.hidden_size, spec.target.hidden_size),
             ("target signal", (first.target_signal, first.topk), (spec.target_signal, spec.topk)),
-            ("storage (dtype, scale block)", (first.storage_dtype, first.scale_block), (spec.storage_dtype, spec.scale_block)),
+            (
+                "storage (dtype, scale block)",
+                (first.storage_dtype, first.scale_block),
+                (spec.storage_dtype, spec.scale_block),
+            ),
         ):
             if a != b:
                 raise DataError(
@@ -177,11 +183,18 @@ class Batch:
     final_scale: torch.Tensor | None = None  # fp8 shards: (B, L+S, G) float32
     states_dtype: torch.dtype | None = None  # fp8 shards: what aux/final dequantize into
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         """The batch on `device`; fp8 states dequantized there (aux, final in states_dtype)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        moved = Batch(move(self.input_ids), move(self.aux), move(self.loss_mask), move(self.final),
-                      move(self.topk_ids), move(self.topk_logprobs), self.tokens)
+        moved = Batch(
+            move(self.input_ids),
+            move(self.aux),
+            move(self.loss_mask),
+            move(self.final),
+            move(self.topk_ids),
+            move(self.topk_logprobs),
+            self.tokens,
+        )
         if self.aux_scale is not None:
             moved.aux = dequantize(moved.aux, move(self.aux_scale), self.states_dtype)
             if self.final is not None:
@@ -192,7 +205,6 @@ class Batch:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(q (..., H) float8_e4m3fn or its flattened (..., K*H), scale (..., [K,] G)) -> q * scale in
     `dtype`: float32 math, one rounding (aerie.shard.dequantize_e4m3's bits)."""
-    G = scale.shape[-1]
     v = q.to(torch.float32).view(*scale.shape, -1) * scale[..., None]  # (..., [K,] G, H // G)
     return v.to(dtype).view(q.shape)
 
@@ -252,7 +264,9 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int, states_dtype
         batch.topk_ids, batch.topk_logprobs = torch.from_numpy(topk_ids), torch.from_numpy(topk_lp)
     if quantized:
         if states_dtype not in _TORCH_DTYPES:
-            raise DataError(f"fp8 sequences need the dtype they dequantize into (BF16, F16 or F32), got {states_dtype!r}")
+            raise DataError(
+                f"fp8 sequences need the dtype they dequantize into (BF16, F16 or F32), got {states_dtype!r}"
+            )
         batch.aux_scale, batch.states_dtype = torch.from_numpy(aux_scale), _TORCH_DTYPES[states_dtype]
         if final is not None:
             batch.final_scale = torch.from_numpy(final_scale)
@@ -266,9 +280,20 @@ Item = tuple[int, int]  # (shard index, sequence index)
 
 
 class HiddenData:
-    def __init__(self, store: ObjectStore, runset: RunSet, *, batch_tokens: int, max_seq_tokens: int,
-                 ttt_steps: int, seed: int, holdout_fraction: float, prefetch: int = 4,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        store: ObjectStore,
+        runset: RunSet,
+        *,
+        batch_tokens: int,
+        max_seq_tokens: int,
+        ttt_steps: int,
+        seed: int,
+        holdout_fraction: float,
+        prefetch: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.store, self.runset = store, runset
         self.batch_tokens, self.max_seq_tokens, self.ttt_steps = batch_tokens, max_seq_tokens, ttt_steps
         self.seed, self.prefetch, self.rank, self.world_size = seed, prefetch, rank, world_size
@@ -333,7 +358,7 @@ class HiddenData:
         return collate(seqs, self.ttt_steps, shard.states_dtype)
 
     # --- iteration ----------------------------------------------------------------------
-    def batches(self, epoch: int = 0, index: int = 0) -> "Prefetcher":
+    def batches(self, epoch: int = 0, index: int = 0) -> Prefetcher:
         """Endless batches from data position (epoch, index); yields ((epoch, next index), Batch)."""
 
         def produce() -> Iterator:
@@ -390,7 +415,6 @@ class HiddenData:
                 raise DataError(f"shard {self.shards[s].key}: token id {int(ids.max())} >= target vocab {vocab_size}")
             counts += np.bincount(ids, minlength=vocab_size)
         return counts
-
 
     def target_token_counts(self, vocab_size: int, argmax, max_tokens: int) -> np.ndarray:
         """(V,) counts of the *target's* greedy token at the trained positions of the training

@@ -24,7 +24,6 @@ import torch
 
 from aerie.capture import hf_hidden_state_indices
 from aerie.contracts import TrainConfig
-
 from aerie_trainer.data import HiddenData
 from aerie_trainer.model import Eagle3Drafter
 from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
@@ -118,8 +117,12 @@ class HFTarget:
         self.cache = DynamicCache()
 
     def _forward(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=True)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         return _aux(out, self.indices), out.logits[0].argmax(-1).tolist()
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -137,8 +140,9 @@ class HFTarget:
 
 
 @torch.no_grad()
-def first_draft_right(model, drafter: Eagle3Drafter, sequences: list[list[int]], capture_points: list[int],
-                      zero_states: bool = False) -> list[float]:
+def first_draft_right(
+    model, drafter: Eagle3Drafter, sequences: list[list[int]], capture_points: list[int], zero_states: bool = False
+) -> list[float]:
     """Teacher-forced, per sequence: the share of positions where the drafter's first draft is the
     target's greedy next token, given the target's states at `capture_points` (zeros of their
     shape with `zero_states`: what the drafter gets from the tokens alone). Slot j = (token j+1,
@@ -150,16 +154,26 @@ def first_draft_right(model, drafter: Eagle3Drafter, sequences: list[list[int]],
         if zero_states:
             aux = torch.zeros_like(aux)
         t = len(ids) - 1
-        logits, _, _ = drafter(torch.tensor([ids[1:]], device=device), drafter.project(aux[:, :t].to(device, dtype)),
-                               torch.arange(t, device=device))
+        logits, _, _ = drafter(
+            torch.tensor([ids[1:]], device=device),
+            drafter.project(aux[:, :t].to(device, dtype)),
+            torch.arange(t, device=device),
+        )
         drafts = drafter.draft_to_target(logits[0].argmax(-1)).tolist()
         shares.append(sum(d == g for d, g in zip(drafts, greedy[1:])) / t)
     return shares
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], capture_points: list[int],
-                         max_new_tokens: int, draft_tokens: int, eos_ids: list[int] = ()) -> tuple[list[int], int]:
+def speculative_generate(
+    target,
+    drafter: Eagle3Drafter,
+    prompt_ids: list[int],
+    capture_points: list[int],
+    max_new_tokens: int,
+    draft_tokens: int,
+    eos_ids: list[int] = (),
+) -> tuple[list[int], int]:
     """-> (completion token ids, verify count). Greedy, chain drafts (topk 1).
 
     target: a transformers model, an HFTarget (fresh per prompt: it holds the KV cache) or an SGLangTarget."""
@@ -177,7 +191,9 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
         # 1. the drafter reads the new committed slots: slot t = (token t+1, target state t)
         n = seen + new_aux.shape[1]
         ids = torch.tensor([tokens[seen + 1 : n + 1]], device=device)
-        logits, hidden, drafter_kv = drafter(ids, drafter.project(new_aux.to(device, dtype)), torch.arange(seen, n, device=device), past=drafter_kv)
+        logits, hidden, drafter_kv = drafter(
+            ids, drafter.project(new_aux.to(device, dtype)), torch.arange(seen, n, device=device), past=drafter_kv
+        )
         seen = n
         draft = [int(drafter.draft_to_target(logits[0, -1].argmax()))]
         hidden = hidden[:, -1:]  # (1, 1, H)
@@ -186,7 +202,14 @@ def speculative_generate(target, drafter: Eagle3Drafter, prompt_ids: list[int], 
         everything = torch.ones(1, drafter_kv[0].shape[2], dtype=torch.bool, device=device)
         for j in range(1, draft_tokens):
             ids = torch.tensor([[draft[-1]]], device=device)
-            logits, hidden, kv = drafter(ids, hidden, torch.tensor([n - 1 + j], device=device), prefix=drafter_kv, prefix_mask=everything, chain=chain)
+            logits, hidden, kv = drafter(
+                ids,
+                hidden,
+                torch.tensor([n - 1 + j], device=device),
+                prefix=drafter_kv,
+                prefix_mask=everything,
+                chain=chain,
+            )
             chain.append(kv)
             draft.append(int(drafter.draft_to_target(logits[0, -1].argmax())))
         # 3. verify: the last committed token and the drafts in one target forward
@@ -223,25 +246,46 @@ class SGLangTarget:
     floats as JSON per verify — fine for a few held-out prompts; the number of prompts and tokens
     are TrainConfig.eval_prompts / eval_new_tokens."""
 
-    def __init__(self, url: str, layer_ids: list[int], num_aux: int, hidden_size: int, architecture: str | None = None,
-                 timeout_s: float = 600.0):
-        self.url, self.layer_ids, self.K, self.H, self.timeout_s = url.rstrip("/"), list(layer_ids), num_aux, hidden_size, timeout_s
+    def __init__(
+        self,
+        url: str,
+        layer_ids: list[int],
+        num_aux: int,
+        hidden_size: int,
+        architecture: str | None = None,
+        timeout_s: float = 600.0,
+    ):
+        self.url, self.layer_ids, self.K, self.H, self.timeout_s = (
+            url.rstrip("/"),
+            list(layer_ids),
+            num_aux,
+            hidden_size,
+            timeout_s,
+        )
         info = self._call("/server_info", None, fallback="/get_server_info")
         if not info.get("enable_return_aux_hidden_states"):
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url} is not in capture mode: start it with --enable-return-aux-hidden-states "
-                            f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}")
+            raise EvalError(
+                f"AERIE_EVAL_SERVER {self.url} is not in capture mode: start it with --enable-return-aux-hidden-states "
+                f"--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+            )
         served = [int(i) for i in info.get("return_aux_hidden_state_layer_ids") or []]
         if served != self.layer_ids:
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url} captures layer ids {served}, the run's capture points are layer ids "
-                            f"{self.layer_ids}: restart it with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}")
+            raise EvalError(
+                f"AERIE_EVAL_SERVER {self.url} captures layer ids {served}, the run's capture points are layer ids "
+                f"{self.layer_ids}: restart it with --return-aux-hidden-state-layer-ids {' '.join(map(str, self.layer_ids))}"
+            )
         if not info.get("disable_radix_cache"):
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url} runs with its radix cache on (it would return states for uncached "
-                            "tokens only): restart it with --disable-radix-cache")
+            raise EvalError(
+                f"AERIE_EVAL_SERVER {self.url} runs with its radix cache on (it would return states for uncached "
+                "tokens only): restart it with --disable-radix-cache"
+            )
         if architecture is not None:
             model = self._call("/model_info", None, fallback="/get_model_info")
             if architecture not in (model.get("architectures") or []):
-                raise EvalError(f"AERIE_EVAL_SERVER {self.url} serves {model.get('model_path')} ({model.get('architectures')}), "
-                                f"the run's target is a {architecture}: serve the run's target")
+                raise EvalError(
+                    f"AERIE_EVAL_SERVER {self.url} serves {model.get('model_path')} ({model.get('architectures')}), "
+                    f"the run's target is a {architecture}: serve the run's target"
+                )
 
     def _call(self, path: str, payload: dict | None, fallback: str | None = None) -> dict:
         import urllib.error
@@ -263,10 +307,17 @@ class SGLangTarget:
 
     def forward(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
         """-> aux (1, T, K*H) float32, greedy (T,)."""
-        out = self._call("/generate", {
-            "input_ids": [int(i) for i in ids], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
-        })
+        out = self._call(
+            "/generate",
+            {
+                "input_ids": [int(i) for i in ids],
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_hidden_states": True,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 1,
+            },
+        )
         meta = out.get("meta_info") or {}
         rows = (meta.get("hidden_states") or [None])[0]
         if rows and not isinstance(rows[0], list):  # a one-token input comes back flat
@@ -274,12 +325,16 @@ class SGLangTarget:
         aux = torch.tensor(rows or [], dtype=torch.float32)
         T = len(ids)
         if aux.shape != (T, self.K * self.H):
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url} returned hidden states {list(aux.shape)} for {T} tokens, expected "
-                            f"[{T}, {self.K * self.H}]: is it the run's target, at its layer ids, with the radix cache off?")
+            raise EvalError(
+                f"AERIE_EVAL_SERVER {self.url} returned hidden states {list(aux.shape)} for {T} tokens, expected "
+                f"[{T}, {self.K * self.H}]: is it the run's target, at its layer ids, with the radix cache off?"
+            )
         inputs, outputs = meta.get("input_top_logprobs") or [], meta.get("output_top_logprobs") or []
         if len(inputs) != T or not outputs:
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url} returned {len(inputs)} input log-prob rows for {T} tokens: "
-                            "an SGLang that honours logprob_start_len 0 is needed")
+            raise EvalError(
+                f"AERIE_EVAL_SERVER {self.url} returned {len(inputs)} input log-prob rows for {T} tokens: "
+                "an SGLang that honours logprob_start_len 0 is needed"
+            )
         greedy = [int(row[0][1]) for row in inputs[1:]] + [int(outputs[0][0][1])]
         return aux[None], greedy
 
@@ -295,14 +350,23 @@ class SGLangTarget:
         pass
 
 
-def acceptance_length(target, drafter: Eagle3Drafter, prompts: list[list[int]], capture_points: list[int],
-                      max_new_tokens: int, draft_tokens: int, eos_ids: list[int] = ()) -> dict:
+def acceptance_length(
+    target,
+    drafter: Eagle3Drafter,
+    prompts: list[list[int]],
+    capture_points: list[int],
+    max_new_tokens: int,
+    draft_tokens: int,
+    eos_ids: list[int] = (),
+) -> dict:
     """SGLang's definition over a prompt set: sum(completion tokens) / sum(verify counts).
 
     target: a transformers model (a fresh KV cache per prompt), or an SGLangTarget (stateless)."""
     per_prompt, completion, verifies = [], 0, 0
     for prompt in prompts:
-        ids, n_verify = speculative_generate(target, drafter, prompt, capture_points, max_new_tokens, draft_tokens, eos_ids)
+        ids, n_verify = speculative_generate(
+            target, drafter, prompt, capture_points, max_new_tokens, draft_tokens, eos_ids
+        )
         per_prompt.append(len(ids) / max(n_verify, 1))
         completion += len(ids)
         verifies += n_verify
@@ -359,15 +423,32 @@ class Evaluator:
 
     HOLDOUT_BATCHES = 16
 
-    def __init__(self, drafter: Eagle3Drafter, target: TargetHead, data: HiddenData, model_dir: str | os.PathLike,
-                 capture_points: list[int], config: TrainConfig, device: torch.device, prompts_jsonl: str | None = None,
-                 *, server: str | None = None, max_target_params: float = float("inf"), layer_ids: list[int] | None = None,
-                 architecture: str | None = None):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        target: TargetHead,
+        data: HiddenData,
+        model_dir: str | os.PathLike,
+        capture_points: list[int],
+        config: TrainConfig,
+        device: torch.device,
+        prompts_jsonl: str | None = None,
+        *,
+        server: str | None = None,
+        max_target_params: float = float("inf"),
+        layer_ids: list[int] | None = None,
+        architecture: str | None = None,
+    ):
         """prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations."""
         from aerie_trainer.sizing import target_parameters_of
 
         self.drafter, self.target, self.data, self.model_dir = drafter, target, data, str(model_dir)
-        self.capture_points, self.cfg, self.device, self.prompts_jsonl = list(capture_points), config, device, prompts_jsonl
+        self.capture_points, self.cfg, self.device, self.prompts_jsonl = (
+            list(capture_points),
+            config,
+            device,
+            prompts_jsonl,
+        )
         self.ttt = TTT(drafter, config.ttt_steps, config.step_decay)
         self._target_model = None
         self._prompts: list[list[int]] | None = None
@@ -381,9 +462,11 @@ class Evaluator:
             self.note = f"target ({self.target_params / 1e9:.2f} B parameters) in transformers in the trainer"
         else:
             self.mode = "simulated"
-            self.note = (f"simulated only: the target ({self.target_params / 1e9:.1f} B parameters) is over "
-                         f"AERIE_EVAL_MAX_TARGET_PARAMS ({max_target_params / 1e9:.1f} B) and no AERIE_EVAL_SERVER is set; "
-                         "measure the drafter with `aerie bench` on its serving server")
+            self.note = (
+                f"simulated only: the target ({self.target_params / 1e9:.1f} B parameters) is over "
+                f"AERIE_EVAL_MAX_TARGET_PARAMS ({max_target_params / 1e9:.1f} B) and no AERIE_EVAL_SERVER is set; "
+                "measure the drafter with `aerie bench` on its serving server"
+            )
 
     def prompts(self) -> list[list[int]]:
         if self._prompts is None:
@@ -397,8 +480,13 @@ class Evaluator:
     def target_forward(self):
         if self._target_model is None:
             if self.mode == "sglang":
-                self._target_model = SGLangTarget(self.server, self.layer_ids, len(self.capture_points),
-                                                  self.drafter.config.target_hidden_size, self.architecture)
+                self._target_model = SGLangTarget(
+                    self.server,
+                    self.layer_ids,
+                    len(self.capture_points),
+                    self.drafter.config.target_hidden_size,
+                    self.architecture,
+                )
             else:
                 self._target_model = load_target(self.model_dir, self.device)
         return self._target_model
@@ -412,8 +500,15 @@ class Evaluator:
             metrics.update(evaluated_with=self.mode, evaluation_note=self.note)
             prompts = self.prompts() if self.cfg.eval_prompts and self.mode != "simulated" else []
             if prompts:
-                spec = acceptance_length(self.target_forward(), drafter, prompts, self.capture_points,
-                                         self.cfg.eval_new_tokens, self.cfg.eval_draft_tokens, eos_token_ids(self.model_dir))
+                spec = acceptance_length(
+                    self.target_forward(),
+                    drafter,
+                    prompts,
+                    self.capture_points,
+                    self.cfg.eval_new_tokens,
+                    self.cfg.eval_draft_tokens,
+                    eos_token_ids(self.model_dir),
+                )
                 metrics.update(spec, eval_prompts=len(prompts))
             return metrics
         finally:

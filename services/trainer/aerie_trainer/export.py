@@ -31,9 +31,13 @@ from aerie import drafters
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import DrafterLineage, TrainRequest
 from aerie.store import ObjectStore
-
 from aerie_trainer.model import (
-    ROPE_TYPES, DrafterConfig, Eagle3Drafter, load_target_config, load_target_embeddings, target_text_config,
+    ROPE_TYPES,
+    DrafterConfig,
+    Eagle3Drafter,
+    load_target_config,
+    load_target_embeddings,
+    target_text_config,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -80,7 +84,9 @@ class ExportError(ValueError):
 # --------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------
-def drafter_config_json(config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str = "bfloat16") -> dict:
+def drafter_config_json(
+    config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str = "bfloat16"
+) -> dict:
     rope = dict(config.rope_parameters)
     out = {
         "architectures": [ARCHITECTURE],
@@ -115,21 +121,30 @@ def drafter_config_json(config: DrafterConfig, target_config: dict, layer_ids: l
     return out
 
 
-def export(drafter: Eagle3Drafter, folder: str | os.PathLike, layer_ids: list[int], target_config: dict,
-           dtype: torch.dtype = torch.bfloat16) -> Path:
+def export(
+    drafter: Eagle3Drafter,
+    folder: str | os.PathLike,
+    layer_ids: list[int],
+    target_config: dict,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
     """Write config.json + model.safetensors; refuse a drafter missing a required tensor."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = drafter.exported_state_dict()
     missing = [n for n in REQUIRED_TENSORS if n not in state]
     if missing:
-        raise ExportError(f"drafter lacks required tensor(s) {missing}: SGLang would serve it half-loaded; not exported")
+        raise ExportError(
+            f"drafter lacks required tensor(s) {missing}: SGLang would serve it half-loaded; not exported"
+        )
     if int(drafter.t2d.sum()) != drafter.config.draft_vocab_size:
         raise ExportError("draft vocabulary not set (t2d is empty): build it before exporting")
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous() for n, t in state.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     name = str(dtype).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(drafter_config_json(drafter.config, target_config, layer_ids, name), indent=2))
+    (folder / "config.json").write_text(
+        json.dumps(drafter_config_json(drafter.config, target_config, layer_ids, name), indent=2)
+    )
     check_sglang_loadable(folder)
     return folder
 
@@ -146,8 +161,13 @@ def load_exported(folder: str | os.PathLike, target_dir: str | os.PathLike) -> E
     num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     rope = dict(cfg.get("rope_parameters") or {"rope_type": "default"})
     rope.setdefault("rope_theta", cfg["rope_theta"])
-    shape = DrafterShape(num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-                         head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], rope_parameters=rope)
+    shape = DrafterShape(
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        intermediate_size=cfg["intermediate_size"],
+        rope_parameters=rope,
+    )
     drafter = Eagle3Drafter(DrafterConfig.from_target(target_config, num_aux, cfg["draft_vocab_size"], shape))
     weights = load_file(str(folder / "model.safetensors"))
     weights["embed_tokens.weight"] = load_target_embeddings(target_dir)
@@ -178,7 +198,11 @@ def sglang_expected_params(cfg: dict) -> dict[str, dict]:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         width = 2 * H if i == 0 else H
-        params[p + "self_attn.qkv_proj.weight"] = {"q": [nh * hd, width], "k": [nkv * hd, width], "v": [nkv * hd, width]}
+        params[p + "self_attn.qkv_proj.weight"] = {
+            "q": [nh * hd, width],
+            "k": [nkv * hd, width],
+            "v": [nkv * hd, width],
+        }
         params[p + "self_attn.o_proj.weight"] = {None: [H, nh * hd]}
         params[p + "mlp.gate_up_proj.weight"] = {0: [inter, H], 1: [inter, H]}
         params[p + "mlp.down_proj.weight"] = {None: [H, inter]}
@@ -218,7 +242,15 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
     cfg = json.loads((folder / "config.json").read_text())
     if cfg.get("architectures") != [ARCHITECTURE]:
         problems.append(f"config architectures {cfg.get('architectures')} != [{ARCHITECTURE!r}]")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size", "draft_vocab_size", "target_hidden_size"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "vocab_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+    ):
         if cfg.get(key) is None:
             problems.append(f"config lacks {key!r}")
     if problems:
@@ -231,10 +263,14 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
         problems.append(f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only silu")
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not ids or not all(isinstance(i, int) for i in ids):
-        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids missing: SGLang would capture its default layers")
+        problems.append(
+            "eagle_config.eagle_aux_hidden_state_layer_ids missing: SGLang would capture its default layers"
+        )
     elif len(ids) < 2:
-        problems.append(f"eagle_aux_hidden_state_layer_ids {ids}: one capture point; SGLang skips `fc` when its input "
-                        "width equals the hidden size, so this drafter would serve silently wrong (at least 2)")
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {ids}: one capture point; SGLang skips `fc` when its input "
+            "width equals the hidden size, so this drafter would serve silently wrong (at least 2)"
+        )
     rope = cfg.get("rope_parameters") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
@@ -275,7 +311,9 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
                     problems.append("the folder carries embeddings: SGLang shares the target's; do not export them")
                 continue
             if loaded.get(name, set()) != set(shards):
-                problems.append(f"SGLang parameter {name} would stay uninitialised (loaded shards {sorted(map(str, loaded.get(name, set())))} of {sorted(map(str, shards))})")
+                problems.append(
+                    f"SGLang parameter {name} would stay uninitialised (loaded shards {sorted(map(str, loaded.get(name, set())))} of {sorted(map(str, shards))})"
+                )
         if "d2t" not in names or "t2d" not in names:
             problems.append("d2t / t2d missing: SGLang could not map draft ids to target ids")
         else:
@@ -287,11 +325,15 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
                 problems.append("t2d disagrees with d2t")
     if problems:
         raise ExportError(f"{folder} would not load completely in SGLang: " + "; ".join(problems))
-    report["config"] = {k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "num_hidden_layers", "eagle_config")}
+    report["config"] = {
+        k: cfg[k] for k in ("draft_vocab_size", "target_hidden_size", "num_hidden_layers", "eagle_config")
+    }
     return report
 
 
-def check_layer_ids(folder: str | os.PathLike, capture_points: list[int], architecture: str, num_layers: int) -> list[int]:
+def check_layer_ids(
+    folder: str | os.PathLike, capture_points: list[int], architecture: str, num_layers: int
+) -> list[int]:
     """Refuse (ExportError) a folder whose layer ids make SGLang capture other tensors than the
     drafter was trained on: the ids are read back with the serving engine's own rule for this
     architecture (aerie.capture) and must give the capture points of the training data."""
@@ -316,7 +358,9 @@ def check_layer_ids(folder: str | os.PathLike, capture_points: list[int], archit
 # --------------------------------------------------------------------------------------
 # Publish
 # --------------------------------------------------------------------------------------
-def publish(store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRequest, version: str, metrics: dict) -> DrafterLineage:
+def publish(
+    store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRequest, version: str, metrics: dict
+) -> DrafterLineage:
     """Export and check the drafter, then publish it (aerie.drafters: files, lineage, `latest`)."""
     spec = runset.spec
     convention = convention_for(SERVING_ENGINE, spec.target.architecture)
@@ -324,9 +368,20 @@ def publish(store: ObjectStore, drafter: Eagle3Drafter, runset, request: TrainRe
     with tempfile.TemporaryDirectory(prefix="aerie-export-") as tmp:
         folder = export(drafter, tmp, layer_ids, load_target_config(request.model))
         check_layer_ids(folder, spec.capture_points, spec.target.architecture, spec.target.num_layers)
-        return drafters.publish(store, folder, dict(
-            name=request.drafter, version=version, runs=list(request.runs), target=spec.target, engine=spec.engine,
-            capture_points=list(spec.capture_points), exported_layer_ids=layer_ids, exported_convention=convention,
-            draft_vocab_size=drafter.config.draft_vocab_size, config=request.config,
-            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None},
-        ))
+        return drafters.publish(
+            store,
+            folder,
+            dict(
+                name=request.drafter,
+                version=version,
+                runs=list(request.runs),
+                target=spec.target,
+                engine=spec.engine,
+                capture_points=list(spec.capture_points),
+                exported_layer_ids=layer_ids,
+                exported_convention=convention,
+                draft_vocab_size=drafter.config.draft_vocab_size,
+                config=request.config,
+                metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None},
+            ),
+        )

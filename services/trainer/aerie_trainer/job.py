@@ -23,7 +23,6 @@ from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
 from aerie.settings import Settings
 from aerie.store import ObjectStore
-
 from aerie_trainer import export
 from aerie_trainer.evaluate import Evaluator
 from aerie_trainer.trainer import Progress, Trainer, default_train_id, setup_dist
@@ -50,11 +49,20 @@ def already_published(store: ObjectStore, request: TrainRequest) -> TrainResult 
     done = drafters.published_lineage(store, request.drafter, version)
     if done is None:
         return None
-    return TrainResult.of(request.drafter, version, done.metrics, already_published=True, train_id=train_id,
-                          key=layout.drafter_prefix(request.drafter, version), layer_ids=done.exported_layer_ids)
+    return TrainResult.of(
+        request.drafter,
+        version,
+        done.metrics,
+        already_published=True,
+        train_id=train_id,
+        key=layout.drafter_prefix(request.drafter, version),
+        layer_ids=done.exported_layer_ids,
+    )
 
 
-def run_train(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None) -> TrainResult:
+def run_train(
+    store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None
+) -> TrainResult:
     """Train (resuming if a checkpoint exists), evaluate before/after, export and publish."""
     progress = progress or (lambda event: None)
     done = already_published(store, request)  # every rank sees it and stops
@@ -82,15 +90,31 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
     evaluator = None
     if dist.main:
         spec = trainer.runset.spec
-        layer_ids = to_engine_ids(trainer.runset.capture_points, convention_for("sglang", spec.target.architecture),
-                                  spec.target.num_layers)
-        evaluator = Evaluator(trainer.full_drafter, trainer.target, trainer.data, request.model, trainer.runset.capture_points,
-                              request.config, dist.device, eval_prompts(store, request), server=settings.eval_server,
-                              max_target_params=settings.eval_max_target_params, layer_ids=layer_ids,
-                              architecture=spec.target.architecture)
+        layer_ids = to_engine_ids(
+            trainer.runset.capture_points, convention_for("sglang", spec.target.architecture), spec.target.num_layers
+        )
+        evaluator = Evaluator(
+            trainer.full_drafter,
+            trainer.target,
+            trainer.data,
+            request.model,
+            trainer.runset.capture_points,
+            request.config,
+            dist.device,
+            eval_prompts(store, request),
+            server=settings.eval_server,
+            max_target_params=settings.eval_max_target_params,
+            layer_ids=layer_ids,
+            architecture=spec.target.architecture,
+        )
         st.metrics.update(sharding=sharding, ranks=dist.world_size, sharding_reason=why)
-        tracking.progress(stage="train", steps=trainer.steps, step=st.step, message=f"{sharding} on {dist.world_size} rank(s): {why}",
-                          force=True)
+        tracking.progress(
+            stage="train",
+            steps=trainer.steps,
+            step=st.step,
+            message=f"{sharding} on {dist.world_size} rank(s): {why}",
+            force=True,
+        )
     try:
         if evaluator is not None and "evaluated_with_untrained" not in st.metrics:  # once, not again on resume
             progress(ProgressEvent(stage="evaluate", message=f"untrained drafter ({evaluator.note})"))
@@ -100,7 +124,9 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             _log_eval(tracking, untrained, 0)
             tracking.progress(stage="train", message="")
         trainer.train()
-        result = TrainResult(drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from)
+        result = TrainResult(
+            drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from
+        )
         full = trainer.sync_full_drafter()  # every rank: FSDP gathers the weights to rank 0
         if evaluator is not None:
             progress(ProgressEvent(stage="evaluate", message=f"trained drafter ({evaluator.note})"))
@@ -109,9 +135,14 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             st.metrics.update(trained)
             _log_eval(tracking, trained, st.step)
             st.metrics.update(
-                steps=st.step, tokens=st.tokens, final_loss=st.losses[-1], losses=st.losses,
-                train_seconds=round(st.train_seconds, 3), data_wait_fraction=st.data_wait_seconds / max(st.train_seconds, 1e-9),
-                tokens_per_second=st.tokens / max(st.train_seconds, 1e-9), holdout_split=trainer.data.split,
+                steps=st.step,
+                tokens=st.tokens,
+                final_loss=st.losses[-1],
+                losses=st.losses,
+                train_seconds=round(st.train_seconds, 3),
+                data_wait_fraction=st.data_wait_seconds / max(st.train_seconds, 1e-9),
+                tokens_per_second=st.tokens / max(st.train_seconds, 1e-9),
+                holdout_split=trainer.data.split,
                 logs=tracking.logs,
             )
             if request.publish:
@@ -123,17 +154,29 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         trainer.save()  # every rank (FSDP gathers); the final metrics are kept too
         if dist.main:
             store.delete(layout.train_failure(train_id))
-            tracking.progress(stage="done", version=version if request.publish else None, force=True,
-                              message=f"published {layout.drafter_prefix(request.drafter, version)}" if request.publish else "trained")
+            tracking.progress(
+                stage="done",
+                version=version if request.publish else None,
+                force=True,
+                message=f"published {layout.drafter_prefix(request.drafter, version)}"
+                if request.publish
+                else "trained",
+            )
         dist.barrier()
     finally:
         if tracking is not None:
             tracking.close()  # the event files so far go to the store, whatever happened
-    return TrainResult.of(request.drafter, version, st.metrics, **result.model_dump(exclude={"drafter", "version"}, exclude_none=True))
+    return TrainResult.of(
+        request.drafter, version, st.metrics, **result.model_dump(exclude={"drafter", "version"}, exclude_none=True)
+    )
 
 
 def _log_eval(tracking, metrics: dict, step: int) -> None:
-    scalars = {f"eval/{k}": float(metrics[k]) for k in ("acceptance", "simulated_acceptance", "heldout_loss") if metrics.get(k) is not None}
+    scalars = {
+        f"eval/{k}": float(metrics[k])
+        for k in ("acceptance", "simulated_acceptance", "heldout_loss")
+        if metrics.get(k) is not None
+    }
     for k, acc in enumerate(metrics.get("heldout_acc") or []):
         scalars[f"eval/heldout_acc_{k}"] = float(acc)
     if scalars:
@@ -144,17 +187,22 @@ def sharding_for(store: ObjectStore, settings: Settings, request: TrainRequest, 
     """(single | ddp | fsdp, why): aerie_trainer.sizing's estimate of this drafter's training
     against one device's memory, or AERIE_TRAIN_SHARDING."""
     from aerie.runs import load_run
-
     from aerie_trainer.model import DrafterConfig, load_target_config
     from aerie_trainer.sizing import choose_sharding, device_memory, training_bytes
     from aerie_trainer.vocab import draft_vocab_size
 
     spec = load_run(store, request.runs[0])
     cfg = request.config
-    drafter = DrafterConfig.from_target(load_target_config(request.model), len(spec.capture_points),
-                                        draft_vocab_size(cfg.draft_vocab_size, spec.target.vocab_size), cfg.drafter)
+    drafter = DrafterConfig.from_target(
+        load_target_config(request.model),
+        len(spec.capture_points),
+        draft_vocab_size(cfg.draft_vocab_size, spec.target.vocab_size),
+        cfg.drafter,
+    )
     memory = training_bytes(drafter, cfg, on_gpu=settings.device.startswith("cuda"))
-    return choose_sharding(world_size, settings.train_sharding, memory, device_memory(settings.device, settings.train_device_memory_gib))
+    return choose_sharding(
+        world_size, settings.train_sharding, memory, device_memory(settings.device, settings.train_device_memory_gib)
+    )
 
 
 def record_failure(store: ObjectStore, request: TrainRequest, error: BaseException, attempts: int) -> None:
@@ -163,5 +211,8 @@ def record_failure(store: ObjectStore, request: TrainRequest, error: BaseExcepti
 
     train_id = request.train_id or default_train_id(request)
     text = f"{type(error).__name__}: {error}"
-    store.put_json(layout.train_failure(train_id), TrainFailure(train_id=train_id, drafter=request.drafter, error=text, attempts=attempts))
+    store.put_json(
+        layout.train_failure(train_id),
+        TrainFailure(train_id=train_id, drafter=request.drafter, error=text, attempts=attempts),
+    )
     mark_failed(store, train_id, request.drafter, list(request.runs), text)

@@ -25,9 +25,9 @@ import triton.language as tl
 # Soft cross-entropy over the draft vocab
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _soft_ce_fwd(Z, TGT, TLSE, W, ROWS, LSE, SUMP, ARG, L, V,
-                 z_sb, z_st, t_sb, t_st, tl_sb, tl_st, w_sb, w_st,
-                 BLOCK: tl.constexpr):
+def _soft_ce_fwd(
+    Z, TGT, TLSE, W, ROWS, LSE, SUMP, ARG, L, V, z_sb, z_st, t_sb, t_st, tl_sb, tl_st, w_sb, w_st, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     b, t = row // L, row % L
     z_row = Z + b * z_sb + t * z_st
@@ -65,9 +65,29 @@ def _soft_ce_fwd(Z, TGT, TLSE, W, ROWS, LSE, SUMP, ARG, L, V,
 
 
 @triton.jit
-def _soft_ce_bwd(Z, TGT, TLSE, W, LSE, SUMP, GOUT, G, L, V,
-                 z_sb, z_st, t_sb, t_st, tl_sb, tl_st, w_sb, w_st, g_sb, g_st,
-                 BLOCK: tl.constexpr):
+def _soft_ce_bwd(
+    Z,
+    TGT,
+    TLSE,
+    W,
+    LSE,
+    SUMP,
+    GOUT,
+    G,
+    L,
+    V,
+    z_sb,
+    z_st,
+    t_sb,
+    t_st,
+    tl_sb,
+    tl_st,
+    w_sb,
+    w_st,
+    g_sb,
+    g_st,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     b, t = row // L, row % L
     z_row = Z + b * z_sb + t * z_st
@@ -101,9 +121,28 @@ def soft_ce_forward(z, tgt, t_lse, w):
     lse, sum_p = torch.empty_like(rows), torch.empty_like(rows)
     arg = torch.empty(B, L, dtype=torch.int64, device=z.device)
     if B * L:
-        _soft_ce_fwd[(B * L,)](z, tgt, t_lse, w, rows, lse, sum_p, arg, L, V,
-                               z.stride(0), z.stride(1), tgt.stride(0), tgt.stride(1), t_lse.stride(0), t_lse.stride(1),
-                               w.stride(0), w.stride(1), BLOCK=_block(V), num_warps=8)
+        _soft_ce_fwd[(B * L,)](
+            z,
+            tgt,
+            t_lse,
+            w,
+            rows,
+            lse,
+            sum_p,
+            arg,
+            L,
+            V,
+            z.stride(0),
+            z.stride(1),
+            tgt.stride(0),
+            tgt.stride(1),
+            t_lse.stride(0),
+            t_lse.stride(1),
+            w.stride(0),
+            w.stride(1),
+            BLOCK=_block(V),
+            num_warps=8,
+        )
     return rows, lse, sum_p, arg
 
 
@@ -111,9 +150,30 @@ def soft_ce_backward(z, tgt, t_lse, w, lse, sum_p, grad_out):
     B, L, V = z.shape
     g = torch.empty(B, L, V, dtype=z.dtype, device=z.device)
     if B * L:
-        _soft_ce_bwd[(B * L,)](z, tgt, t_lse, w, lse, sum_p, grad_out, g, L, V,
-                               z.stride(0), z.stride(1), tgt.stride(0), tgt.stride(1), t_lse.stride(0), t_lse.stride(1),
-                               w.stride(0), w.stride(1), g.stride(0), g.stride(1), BLOCK=_block(V), num_warps=8)
+        _soft_ce_bwd[(B * L,)](
+            z,
+            tgt,
+            t_lse,
+            w,
+            lse,
+            sum_p,
+            grad_out,
+            g,
+            L,
+            V,
+            z.stride(0),
+            z.stride(1),
+            tgt.stride(0),
+            tgt.stride(1),
+            t_lse.stride(0),
+            t_lse.stride(1),
+            w.stride(0),
+            w.stride(1),
+            g.stride(0),
+            g.stride(1),
+            BLOCK=_block(V),
+            num_warps=8,
+        )
     return g
 
 
@@ -156,8 +216,19 @@ def teacher_rows(full, draft_ids, logits, lse, argmax):
     n, V = full.shape
     assert full.stride(-1) == 1 and logits.stride(-1) == 1
     if n:
-        _teacher_rows[(n,)](full, draft_ids, logits, lse, argmax, V, len(draft_ids), full.stride(0), logits.stride(0),
-                            BLOCK=4096, num_warps=8)
+        _teacher_rows[(n,)](
+            full,
+            draft_ids,
+            logits,
+            lse,
+            argmax,
+            V,
+            len(draft_ids),
+            full.stride(0),
+            logits.stride(0),
+            BLOCK=4096,
+            num_warps=8,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -173,11 +244,43 @@ def _rows(T, REP: tl.constexpr, REP_P: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _chain_fwd(Q, OP, LSEP, CK, CV, OUT, LSE, T, NKV, N,
-               q_sb, q_st, q_sh, o_sb, o_st, o_sh, lp_sb, lp_sh, lp_st,
-               c_sn, c_sb, c_st, c_sg, out_sb, out_st, out_sh, l_sb, l_sh, l_st,
-               scale,
-               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, BT: tl.constexpr):
+def _chain_fwd(
+    Q,
+    OP,
+    LSEP,
+    CK,
+    CV,
+    OUT,
+    LSE,
+    T,
+    NKV,
+    N,
+    q_sb,
+    q_st,
+    q_sh,
+    o_sb,
+    o_st,
+    o_sh,
+    lp_sb,
+    lp_sh,
+    lp_st,
+    c_sn,
+    c_sb,
+    c_st,
+    c_sg,
+    out_sb,
+    out_st,
+    out_sh,
+    l_sb,
+    l_sh,
+    l_st,
+    scale,
+    REP: tl.constexpr,
+    REP_P: tl.constexpr,
+    HD: tl.constexpr,
+    HD_P: tl.constexpr,
+    BT: tl.constexpr,
+):
     bg = tl.program_id(1).to(tl.int64)
     g, b = bg % NKV, bg // NKV
     t, r, valid = _rows(T, REP, REP_P, BT)
@@ -199,17 +302,56 @@ def _chain_fwd(Q, OP, LSEP, CK, CV, OUT, LSE, T, NKV, N,
         l = l * alpha + beta
         m = m_new
     out = acc / l[:, None]
-    tl.store(OUT + b * out_sb + t[:, None] * out_st + h[:, None] * out_sh + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=m2)
+    tl.store(
+        OUT + b * out_sb + t[:, None] * out_st + h[:, None] * out_sh + d[None, :], out.to(OUT.dtype.element_ty), mask=m2
+    )
     tl.store(LSE + b * l_sb + h * l_sh + t * l_st, m + tl.log(l), mask=valid)
 
 
 @triton.jit
-def _chain_bwd(Q, DO, OUT, LSE, CK, CV, DQP, DQ, DCK, DCV, T, NKV, N,
-               q_sb, q_st, q_sh, do_sb, do_st, do_sh, o_sb, o_st, o_sh, l_sb, l_sh, l_st,
-               c_sn, c_sb, c_st, c_sg, dqp_sb, dqp_st, dqp_sh, dq_sb, dq_st, dq_sh,
-               scale,
-               REP: tl.constexpr, REP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr, BT: tl.constexpr):
+def _chain_bwd(
+    Q,
+    DO,
+    OUT,
+    LSE,
+    CK,
+    CV,
+    DQP,
+    DQ,
+    DCK,
+    DCV,
+    T,
+    NKV,
+    N,
+    q_sb,
+    q_st,
+    q_sh,
+    do_sb,
+    do_st,
+    do_sh,
+    o_sb,
+    o_st,
+    o_sh,
+    l_sb,
+    l_sh,
+    l_st,
+    c_sn,
+    c_sb,
+    c_st,
+    c_sg,
+    dqp_sb,
+    dqp_st,
+    dqp_sh,
+    dq_sb,
+    dq_st,
+    dq_sh,
+    scale,
+    REP: tl.constexpr,
+    REP_P: tl.constexpr,
+    HD: tl.constexpr,
+    HD_P: tl.constexpr,
+    BT: tl.constexpr,
+):
     bg = tl.program_id(1).to(tl.int64)
     g, b = bg % NKV, bg // NKV
     t, r, valid = _rows(T, REP, REP_P, BT)
@@ -218,11 +360,14 @@ def _chain_bwd(Q, DO, OUT, LSE, CK, CV, DQP, DQ, DCK, DCV, T, NKV, N,
     m2 = valid[:, None] & dm[None, :]
     h = g * REP + r
     q = tl.load(Q + b * q_sb + t[:, None] * q_st + h[:, None] * q_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * do_sb + t[:, None] * do_st + h[:, None] * do_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * do_sb + t[:, None] * do_st + h[:, None] * do_sh + d[None, :], mask=m2, other=0.0).to(
+        tl.float32
+    )
     o = tl.load(OUT + b * o_sb + t[:, None] * o_st + h[:, None] * o_sh + d[None, :], mask=m2, other=0.0).to(tl.float32)
     lse = tl.load(LSE + b * l_sb + h * l_sh + t * l_st, mask=valid, other=0.0).to(tl.float32)
-    dq = tl.load(DQP + b * dqp_sb + t[:, None] * dqp_st + h[:, None] * dqp_sh + d[None, :], mask=m2,
-                 other=0.0).to(tl.float32)
+    dq = tl.load(DQP + b * dqp_sb + t[:, None] * dqp_st + h[:, None] * dqp_sh + d[None, :], mask=m2, other=0.0).to(
+        tl.float32
+    )
     delta = tl.sum(do * o, 1)
     ts = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # the program's slots, one row each
     ms = (ts < T)[:, None] & dm[None, :]
@@ -239,8 +384,7 @@ def _chain_bwd(Q, DO, OUT, LSE, CK, CV, DQP, DQ, DCK, DCV, T, NKV, N,
         slot = j * c_sn + b * c_sb + ts * c_st + g * c_sg
         tl.store(DCK + slot[:, None] + d[None, :], dk.to(DCK.dtype.element_ty), mask=ms)
         tl.store(DCV + slot[:, None] + d[None, :], dv.to(DCV.dtype.element_ty), mask=ms)
-    tl.store(DQ + b * dq_sb + t[:, None] * dq_st + h[:, None] * dq_sh + d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m2)
+    tl.store(DQ + b * dq_sb + t[:, None] * dq_st + h[:, None] * dq_sh + d[None, :], dq.to(DQ.dtype.element_ty), mask=m2)
 
 
 CHAIN_SLOTS = 8  # slots per program of the chain kernels (x the group's heads x head dim per tile)
@@ -268,9 +412,28 @@ def chain_merge_forward(q, o_p, lse_p, ck, cv, scale):
     lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
     if B * T:
         grid = (triton.cdiv(T, CHAIN_SLOTS), B * nkv)
-        _chain_fwd[grid](q, o_p, lse_p, ck, cv, out, lse, T, nkv, ck.shape[0],
-                         *_bthd(q), *_bthd(o_p), *lse_p.stride(), *ck.stride()[:4], *_bthd(out), *lse.stride(),
-                         scale, **meta, BT=CHAIN_SLOTS, num_warps=4)
+        _chain_fwd[grid](
+            q,
+            o_p,
+            lse_p,
+            ck,
+            cv,
+            out,
+            lse,
+            T,
+            nkv,
+            ck.shape[0],
+            *_bthd(q),
+            *_bthd(o_p),
+            *lse_p.stride(),
+            *ck.stride()[:4],
+            *_bthd(out),
+            *lse.stride(),
+            scale,
+            **meta,
+            BT=CHAIN_SLOTS,
+            num_warps=4,
+        )
     return out, lse
 
 
@@ -282,7 +445,30 @@ def chain_merge_backward(dout, q, out, lse, ck, cv, dq_prefix, scale):
     dck, dcv = torch.empty_like(ck), torch.empty_like(cv)
     if B * T:
         grid = (triton.cdiv(T, CHAIN_SLOTS), B * nkv)
-        _chain_bwd[grid](q, dout, out, lse, ck, cv, dq_prefix, dq, dck, dcv, T, nkv, ck.shape[0],
-                         *_bthd(q), *_bthd(dout), *_bthd(out), *lse.stride(), *ck.stride()[:4],
-                         *_bthd(dq_prefix), *_bthd(dq), scale, **meta, BT=CHAIN_SLOTS, num_warps=8)
+        _chain_bwd[grid](
+            q,
+            dout,
+            out,
+            lse,
+            ck,
+            cv,
+            dq_prefix,
+            dq,
+            dck,
+            dcv,
+            T,
+            nkv,
+            ck.shape[0],
+            *_bthd(q),
+            *_bthd(dout),
+            *_bthd(out),
+            *lse.stride(),
+            *ck.stride()[:4],
+            *_bthd(dq_prefix),
+            *_bthd(dq),
+            scale,
+            **meta,
+            BT=CHAIN_SLOTS,
+            num_warps=8,
+        )
     return dq, dck, dcv

@@ -61,8 +61,10 @@ def resolve_ranks(settings: Settings) -> int:
 
             visible = torch.cuda.device_count()
             if n > visible:
-                raise ValueError(f"AERIE_TRAIN_RANKS={n} but {visible} CUDA device(s) are visible here "
-                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or use auto")
+                raise ValueError(
+                    f"AERIE_TRAIN_RANKS={n} but {visible} CUDA device(s) are visible here "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or use auto"
+                )
         return n
     if settings.device.startswith("cuda"):
         import torch
@@ -95,7 +97,9 @@ def die_with_parent(sig: int) -> None:
             os._exit(1)
 
 
-def run_ranks(settings: Settings, request: TrainRequest, ranks: int, progress: Callable[[ProgressEvent], None]) -> TrainResult:
+def run_ranks(
+    settings: Settings, request: TrainRequest, ranks: int, progress: Callable[[ProgressEvent], None]
+) -> TrainResult:
     """Train on `ranks` ranks (torchrun child), relaying rank 0's progress; raises RankFailed."""
     job = Path(tempfile.mkdtemp(prefix="aerie-train-"))
     try:
@@ -104,12 +108,30 @@ def run_ranks(settings: Settings, request: TrainRequest, ranks: int, progress: C
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env.update(settings_env(settings))
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [sys.executable, "-m", "aerie_trainer.launch", "guard", str(os.getpid()), "--",
-               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               "--max-restarts", "0", "-m", "aerie_trainer.launch", "rank", str(job)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "aerie_trainer.launch",
+            "guard",
+            str(os.getpid()),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            "--max-restarts",
+            "0",
+            "-m",
+            "aerie_trainer.launch",
+            "rank",
+            str(job),
+        ]
         log = open(job / "torchrun.log", "wb")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         relayed = 0
         try:
             while True:
@@ -144,8 +166,10 @@ def job_failure(job: Path, drafter: str, ranks: int, returncode: int | None) -> 
     log = job / "torchrun.log"
     tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
     lost = "".join(f"; rank {f['rank']} lost a peer ({f['error'][:200]})" for f in failures)
-    return RankFailed(f"training {drafter} on {ranks} ranks exited with {returncode} (a rank died?){lost}: "
-                      f"retried from its last checkpoint; torchrun's log ends:\n{tail}")
+    return RankFailed(
+        f"training {drafter} on {ranks} ranks exited with {returncode} (a rank died?){lost}: "
+        f"retried from its last checkpoint; torchrun's log ends:\n{tail}"
+    )
 
 
 def record_failure(job: Path, rank: int, error: BaseException) -> None:
@@ -154,8 +178,16 @@ def record_failure(job: Path, rank: int, error: BaseException) -> None:
     from aerie.queue import retryable
 
     part = job / f"failure-{rank}.json.part"  # renamed into place whole: a rank stopped mid-write leaves no half file
-    part.write_text(json.dumps({
-        "rank": rank, "error": f"{type(error).__name__}: {error}", "retryable": retryable(error), "lost_peer": lost_peer(error)}))
+    part.write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "error": f"{type(error).__name__}: {error}",
+                "retryable": retryable(error),
+                "lost_peer": lost_peer(error),
+            }
+        )
+    )
     part.rename(job / f"failure-{rank}.json")
 
 

@@ -59,7 +59,7 @@ class DrafterConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int, shape=None) -> "DrafterConfig":
+    def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int, shape=None) -> DrafterConfig:
         """The drafter for a target's config.json (a dict; a wrapper's `text_config` is read too).
 
         Width, vocab and norms always follow the target. The attention shape and rope follow a
@@ -99,8 +99,10 @@ class DrafterConfig:
         except KeyError as e:
             raise DrafterError(f"target config.json lacks {e.args[0]!r}: is it a decoder-only LLM config?") from None
         if config.num_attention_heads % config.num_key_value_heads:
-            raise DrafterError(f"drafter num_attention_heads {config.num_attention_heads} is not a multiple of "
-                               f"num_key_value_heads {config.num_key_value_heads}")
+            raise DrafterError(
+                f"drafter num_attention_heads {config.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {config.num_key_value_heads}"
+            )
         rope_tables(config)  # refuses a rope type this layer cannot compute, by name
         return config
 
@@ -109,8 +111,17 @@ class DrafterConfig:
 # The drafter's shape for a target family
 # --------------------------------------------------------------------------------------
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attn_factor", "extrapolation_factor", "truncate")
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attn_factor",
+    "extrapolation_factor",
+    "truncate",
+)
 
 
 def target_text_config(target_config: dict) -> dict:
@@ -137,9 +148,13 @@ def is_llama_class(cfg: dict) -> bool:
 
 def llama_shape(cfg: dict) -> dict:
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    return dict(num_attention_heads=nh, num_key_value_heads=int(cfg.get("num_key_value_heads") or nh),
-                head_dim=int(cfg.get("head_dim") or H // nh), intermediate_size=int(cfg["intermediate_size"]),
-                rope_parameters=target_rope(cfg))
+    return dict(
+        num_attention_heads=nh,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or nh),
+        head_dim=int(cfg.get("head_dim") or H // nh),
+        intermediate_size=int(cfg["intermediate_size"]),
+        rope_parameters=target_rope(cfg),
+    )
 
 
 def own_shape(cfg: dict) -> dict:
@@ -155,8 +170,13 @@ def own_shape(cfg: dict) -> dict:
     rope = target_rope(cfg)
     if rope["rope_type"] not in ROPE_TYPES:
         rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
-    return dict(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                intermediate_size=256 * math.ceil(12 * H / 7 / 256), rope_parameters=rope)
+    return dict(
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=256 * math.ceil(12 * H / 7 / 256),
+        rope_parameters=rope,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -392,7 +412,9 @@ class Eagle3Drafter(nn.Module):
         Returns logits (B, T, Vd), hidden out (B, T, H) pre-norm, kv of this step.
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
-        hidden, kv = self.midlayer(embeds, hidden, positions, past=past, prefix=prefix, prefix_mask=prefix_mask, chain=chain)
+        hidden, kv = self.midlayer(
+            embeds, hidden, positions, past=past, prefix=prefix, prefix_mask=prefix_mask, chain=chain
+        )
         logits = self.lm_head(self.norm(hidden))  # (B, T, Vd)
         return logits, hidden, kv
 
@@ -462,7 +484,9 @@ def build_drafter(model_dir: str | os.PathLike, num_aux: int, draft_vocab_size: 
     drafter = Eagle3Drafter(config)
     embed = load_target_embeddings(model_dir)
     if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
-        raise DrafterError(f"{model_dir}: embeddings {list(embed.shape)} disagree with config.json ({config.vocab_size}, {config.hidden_size})")
+        raise DrafterError(
+            f"{model_dir}: embeddings {list(embed.shape)} disagree with config.json ({config.vocab_size}, {config.hidden_size})"
+        )
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed.float())
     return drafter

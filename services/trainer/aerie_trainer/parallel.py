@@ -105,8 +105,9 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, cpu_offload=True, **kw)
 
 
-def full_state(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
-               optimizer_too: bool = True) -> tuple[dict, dict]:
+def full_state(
+    drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str, optimizer_too: bool = True
+) -> tuple[dict, dict]:
     """-> (weights, optimizer) as full tensors by parameter name (`fc.weight`, ...): the drafter's
     state dict without the embedding, and {"state": {name: {exp_avg, exp_avg_sq, step}},
     "param_groups": [{..., "params": [names]}]}. Under FSDP every rank must call it (it gathers);
@@ -117,10 +118,14 @@ def full_state(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, shard
             return weights, {}
         names = trainable_names(drafter)
         sd = optimizer.state_dict()
-        state = {names[i]: {k: (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu() for k, v in s.items()}
-                 for i, s in sd["state"].items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-                  for g in sd["param_groups"]]
+        state = {
+            names[i]: {k: (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu() for k, v in s.items()}
+            for i, s in sd["state"].items()
+        }
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+            for g in sd["param_groups"]
+        ]
         return weights, {"state": state, "param_groups": groups}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -130,8 +135,9 @@ def full_state(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, shard
     return weights, optim
 
 
-def load_full_state(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
-                    weights: dict, optim: dict) -> None:
+def load_full_state(
+    drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str, weights: dict, optim: dict
+) -> None:
     """The inverse of `full_state`, on every rank (each holds the full tensors it read)."""
     if sharding != "fsdp":
         missing, unexpected = drafter.load_state_dict(weights, strict=False)
@@ -140,7 +146,9 @@ def load_full_state(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             raise RuntimeError(f"checkpoint does not fit the drafter: missing {missing}, unexpected {unexpected}")
         index = {name: i for i, name in trainable_names(drafter).items()}
         state = {index[name]: s for name, s in optim["state"].items()}
-        groups = [{**g, "params": [index[n] for n in g["params"]], "betas": tuple(g["betas"])} for g in optim["param_groups"]]
+        groups = [
+            {**g, "params": [index[n] for n in g["params"]], "betas": tuple(g["betas"])} for g in optim["param_groups"]
+        ]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

@@ -96,8 +96,12 @@ _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> matmuls with a float32 out
 
 def _accumulate_weight_grad(acc, g, x, dtype):
     """acc (out, in) in the weight's `dtype`, or None; + g^T x (g (N, out), x (N, in))."""
-    if (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32
-            and _MM_OUT_DTYPE.get("cuda", True)):
+    if (
+        g.is_cuda
+        and g.dtype in (torch.float16, torch.bfloat16)
+        and dtype == torch.float32
+        and _MM_OUT_DTYPE.get("cuda", True)
+    ):
         try:
             if acc is None:
                 return torch.ops.aten.mm.dtype(g.t(), x, torch.float32)

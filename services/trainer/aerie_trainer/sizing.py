@@ -38,7 +38,11 @@ def target_parameters(config: dict) -> int:
         qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
         q_rank, kv_rank, v_dim = cfg.get("q_lora_rank"), int(cfg["kv_lora_rank"]), int(cfg["v_head_dim"])
         q = H * nh * qk if not q_rank else H * int(q_rank) + int(q_rank) + int(q_rank) * nh * qk
-        kv = H * (kv_rank + int(cfg["qk_rope_head_dim"])) + kv_rank + kv_rank * nh * (int(cfg["qk_nope_head_dim"]) + v_dim)
+        kv = (
+            H * (kv_rank + int(cfg["qk_rope_head_dim"]))
+            + kv_rank
+            + kv_rank * nh * (int(cfg["qk_nope_head_dim"]) + v_dim)
+        )
         attention = q + kv + nh * v_dim * H
     else:
         attention = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
@@ -127,7 +131,13 @@ def choose_sharding(ranks: int, requested: str, memory: Memory, device_bytes: in
     if requested != "auto":
         return requested, f"AERIE_TRAIN_SHARDING={requested} ({need}, {memory.sharded(ranks) / GiB:.1f} GiB sharded)"
     if device_bytes is None or memory.total <= FIT_FRACTION * device_bytes:
-        room = "no device limit (CPU)" if device_bytes is None else f"fits {FIT_FRACTION:.0%} of {device_bytes / GiB:.0f} GiB"
+        room = (
+            "no device limit (CPU)"
+            if device_bytes is None
+            else f"fits {FIT_FRACTION:.0%} of {device_bytes / GiB:.0f} GiB"
+        )
         return "ddp", f"{need}: {room}"
-    return "fsdp", (f"{need} exceeds {FIT_FRACTION:.0%} of {device_bytes / GiB:.0f} GiB; FSDP over {ranks} ranks: "
-                    f"{memory.sharded(ranks) / GiB:.1f} GiB a rank")
+    return "fsdp", (
+        f"{need} exceeds {FIT_FRACTION:.0%} of {device_bytes / GiB:.0f} GiB; FSDP over {ranks} ranks: "
+        f"{memory.sharded(ranks) / GiB:.1f} GiB a rank"
+    )

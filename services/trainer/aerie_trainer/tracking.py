@@ -78,8 +78,11 @@ class Mlflow:
         self.mlflow = mlflow
         mlflow.set_experiment("aerie")
         found = mlflow.search_runs(filter_string=f"tags.aerie_train_id = '{train_id}'", output_format="list")
-        self.run = mlflow.start_run(run_id=found[0].info.run_id) if found else mlflow.start_run(
-            run_name=train_id, tags={"aerie_train_id": train_id})
+        self.run = (
+            mlflow.start_run(run_id=found[0].info.run_id)
+            if found
+            else mlflow.start_run(run_name=train_id, tags={"aerie_train_id": train_id})
+        )
         if not found:
             mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
 
@@ -99,20 +102,38 @@ PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
 class Tracking:
     """The trackers the settings name, and the job's progress record."""
 
-    def __init__(self, store: ObjectStore, train_id: str, drafter: str, runs: list[str], trackers: list[str],
-                 config: dict, sharding: str, ranks: int):
+    def __init__(
+        self,
+        store: ObjectStore,
+        train_id: str,
+        drafter: str,
+        runs: list[str],
+        trackers: list[str],
+        config: dict,
+        sharding: str,
+        ranks: int,
+    ):
         import importlib.util
 
         self.store, self.train_id = store, train_id
         missing = [PACKAGES[t] for t in trackers if importlib.util.find_spec(PACKAGES[t]) is None]
         if missing:
-            raise TrackerError(f"AERIE_TRAIN_TRACKERS names {trackers} but {', '.join(missing)} is not installed here: "
-                               f"pip install {' '.join(missing)}, or leave it out of AERIE_TRAIN_TRACKERS")
-        self.trackers = [TensorBoard(store, train_id) if t == "tensorboard" else Wandb(train_id, config) if t == "wandb"
-                         else Mlflow(train_id, config) for t in trackers]
+            raise TrackerError(
+                f"AERIE_TRAIN_TRACKERS names {trackers} but {', '.join(missing)} is not installed here: "
+                f"pip install {' '.join(missing)}, or leave it out of AERIE_TRAIN_TRACKERS"
+            )
+        self.trackers = [
+            TensorBoard(store, train_id)
+            if t == "tensorboard"
+            else Wandb(train_id, config)
+            if t == "wandb"
+            else Mlflow(train_id, config)
+            for t in trackers
+        ]
         self.logs = layout.train_logs_prefix(train_id) if "tensorboard" in trackers else None
-        self.record = TrainProgress(train_id=train_id, drafter=drafter, runs=runs, stage="train", sharding=sharding,
-                                    ranks=ranks, logs=self.logs)
+        self.record = TrainProgress(
+            train_id=train_id, drafter=drafter, runs=runs, stage="train", sharding=sharding, ranks=ranks, logs=self.logs
+        )
         self._written = 0.0
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -128,7 +149,9 @@ class Tracking:
     def progress(self, force: bool = False, **fields) -> None:
         """Update the progress record; written when forced, on a stage change, or every few seconds."""
         changed = fields.get("stage", self.record.stage) != self.record.stage
-        self.record = self.record.model_copy(update={**fields, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())})
+        self.record = self.record.model_copy(
+            update={**fields, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}
+        )
         now = time.monotonic()
         if force or changed or now - self._written >= PROGRESS_EVERY_S:
             self._written = now
@@ -146,5 +169,7 @@ class Tracking:
             try:
                 tracker.close()
             except Exception:
-                logging.getLogger(__name__).exception("closing the %s tracker of %s failed", type(tracker).__name__, self.train_id)
+                logging.getLogger(__name__).exception(
+                    "closing the %s tracker of %s failed", type(tracker).__name__, self.train_id
+                )
         self.trackers = []

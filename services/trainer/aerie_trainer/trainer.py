@@ -22,7 +22,6 @@ import torch
 from aerie.contracts import ProgressEvent, TrainRequest
 from aerie.store import ObjectStore
 from aerie.target import describe
-
 from aerie_trainer.checkpoint import Checkpointer, TrainerState
 from aerie_trainer.data import Batch, HiddenData, load_runs
 from aerie_trainer.model import Eagle3Drafter, build_drafter, load_target_lm_head
@@ -35,8 +34,18 @@ from aerie_trainer.vocab import choose_draft_vocab, draft_vocab_size
 Progress = Callable[[ProgressEvent], None]
 WARMUP_FRACTION = 0.015  # SpecForge's reference warmup ratio
 
-__all__ = ["Dist", "Progress", "Trainer", "clip_and_step", "default_train_id", "lr_at", "make_optimizer", "pack_stats",
-           "read_stats", "setup_dist"]
+__all__ = [
+    "Dist",
+    "Progress",
+    "Trainer",
+    "clip_and_step",
+    "default_train_id",
+    "lr_at",
+    "make_optimizer",
+    "pack_stats",
+    "read_stats",
+    "setup_dist",
+]
 
 
 def lr_at(step: int, lr: float, steps: int, warmup: int) -> float:
@@ -48,25 +57,47 @@ def lr_at(step: int, lr: float, steps: int, warmup: int) -> float:
 
 
 class Trainer:
-    def __init__(self, store: ObjectStore, request: TrainRequest, dist: Dist, progress: Progress | None = None,
-                 sharding: str = "single", trackers: list[str] = ("tensorboard",)):
+    def __init__(
+        self,
+        store: ObjectStore,
+        request: TrainRequest,
+        dist: Dist,
+        progress: Progress | None = None,
+        sharding: str = "single",
+        trackers: list[str] = ("tensorboard",),
+    ):
         self.store, self.request, self.cfg, self.dist, self.sharding = store, request, request.config, dist, sharding
         self.progress = progress or (lambda event: None)
         self.train_id = request.train_id or default_train_id(request)
         cfg = self.cfg
         self.runset = load_runs(store, request.runs)
-        self.data = HiddenData(store, self.runset, batch_tokens=cfg.batch_tokens, max_seq_tokens=cfg.max_seq_tokens,
-                               ttt_steps=cfg.ttt_steps, seed=cfg.seed, holdout_fraction=cfg.holdout_fraction,
-                               prefetch=cfg.prefetch, rank=dist.rank, world_size=dist.world_size)
+        self.data = HiddenData(
+            store,
+            self.runset,
+            batch_tokens=cfg.batch_tokens,
+            max_seq_tokens=cfg.max_seq_tokens,
+            ttt_steps=cfg.ttt_steps,
+            seed=cfg.seed,
+            holdout_fraction=cfg.holdout_fraction,
+            prefetch=cfg.prefetch,
+            rank=dist.rank,
+            world_size=dist.world_size,
+        )
         self.steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(self.data.epoch_plan(0)) / cfg.grad_accum))
         self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(WARMUP_FRACTION * self.steps)
         torch.manual_seed(cfg.seed)
         target = self.runset.spec.target
         if describe(request.model).weights_sha256 != target.weights_sha256:
-            raise ValueError(f"target folder {request.model} holds other weights than the model runs {request.runs} were "
-                             f"captured from ({target.model}, sha256 {target.weights_sha256[:12]}…): pass that model")
-        drafter = build_drafter(request.model, len(self.runset.capture_points),
-                                draft_vocab_size(cfg.draft_vocab_size, target.vocab_size), cfg.drafter)
+            raise ValueError(
+                f"target folder {request.model} holds other weights than the model runs {request.runs} were "
+                f"captured from ({target.model}, sha256 {target.weights_sha256[:12]}…): pass that model"
+            )
+        drafter = build_drafter(
+            request.model,
+            len(self.runset.capture_points),
+            draft_vocab_size(cfg.draft_vocab_size, target.vocab_size),
+            cfg.drafter,
+        )
         self.checkpointer = Checkpointer(store, self.train_id)
         saved = self.checkpointer.load()
         self.state = saved[2] if saved else TrainerState()
@@ -76,9 +107,16 @@ class Trainer:
         else:  # a fresh run builds its vocabulary; a resumed one loaded it
             head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
             draft_ids, covered, of = choose_draft_vocab(
-                self.data, drafter.config.draft_vocab_size, target.vocab_size, cfg.draft_vocab_from,
-                None if head is None else head.to(dist.device, torch.bfloat16 if dist.device.type == "cuda" else torch.float32),
-                dist.device, cfg.vocab_sample_tokens)
+                self.data,
+                drafter.config.draft_vocab_size,
+                target.vocab_size,
+                cfg.draft_vocab_from,
+                None
+                if head is None
+                else head.to(dist.device, torch.bfloat16 if dist.device.type == "cuda" else torch.float32),
+                dist.device,
+                cfg.vocab_sample_tokens,
+            )
             drafter.set_vocab(draft_ids)
             self.state.metrics.update(draft_vocab_coverage=covered, draft_vocab_coverage_of=of)
         drafter.to(dist.device)
@@ -90,8 +128,9 @@ class Trainer:
         # shares the frozen embedding and takes the gathered weights (sync_full_drafter)
         self.full_drafter = drafter if sharding != "fsdp" or not dist.main else self._full_copy(drafter)
         head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
-        self.target = TargetHead(None if head is None else head.to(dist.device), drafter.t2d, drafter.d2t,
-                                 dtype or torch.float32)
+        self.target = TargetHead(
+            None if head is None else head.to(dist.device), drafter.t2d, drafter.d2t, dtype or torch.float32
+        )
         # float32 parameters are the master weights; the step computes in `dtype`, each weight cast
         # once per forward (per call under FSDP, whose modules gather their weights at each call)
         self.ttt = TTT(drafter, cfg.ttt_steps, cfg.step_decay, compute_dtype=dtype, cast_once=sharding != "fsdp")
@@ -99,9 +138,20 @@ class Trainer:
         self.optimizer = make_optimizer([p for p in drafter.parameters() if p.requires_grad], cfg, dist.device)
         if saved:
             load_full_state(drafter, self.optimizer, sharding, saved[0], saved[1])
-        self.tracking = Tracking(store, self.train_id, request.drafter, request.runs, list(trackers),
-                                 {**cfg.model_dump(mode="json"), "steps": self.steps}, sharding,
-                                 dist.world_size) if dist.main else None
+        self.tracking = (
+            Tracking(
+                store,
+                self.train_id,
+                request.drafter,
+                request.runs,
+                list(trackers),
+                {**cfg.model_dump(mode="json"), "steps": self.steps},
+                sharding,
+                dist.world_size,
+            )
+            if dist.main
+            else None
+        )
 
     @staticmethod
     def _full_copy(drafter: Eagle3Drafter) -> Eagle3Drafter:
@@ -109,8 +159,12 @@ class Trainer:
             copy = Eagle3Drafter(drafter.config)
         copy.to_empty(device=drafter.fc.weight.device)
         copy.embed_tokens = drafter.embed_tokens  # shared, frozen, never sharded
-        copy.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}, strict=False)
-        copy.midlayer.self_attn.inv_freq = drafter.midlayer.self_attn.inv_freq.clone()  # a computed buffer, not in the state dict
+        copy.load_state_dict(
+            {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}, strict=False
+        )
+        copy.midlayer.self_attn.inv_freq = (
+            drafter.midlayer.self_attn.inv_freq.clone()
+        )  # a computed buffer, not in the state dict
         return copy
 
     def sync_full_drafter(self) -> Eagle3Drafter | None:
@@ -156,7 +210,11 @@ class Trainer:
                 rate = st.step / max(st.train_seconds, 1e-9)
                 eta = round((self.steps - st.step) / rate, 1) if rate else None
                 self._track(st, lr, step_loss, correct, valid, eta)
-                self.progress(ProgressEvent(stage="train", step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta))
+                self.progress(
+                    ProgressEvent(
+                        stage="train", step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta
+                    )
+                )
                 if st.step % cfg.checkpoint_every == 0 or st.step == self.steps:
                     self.save()
         finally:
@@ -167,14 +225,24 @@ class Trainer:
         if self.tracking is None:
             return
         tps = st.tokens / max(st.train_seconds, 1e-9)
-        scalars = {"loss/total": st.losses[-1], "lr": lr, "tokens_per_second": tps,
-                   "data_wait_fraction": st.data_wait_seconds / max(st.train_seconds, 1e-9)}
+        scalars = {
+            "loss/total": st.losses[-1],
+            "lr": lr,
+            "tokens_per_second": tps,
+            "data_wait_fraction": st.data_wait_seconds / max(st.train_seconds, 1e-9),
+        }
         for k in range(len(step_loss)):
             scalars[f"loss/step_{k}"] = float(step_loss[k])
             scalars[f"accuracy/step_{k}"] = float(correct[k]) / max(int(valid[k]), 1)
         self.tracking.log(scalars, st.step)
-        self.tracking.progress(step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta,
-                               tokens_per_second=round(tps, 1))
+        self.tracking.progress(
+            step=st.step,
+            steps=self.steps,
+            loss=st.losses[-1],
+            tokens=st.tokens,
+            eta_s=eta,
+            tokens_per_second=round(tps, 1),
+        )
 
     def save(self) -> None:
         """Every rank calls it (FSDP gathers the full state); rank 0 writes."""
@@ -218,13 +286,19 @@ def pack_stats(out) -> torch.Tensor:
     return torch.cat([out.loss.detach().double().reshape(1), out.step_loss.double(), counts])
 
 
-def read_stats(stats: torch.Tensor, steps: int, grad_accum: int) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+def read_stats(
+    stats: torch.Tensor, steps: int, grad_accum: int
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed packs -> (mean loss, mean per-step losses (S,) float32, correct (S,), valid (S,) int64):
     one transfer from the device, the training step's one host sync."""
     stats = stats.cpu()
     S = steps
-    return (float(stats[0]) / grad_accum, (stats[1 : 1 + S] / grad_accum).float(),
-            stats[1 + S : 1 + 2 * S].long(), stats[1 + 2 * S :].long())
+    return (
+        float(stats[0]) / grad_accum,
+        (stats[1 : 1 + S] / grad_accum).float(),
+        stats[1 + S : 1 + 2 * S].long(),
+        stats[1 + 2 * S :].long(),
+    )
 
 
 def default_train_id(request: TrainRequest) -> str:

@@ -132,14 +132,21 @@ class TTT(torch.nn.Module):
     compute_dtype: the activations' dtype (None: the parameters'); cast_once: cast each weight to
     it once per forward (off under FSDP, whose modules gather their weights at each call)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compute_dtype: torch.dtype | None = None,
-                 cast_once: bool = True):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        compute_dtype: torch.dtype | None = None,
+        cast_once: bool = True,
+    ):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
         self.compute_dtype, self.cast_once = compute_dtype, cast_once
 
-    def forward(self, input_ids, aux, target_logits, target_lse, argmax, trainable, loss_mask,
-                keep_logits: list | None = None):
+    def forward(
+        self, input_ids, aux, target_logits, target_lse, argmax, trainable, loss_mask, keep_logits: list | None = None
+    ):
         """input_ids (B, W), aux (B, L, K*Ht), target_logits (B, W, Vd) / target_lse (B, W) (a
         TargetDist), argmax/trainable/loss_mask (B, W); W = L + S.
 

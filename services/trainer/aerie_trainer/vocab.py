@@ -70,15 +70,24 @@ def target_argmax(lm_head: torch.Tensor | None, device: torch.device, chunk: int
             if lm_head is None:
                 raise VocabError("a final-state run needs the target's lm_head to find its greedy tokens")
             h = torch.from_numpy(np.asarray(rows["final"], dtype=np.float32))
-            return torch.cat([(c.to(device, lm_head.dtype) @ lm_head.T).argmax(-1).cpu() for c in h.split(chunk)]).numpy()
+            return torch.cat(
+                [(c.to(device, lm_head.dtype) @ lm_head.T).argmax(-1).cpu() for c in h.split(chunk)]
+            ).numpy()
         ids, lp = np.asarray(rows["topk_ids"]), np.asarray(rows["topk_logprobs"], dtype=np.float32)
         return np.take_along_axis(ids, lp.argmax(-1)[:, None], axis=1)[:, 0]
 
     return argmax
 
 
-def choose_draft_vocab(data, size: int, vocab_size: int, source: str, lm_head: torch.Tensor | None,
-                       device: torch.device, sample_tokens: int) -> tuple[torch.Tensor, float, str]:
+def choose_draft_vocab(
+    data,
+    size: int,
+    vocab_size: int,
+    source: str,
+    lm_head: torch.Tensor | None,
+    device: torch.device,
+    sample_tokens: int,
+) -> tuple[torch.Tensor, float, str]:
     """(draft ids, coverage, what the coverage counts). `data`: the trainer's HiddenData.
 
     "target": ranked by the target's greedy tokens at up to `sample_tokens` trained positions

@@ -159,7 +159,13 @@ class HFEngine(Engine):
         self._placer = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-place")
         self._placing: list[Future | None] = [None, None]  # per pinned buffer set: the place of the batch in it
         self._next_slot = 0
-        log.info("hf engine: %s on %s (%s) in %.1f s", self.model_path, self.device, self.compute_dtype, time.monotonic() - started)
+        log.info(
+            "hf engine: %s on %s (%s) in %.1f s",
+            self.model_path,
+            self.device,
+            self.compute_dtype,
+            time.monotonic() - started,
+        )
 
     @staticmethod
     def _launch_thread_start(intra_op: int) -> threading.Thread:
@@ -223,8 +229,10 @@ class HFEngine(Engine):
             ids, mask = ids.pin_memory(), mask.pin_memory()
         with torch.inference_mode():
             out = self.base(
-                input_ids=ids.to(self.device, non_blocking=cuda), attention_mask=mask.to(self.device, non_blocking=cuda),
-                output_hidden_states=hidden_states, use_cache=False,
+                input_ids=ids.to(self.device, non_blocking=cuda),
+                attention_mask=mask.to(self.device, non_blocking=cuda),
+                output_hidden_states=hidden_states,
+                use_cache=False,
             )
         return out.hidden_states if hidden_states else out.last_hidden_state
 
@@ -232,15 +240,22 @@ class HFEngine(Engine):
         try:
             hs = self.forward(batch)
         except RuntimeError as e:  # CUDA OOM and friends: the task may retry
-            raise EngineError(f"hf forward failed on {len(batch)} sequences of up to {len(batch[0])} tokens: {e}") from e
+            raise EngineError(
+                f"hf forward failed on {len(batch)} sequences of up to {len(batch[0])} tokens: {e}"
+            ) from e
         N = self.run.target.num_layers
         if len(hs) != N + 1:
             raise EngineMismatch(f"hf returned {len(hs)} hidden states, a {N}-layer target has {N + 1}")
         return hs
 
     def capture_into(
-        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
-        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+        self,
+        sequences: list[np.ndarray],
+        offsets: np.ndarray,
+        aux: np.ndarray,
+        final: np.ndarray,
+        aux_scale: np.ndarray | None = None,
+        final_scale: np.ndarray | None = None,
     ) -> bool:
         """Signal "final": sequence i's states go to rows offsets[i]:offsets[i+1] of aux [T, K, H]
         and final [T, H] (the run's dtype). With aux_scale [T, K, G] and final_scale [T, G]
@@ -251,8 +266,13 @@ class HFEngine(Engine):
 
     @_one_at_a_time
     def capture_into_async(
-        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
-        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+        self,
+        sequences: list[np.ndarray],
+        offsets: np.ndarray,
+        aux: np.ndarray,
+        final: np.ndarray,
+        aux_scale: np.ndarray | None = None,
+        final_scale: np.ndarray | None = None,
     ) -> Future:
         """`capture_into` that returns once every batch is launched: a Future of its finite flag,
         done when the last rows are in the arrays (until then nothing may read or reuse them). The
@@ -266,9 +286,15 @@ class HFEngine(Engine):
         block = None if aux_scale is None else H // aux_scale.shape[2]
         batches = length_batches([len(s) for s in sequences], self.settings.tokens_per_batch)
         run_dtype = getattr(torch, self.run.dtype)
-        shapes = [((K + 1, H), run_dtype)] if block is None else [((K + 1, H), torch.float8_e4m3fn), ((K + 1, H // block), torch.float32)]
+        shapes = (
+            [((K + 1, H), run_dtype)]
+            if block is None
+            else [((K + 1, H), torch.float8_e4m3fn), ((K + 1, H // block), torch.float32)]
+        )
         # at least a full batch's rows at once (no new pinned buffers as shards' batches vary)
-        self._host_buffers(max(self.settings.tokens_per_batch, *(sum(len(sequences[i]) for i in idx) for idx in batches)), shapes)
+        self._host_buffers(
+            max(self.settings.tokens_per_batch, *(sum(len(sequences[i]) for i in idx) for idx in batches)), shapes
+        )
         outs = [(_np_bits(aux), _np_bits(final))] + ([] if block is None else [(aux_scale, final_scale)])
 
         def place(hosts: list[np.ndarray], idx: list[int]) -> None:  # host (n, K+1, ...): the sequences of idx in order
@@ -343,7 +369,9 @@ class HFEngine(Engine):
         flat = torch.from_numpy(np.concatenate([b * L + np.arange(len(s)) for b, s in enumerate(batch)]))
         if self.device.startswith("cuda"):
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(getattr(torch, self.run.dtype))
+        return torch.stack([hs[i].reshape(B * L, H).index_select(0, flat) for i in (*self.indices, N)], dim=1).to(
+            getattr(torch, self.run.dtype)
+        )
 
     def _stage(self, tensors: list, slot: int | None):
         """CUDA: start copying the device tensors into pinned buffer set `slot` (None: new pinned

@@ -111,8 +111,10 @@ def http_client(settings: Settings, timeout: float) -> httpx.Client:
 
 
 def _unauthorized(url: str, r: httpx.Response) -> EngineMismatch:
-    return EngineMismatch(f"SGLang server {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
-                          "set AERIE_ENGINE_API_KEY to that key")
+    return EngineMismatch(
+        f"SGLang server {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
+        "set AERIE_ENGINE_API_KEY to that key"
+    )
 
 
 def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
@@ -122,7 +124,9 @@ def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
         try:
             r = client.get(url + path)
         except httpx.HTTPError as e:
-            raise EngineError(f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (AERIE_ENGINE_URLS)") from e
+            raise EngineError(
+                f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (AERIE_ENGINE_URLS)"
+            ) from e
         if r.status_code in (401, 403):
             raise _unauthorized(url, r)
         if r.status_code == 404:
@@ -131,7 +135,9 @@ def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
         if r.status_code != 200:
             raise EngineError(f"SGLang server {url}{path} answered HTTP {r.status_code}: {r.text[:300]}")
         return orjson.loads(r.content)
-    raise EngineMismatch(f"SGLang server {url} has none of {', '.join(paths)} (HTTP {last.status_code}): not an SGLang server?")
+    raise EngineMismatch(
+        f"SGLang server {url} has none of {', '.join(paths)} (HTTP {last.status_code}): not an SGLang server?"
+    )
 
 
 def server_info(client: httpx.Client, url: str) -> dict:
@@ -178,7 +184,9 @@ def sink_config(settings: Settings) -> CaptureReader:
         from aerie.store import open_store
 
         store = open_store(settings)
-    return CaptureReader(sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s)
+    return CaptureReader(
+        sink=settings.engine_sink, store=store, shm_dir=settings.engine_shm_dir, timeout_s=settings.engine_timeout_s
+    )
 
 
 def _no_plugin(why: str, stock: list[str], alternative: str = "") -> EngineMismatch:
@@ -206,11 +214,17 @@ def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> bool:  # /h
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
-                raise EngineError(f"SGLang server {url} unreachable or unhealthy for {wait_s:.0f} s ({why}): is it up? "
-                                  "(AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S sets how long to wait)")
+                raise EngineError(
+                    f"SGLang server {url} unreachable or unhealthy for {wait_s:.0f} s ({why}): is it up? "
+                    "(AERIE_ENGINE_URLS; AERIE_ENGINE_OUTAGE_WAIT_S sets how long to wait)"
+                )
             if not waited:
-                log.warning("SGLang server %s is down (%s): waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
-                            url, why, wait_s)
+                log.warning(
+                    "SGLang server %s is down (%s): waiting up to %.0f s for its /health (AERIE_ENGINE_OUTAGE_WAIT_S)",
+                    url,
+                    why,
+                    wait_s,
+                )
             waited = True
             time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
 
@@ -308,7 +322,9 @@ class SGLangEngine(Engine):
             )
         transport = run.engine.transport
         if transport not in ("json", "binary"):
-            raise EngineMismatch(f"run {run.run!r} records transport {transport!r}; the sglang engine speaks 'json' or 'binary'")
+            raise EngineMismatch(
+                f"run {run.run!r} records transport {transport!r}; the sglang engine speaks 'json' or 'binary'"
+            )
         if transport == "json" and run.target_signal != "topk":
             raise EngineMismatch(
                 f"run {run.run!r} wants target signal {run.target_signal!r} but was ingested against a server without "
@@ -422,7 +438,9 @@ class SGLangEngine(Engine):
         if r.status_code in (401, 403):
             raise _unauthorized(url, r)
         if r.status_code != 200:
-            raise EngineMismatch(f"SGLang server {url} refused a capture request (HTTP {r.status_code}): {r.text[:300]}")
+            raise EngineMismatch(
+                f"SGLang server {url} refused a capture request (HTTP {r.status_code}): {r.text[:300]}"
+            )
         try:
             self._parse(url, orjson.loads(r.content), len(_PROBE_IDS), timeout_s=self.probe_timeout_s)
         except BinaryCaptureError as e:  # a sink this extractor cannot read: configuration, not chance
@@ -441,12 +459,16 @@ class SGLangEngine(Engine):
             **topk,
         }
 
-    def _parse(self, url: str, out: dict, T: int, timeout_s: float | None = None, into: Rows | None = None) -> Captured | None:
+    def _parse(
+        self, url: str, out: dict, T: int, timeout_s: float | None = None, into: Rows | None = None
+    ) -> Captured | None:
         if self.transport == "binary":
             return self._parse_binary(url, out, T, timeout_s, into)
         return self._parse_json(url, out, T)
 
-    def _parse_binary(self, url: str, out: dict, T: int, timeout_s: float | None, into: Rows | None = None) -> Captured | None:
+    def _parse_binary(
+        self, url: str, out: dict, T: int, timeout_s: float | None, into: Rows | None = None
+    ) -> Captured | None:
         """The capture a response names, claimed; with `into` (the sequence's aux [T, K, H] and
         final [T, H] rows of the shard) read straight into them when the dtypes agree (None
         returned), else copied in after the cast."""
@@ -456,8 +478,11 @@ class SGLangEngine(Engine):
         reader = self.readers[url]
         sinks = reader if timeout_s is None else dataclasses.replace(reader, timeout_s=timeout_s)
         promised = {name: (spec.shape, spec.dtype) for name, spec in descriptor.tensors.items()}
-        if (into is not None and descriptor.layer_ids == self.layer_ids
-                and promised == {"aux": ([T, K, H], str(into[0].dtype)), "final": ([T, H], str(into[1].dtype))}):
+        if (
+            into is not None
+            and descriptor.layer_ids == self.layer_ids
+            and promised == {"aux": ([T, K, H], str(into[0].dtype)), "final": ([T, H], str(into[1].dtype))}
+        ):
             fetch_binary_into(descriptor, sinks, {"aux": into[0], "final": into[1]})
             return None
         tensors = fetch_binary(descriptor, sinks)  # claims it: deleted even if the checks below fail
@@ -506,7 +531,9 @@ class SGLangEngine(Engine):
                 if width % H == 0
                 else f"not a multiple of the run's hidden size {H}: the server serves another model than {target.model}"
             )
-            raise EngineMismatch(f"SGLang server {url} returned {width} floats per token, expected K*H = {K}*{H}: {cause}")
+            raise EngineMismatch(
+                f"SGLang server {url} returned {width} floats per token, expected K*H = {K}*{H}: {cause}"
+            )
         ids, logprobs = topk_rows(meta, T, int(run.topk or 20))
         return Captured(
             aux=aux.reshape(T, K, H).astype(np_dtype(run.dtype), copy=False),  # [T, K, H]
@@ -514,15 +541,23 @@ class SGLangEngine(Engine):
             topk_logprobs=logprobs,
         )
 
-    async def _one(self, client: httpx.AsyncClient, url: str, seq: np.ndarray, gate: asyncio.Lock | None = None,
-                   into: Rows | None = None) -> Captured | None:
+    async def _one(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        seq: np.ndarray,
+        gate: asyncio.Lock | None = None,
+        into: Rows | None = None,
+    ) -> Captured | None:
         """One sequence. `gate` (one per server): a request refused for a full sink holds it while
         it retries, and every new request passes it first, so the refused one gets in before this
         engine's other workers refill the sink (without it two workers could starve the others)."""
         ids = np.asarray(seq).tolist()
         limit = self.max_input.get(url) or 0
         if limit and len(ids) > limit:
-            raise _Fatal(f"a sequence of {len(ids)} tokens exceeds SGLang server {url}'s limit of {limit} input tokens: lower ingest max_tokens or raise --context-length")
+            raise _Fatal(
+                f"a sequence of {len(ids)} tokens exceeds SGLang server {url}'s limit of {limit} input tokens: lower ingest max_tokens or raise --context-length"
+            )
         body = orjson.dumps(self._body(ids))
 
         async def post() -> httpx.Response:
@@ -619,8 +654,14 @@ class SGLangEngine(Engine):
             tasks = []
             for url in self.urls:
                 for _ in range(per_url):
-                    client = await stack.enter_async_context(httpx.AsyncClient(
-                        timeout=self.settings.engine_timeout_s, limits=limits, headers=auth_headers(self.settings), verify=self._tls))
+                    client = await stack.enter_async_context(
+                        httpx.AsyncClient(
+                            timeout=self.settings.engine_timeout_s,
+                            limits=limits,
+                            headers=auth_headers(self.settings),
+                            verify=self._tls,
+                        )
+                    )
                     tasks.append(asyncio.create_task(worker(client, url)))
             try:
                 await asyncio.gather(*tasks)
@@ -641,8 +682,13 @@ class SGLangEngine(Engine):
         return None
 
     def _capture_into(
-        self, sequences: list[np.ndarray], offsets: np.ndarray, aux: np.ndarray, final: np.ndarray,
-        aux_scale: np.ndarray | None = None, final_scale: np.ndarray | None = None,
+        self,
+        sequences: list[np.ndarray],
+        offsets: np.ndarray,
+        aux: np.ndarray,
+        final: np.ndarray,
+        aux_scale: np.ndarray | None = None,
+        final_scale: np.ndarray | None = None,
     ) -> bool:
         """Sequence i's states into rows offsets[i]:offsets[i+1] of aux [T, K, H] and final [T, H]
         (the run's dtype; the writers quantize fp8 runs): each capture read from the sink into its
@@ -651,7 +697,7 @@ class SGLangEngine(Engine):
             raise ValueError("the sglang engine fills the run's dtype: its shards are quantized by the writers")
         if not sequences:
             return False
-        into = [(aux[offsets[i]:offsets[i + 1]], final[offsets[i]:offsets[i + 1]]) for i in range(len(sequences))]
+        into = [(aux[offsets[i] : offsets[i + 1]], final[offsets[i] : offsets[i + 1]]) for i in range(len(sequences))]
         started = time.monotonic()
         asyncio.run(self._capture_all(sequences, into))
         log.debug("sglang engine: %d sequences into the shard in %.2f s", len(sequences), time.monotonic() - started)
@@ -664,5 +710,10 @@ class SGLangEngine(Engine):
             return []
         started = time.monotonic()
         out = asyncio.run(self._capture_all(sequences))
-        log.debug("sglang engine: %d sequences, %d tokens in %.2f s", len(sequences), sum(len(s) for s in sequences), time.monotonic() - started)
+        log.debug(
+            "sglang engine: %d sequences, %d tokens in %.2f s",
+            len(sequences),
+            sum(len(s) for s in sequences),
+            time.monotonic() - started,
+        )
         return out

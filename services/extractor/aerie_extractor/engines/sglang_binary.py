@@ -107,9 +107,15 @@ def choose_sink(advertisement: dict, config: CaptureReader) -> str:
         )
     if config.sink == "shm":
         server_dir = (sinks["shm"] or {}).get("dir")
-        if not isinstance(server_dir, str) or not server_dir.startswith("/") or os.path.normpath(server_dir) != server_dir:
-            raise CaptureRefused(f"the SGLang server advertises capture directory {server_dir!r}, not an absolute normalized "
-                                 "path: refused (the server's AERIE_CAPTURE_DIR; AERIE_ENGINE_SHM_DIR here)")
+        if (
+            not isinstance(server_dir, str)
+            or not server_dir.startswith("/")
+            or os.path.normpath(server_dir) != server_dir
+        ):
+            raise CaptureRefused(
+                f"the SGLang server advertises capture directory {server_dir!r}, not an absolute normalized "
+                "path: refused (the server's AERIE_CAPTURE_DIR; AERIE_ENGINE_SHM_DIR here)"
+            )
         config.server_dir = server_dir
         config.shm_dir = check_capture_dir(Path(config.shm_dir or server_dir))
     if config.sink == "s3":
@@ -122,7 +128,9 @@ def choose_sink(advertisement: dict, config: CaptureReader) -> str:
         try:
             config.prefix = layout.check_capture_prefix(sinks["s3"].get("prefix"))
         except ValueError as e:
-            raise CaptureRefused(f"the SGLang server's s3 capture sink: {e}: refused (its AERIE_CAPTURE_S3_PREFIX)") from None
+            raise CaptureRefused(
+                f"the SGLang server's s3 capture sink: {e}: refused (its AERIE_CAPTURE_S3_PREFIX)"
+            ) from None
     return config.sink
 
 
@@ -130,7 +138,9 @@ def reader_for(server_info: dict, sink: str = "shm", **fields) -> CaptureReader:
     """A reader bound to what a server's `/server_info` advertises (checked as `choose_sink` does)."""
     advertisement = advertised(server_info)
     if advertisement is None:
-        raise EngineMismatch("the SGLang server does not advertise aerie's aerie_capture plugin: no binary captures to read")
+        raise EngineMismatch(
+            "the SGLang server does not advertise aerie's aerie_capture plugin: no binary captures to read"
+        )
     reader = CaptureReader(sink, **fields)
     choose_sink(advertisement, reader)
     return reader
@@ -146,14 +156,20 @@ def check_capture_dir(path: Path) -> Path:
     try:
         st = os.lstat(path)
     except OSError as e:
-        raise CaptureRefused(f"{where} cannot be read here ({e.strerror}): mount the server's directory, or use the s3 sink") from None
+        raise CaptureRefused(
+            f"{where} cannot be read here ({e.strerror}): mount the server's directory, or use the s3 sink"
+        ) from None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise CaptureRefused(f"{where} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}: refused")
     if st.st_mode & 0o077:
-        raise CaptureRefused(f"{where} is open to other users (mode {stat.S_IMODE(st.st_mode):o}, the plugin makes 700): refused")
+        raise CaptureRefused(
+            f"{where} is open to other users (mode {stat.S_IMODE(st.st_mode):o}, the plugin makes 700): refused"
+        )
     if st.st_uid != os.geteuid() and os.geteuid() != 0:
-        raise CaptureRefused(f"{where} belongs to uid {st.st_uid}, not this user ({os.geteuid()}): refused "
-                             "(run the extractor as the server's user, as the images do)")
+        raise CaptureRefused(
+            f"{where} belongs to uid {st.st_uid}, not this user ({os.geteuid()}): refused "
+            "(run the extractor as the server's user, as the images do)"
+        )
     return path
 
 
@@ -189,7 +205,9 @@ def descriptor_of(response: dict) -> CaptureDescriptor:
     try:
         return CaptureDescriptor.model_validate(descriptor)
     except ValidationError as e:
-        raise EngineMismatch(f"the SGLang server's capture descriptor is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+        raise EngineMismatch(
+            f"the SGLang server's capture descriptor is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}"
+        ) from None
 
 
 def _open_regular(path: Path) -> int:
@@ -295,8 +313,10 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
         dt, shape, start, end = spans[name]
         arr = out[name]
         if list(arr.shape) != shape or arr.dtype != dt or not arr.flags.c_contiguous:
-            raise BinaryCaptureError(f"capture {where}: tensor {name!r} ({dt} {shape}) cannot be read into a "
-                                     f"{'' if arr.flags.c_contiguous else 'non-contiguous '}{arr.dtype} array of shape {list(arr.shape)}")
+            raise BinaryCaptureError(
+                f"capture {where}: tensor {name!r} ({dt} {shape}) cannot be read into a "
+                f"{'' if arr.flags.c_contiguous else 'non-contiguous '}{arr.dtype} array of shape {list(arr.shape)}"
+            )
         view = memoryview(arr.reshape(-1).view(np.uint8))
         try:
             _pread_into(fd, view, base + start)
@@ -306,7 +326,9 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
     _check_digest(where, digest.hexdigest(), metadata)
 
 
-def _check_header(descriptor: CaptureDescriptor, where: str, metadata: dict, found: dict[str, tuple[list[int], str]]) -> None:
+def _check_header(
+    descriptor: CaptureDescriptor, where: str, metadata: dict, found: dict[str, tuple[list[int], str]]
+) -> None:
     """The capture id in the header, and each promised tensor's (shape, dtype) in `found`, are the descriptor's."""
     if metadata.get("aerie_capture_id") != descriptor.id:
         raise BinaryCaptureError(
@@ -315,12 +337,16 @@ def _check_header(descriptor: CaptureDescriptor, where: str, metadata: dict, fou
     for name, spec in descriptor.tensors.items():
         got = found.get(name)
         if got is None or list(got[0]) != spec.shape or got[1] != spec.dtype:
-            raise BinaryCaptureError(f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}")
+            raise BinaryCaptureError(
+                f"capture {where}: tensor {name!r} is {got}, the response promised {spec.model_dump()}"
+            )
 
 
 def _check_digest(where: str, digest: str, metadata: dict) -> None:
     if digest != metadata.get("sha256"):
-        raise BinaryCaptureError(f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted")
+        raise BinaryCaptureError(
+            f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted"
+        )
 
 
 def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
@@ -329,9 +355,11 @@ def _check(descriptor: CaptureDescriptor, buf: bytes) -> dict[str, np.ndarray]:
         tensors, metadata = read_safetensors(buf)
     except ShardError as e:
         raise BinaryCaptureError(f"capture {where}: {e}") from None
-    _check_header(descriptor, where, metadata, {name: (list(arr.shape), str(arr.dtype)) for name, arr in tensors.items()})
+    _check_header(
+        descriptor, where, metadata, {name: (list(arr.shape), str(arr.dtype)) for name, arr in tensors.items()}
+    )
     (n,) = np.frombuffer(buf[:8], dtype="<u8")
-    _check_digest(where, hashlib.sha256(memoryview(buf)[8 + int(n):]).hexdigest(), metadata)
+    _check_digest(where, hashlib.sha256(memoryview(buf)[8 + int(n) :]).hexdigest(), metadata)
     return {name: tensors[name] for name in descriptor.tensors}
 
 
@@ -340,8 +368,10 @@ def capture_path(descriptor: CaptureDescriptor, reader: CaptureReader) -> Path:
     when the descriptor's path is exactly that file in the server's advertised directory."""
     name = layout.capture_key("x/", descriptor.id).removeprefix("x/")  # <32 hex>.safetensors, the id checked
     if reader.shm_dir is None:
-        raise CaptureRefused(f"capture {descriptor.path!r}: this reader knows no capture directory (bind it to the server's "
-                             "advertisement with choose_sink, or set AERIE_ENGINE_SHM_DIR): refused, nothing read or deleted")
+        raise CaptureRefused(
+            f"capture {descriptor.path!r}: this reader knows no capture directory (bind it to the server's "
+            "advertisement with choose_sink, or set AERIE_ENGINE_SHM_DIR): refused, nothing read or deleted"
+        )
     named = PurePosixPath(descriptor.path or "")
     if named.name != name or (reader.server_dir is not None and str(named.parent) != reader.server_dir):
         raise CaptureRefused(
@@ -354,12 +384,16 @@ def capture_path(descriptor: CaptureDescriptor, reader: CaptureReader) -> Path:
 def capture_object(descriptor: CaptureDescriptor, reader: CaptureReader) -> str:
     """The one key an s3 descriptor may name: `<advertised prefix><id>.safetensors` in our bucket."""
     if reader.prefix is None:
-        raise CaptureRefused(f"capture {descriptor.key!r}: this reader knows no capture prefix (bind it to the server's "
-                             "advertisement with choose_sink): refused, nothing read or deleted")
+        raise CaptureRefused(
+            f"capture {descriptor.key!r}: this reader knows no capture prefix (bind it to the server's "
+            "advertisement with choose_sink): refused, nothing read or deleted"
+        )
     key = layout.capture_key(reader.prefix, descriptor.id)
     if descriptor.key != key:
-        raise CaptureRefused(f"capture key {descriptor.key!r} is not {key!r}: refused, nothing read or deleted "
-                             "(the server's AERIE_CAPTURE_S3_PREFIX)")
+        raise CaptureRefused(
+            f"capture key {descriptor.key!r} is not {key!r}: refused, nothing read or deleted "
+            "(the server's AERIE_CAPTURE_S3_PREFIX)"
+        )
     return key
 
 
@@ -373,7 +407,9 @@ def fetch_binary_into(descriptor: CaptureDescriptor, sink_config: CaptureReader,
         tensors = fetch_binary(descriptor, sink_config)
         for name, arr in out.items():
             if name not in tensors or arr.shape != tensors[name].shape or arr.dtype != tensors[name].dtype:
-                raise BinaryCaptureError(f"capture {descriptor.id}: tensor {name!r} cannot be copied into a {arr.dtype} array of shape {list(arr.shape)}")
+                raise BinaryCaptureError(
+                    f"capture {descriptor.id}: tensor {name!r} cannot be copied into a {arr.dtype} array of shape {list(arr.shape)}"
+                )
             np.copyto(arr, tensors[name])
         return
     path = capture_path(descriptor, sink_config)
@@ -394,7 +430,9 @@ def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> d
     `capture_object`) is deleted even when it fails the checks; any other is refused untouched."""
     sink = descriptor.sink
     if sink != sink_config.sink:
-        raise CaptureRefused(f"capture {descriptor.id} is in sink {sink!r}, this reader reads {sink_config.sink!r}: refused")
+        raise CaptureRefused(
+            f"capture {descriptor.id} is in sink {sink!r}, this reader reads {sink_config.sink!r}: refused"
+        )
     if sink == "shm":
         path = capture_path(descriptor, sink_config)
         buf = _wait_shm(path, sink_config.timeout_s)

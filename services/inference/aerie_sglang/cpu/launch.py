@@ -95,7 +95,9 @@ def prepare(args: list[str]):
         sys.path.insert(0, str(SHIM_DIR))
     loaded = sys.modules.get("sgl_kernel")
     if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(SHIM_DIR)):
-        raise RuntimeError(f"sgl_kernel was imported before the CPU shim ({loaded.__file__}): start SGLang through this launcher")
+        raise RuntimeError(
+            f"sgl_kernel was imported before the CPU shim ({loaded.__file__}): start SGLang through this launcher"
+        )
 
     import importlib.metadata
 

@@ -61,8 +61,7 @@ SCHEMAS: dict[str, str] = {
         "Tensor? tree_mask, bool is_causal) -> ()"
     ),
     "copy_all_layer_kv_cache_cpu": (
-        "copy_all_layer_kv_cache_cpu(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, "
-        "Tensor src_loc) -> ()"
+        "copy_all_layer_kv_cache_cpu(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()"
     ),
     "build_draft_decode_metadata_cpu": (
         "build_draft_decode_metadata_cpu(Tensor req_to_token, Tensor req_pool_indices, "
@@ -150,9 +149,25 @@ def _kv_rows(buffer: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Te
 
 
 def decode_attention_cpu(
-    query, k_cache, v_cache, k_scale, v_scale, output, key, value, loc, attn_logits,
-    req_to_token, req_pool_indices, seq_lens, sm_scale, logit_cap, is_cross_attention,
-    sliding_window_size, encoder_lens, sinks,
+    query,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    output,
+    key,
+    value,
+    loc,
+    attn_logits,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    sm_scale,
+    logit_cap,
+    is_cross_attention,
+    sliding_window_size,
+    encoder_lens,
+    sinks,
 ) -> None:
     """One new token per sequence: write its k/v at `loc` (when given), then attend over the
     sequence's first `seq_lens[i]` cache slots, found through `req_to_token`."""
@@ -163,17 +178,39 @@ def decode_attention_cpu(
     for i in range(query.shape[0]):
         rows = req_to_token[req_pool_indices[i], : int(seq_lens[i])].long()
         out = attend(
-            query[i : i + 1], _kv_rows(k_cache, rows, k_scale), _kv_rows(v_cache, rows, v_scale),
-            sm_scale, logit_cap, None,
+            query[i : i + 1],
+            _kv_rows(k_cache, rows, k_scale),
+            _kv_rows(v_cache, rows, v_scale),
+            sm_scale,
+            logit_cap,
+            None,
         )
         output[i] = out[0].to(output.dtype)
     # attn_logits is the C++ kernel's split-K scratch space; nothing here needs it.
 
 
 def extend_attention_cpu(
-    q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale,
-    req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, max_len_extend,
-    sm_scale, logit_cap, is_cross_attention, sliding_window_size, encoder_lens, sinks, tree_mask,
+    q_extend,
+    k_extend,
+    v_extend,
+    o_extend,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_seq_lens,
+    extend_start_loc,
+    max_len_extend,
+    sm_scale,
+    logit_cap,
+    is_cross_attention,
+    sliding_window_size,
+    encoder_lens,
+    sinks,
+    tree_mask,
     is_causal,
 ) -> None:
     """Several new tokens per sequence (prefill, draft extend, target verify). Sequence i has
@@ -311,8 +348,18 @@ def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, to
 
 
 def build_tree_kernel_efficient_cpu(
-    parent_list, selected_index, verified_seq_len, tree_mask, positions, retrive_index,
-    retrive_next_token, retrive_next_sibling, topk, depth, draft_token_num, tree_mask_mode,
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    topk,
+    depth,
+    draft_token_num,
+    tree_mask_mode,
 ) -> None:
     """Turn the drafter's top-k expansion into the verify tree: for each request, node 0 is the last
     verified token and node i>0 is the draft token selected_index[i-1]. Fills the attention mask
@@ -369,8 +416,14 @@ def build_tree_kernel_efficient_cpu(
 
 
 def verify_tree_greedy_cpu(
-    predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-    retrive_next_sibling, target_predict,
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
 ) -> None:
     """Greedy tree verification: from the root, repeatedly step to the first child (in sibling
     order) whose draft token equals the target's argmax at the current node. predicts[node] gets the

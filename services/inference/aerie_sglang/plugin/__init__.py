@@ -51,9 +51,22 @@ def __getattr__(name: str):
 
 ENABLE_VAR = "AERIE_SGLANG_BINARY"
 # Every variable the plugin reads (sink.py's table); the deploy checks accept these AERIE_* names.
-ENV_VARS = (ENABLE_VAR, "AERIE_CAPTURE_LAYER_IDS", "AERIE_CAPTURE_DIR", "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", "AERIE_CAPTURE_TTL_S", "AERIE_CAPTURE_WRITERS",
-            "AERIE_CAPTURE_WRITER", "AERIE_CAPTURE_RING_BYTES",
-            "AERIE_CAPTURE_S3_PREFIX", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY", "AERIE_S3_REGION")
+ENV_VARS = (
+    ENABLE_VAR,
+    "AERIE_CAPTURE_LAYER_IDS",
+    "AERIE_CAPTURE_DIR",
+    "AERIE_CAPTURE_MAX_UNCLAIMED_BYTES",
+    "AERIE_CAPTURE_TTL_S",
+    "AERIE_CAPTURE_WRITERS",
+    "AERIE_CAPTURE_WRITER",
+    "AERIE_CAPTURE_RING_BYTES",
+    "AERIE_CAPTURE_S3_PREFIX",
+    "AERIE_STORE",
+    "AERIE_BUCKET",
+    "AERIE_S3_ACCESS_KEY",
+    "AERIE_S3_SECRET_KEY",
+    "AERIE_S3_REGION",
+)
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
@@ -65,7 +78,9 @@ def enabled(env: dict[str, str] | None = None) -> bool:
         return False
     from aerie_sglang.plugin.errors import PluginRefused
 
-    raise PluginRefused(f"aerie_capture plugin refused to load: {ENABLE_VAR}={raw!r} is not one of 1, 0 (true/false, yes/no)")
+    raise PluginRefused(
+        f"aerie_capture plugin refused to load: {ENABLE_VAR}={raw!r} is not one of 1, 0 (true/false, yes/no)"
+    )
 
 
 def check_sglang(version: str | None = None):
@@ -95,7 +110,8 @@ def register() -> None:
     """The `sglang.srt.plugins` entry point: check everything first, then hook, all or nothing."""
     if not enabled():
         logging.getLogger("aerie_sglang.capture").info(
-            "aerie_capture plugin installed but off: set %s=1 in the server's environment for binary captures", ENABLE_VAR
+            "aerie_capture plugin installed but off: set %s=1 in the server's environment for binary captures",
+            ENABLE_VAR,
         )
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -49,8 +49,11 @@ def names(directory: Path, capture_id: str) -> tuple[Path, Path, Path]:
     digits, so no name reaches outside `directory`."""
     if not CAPTURE_ID.fullmatch(capture_id):
         raise ValueError(f"not a capture id: {capture_id!r}")
-    return (directory / f"{capture_id}{SUFFIX}", directory / f"{PARTIAL_PREFIX}{capture_id}.partial",
-            directory / f"{capture_id}{ERROR_SUFFIX}")
+    return (
+        directory / f"{capture_id}{SUFFIX}",
+        directory / f"{PARTIAL_PREFIX}{capture_id}.partial",
+        directory / f"{capture_id}{ERROR_SUFFIX}",
+    )
 
 
 def write_capture(directory: Path, capture_id: str, buffers: list) -> None:

@@ -73,9 +73,15 @@ _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _REQ = "sglang.srt.managers.schedule_batch.Req"
 _LPO = "sglang.srt.layers.logits_processor.LogitsProcessorOutput"
 
-_ADMIT = Hook(f"{_SCHED}._add_request_to_queue", "BEFORE", "before_add_request_to_queue", ("self", "req", "is_retracted"))
-_ROWS = Hook(f"{_BRP}._append_prefill_hidden_states", "AROUND", "around_append_prefill_hidden_states",
-             ("self", "req", "logits_output", "hidden_state_offset", "capture_hidden_mode", "extend_input_len", "store"))
+_ADMIT = Hook(
+    f"{_SCHED}._add_request_to_queue", "BEFORE", "before_add_request_to_queue", ("self", "req", "is_retracted")
+)
+_ROWS = Hook(
+    f"{_BRP}._append_prefill_hidden_states",
+    "AROUND",
+    "around_append_prefill_hidden_states",
+    ("self", "req", "logits_output", "hidden_state_offset", "capture_hidden_mode", "extend_input_len", "store"),
+)
 
 _COMMON_USES = (
     Uses("sglang.srt.plugins.hook_registry.HookRegistry.register", "call", ("target", "hook", "hook_type")),
@@ -105,12 +111,24 @@ RELEASES: dict[str, Release] = {
         hooks=(
             _ADMIT,
             _ROWS,
-            Hook(f"{_STREAMER}.is_request_level_customized_info_key", "AROUND",
-                 "around_is_request_level_customized_info_key", ("self", "key")),
-            Hook(f"{_TM}.update_request_meta_info", "AROUND", "around_update_request_meta_info",
-                 ("self", "meta_info", "state", "customized_info", "index", "finish_reason")),
-            Hook("sglang.srt.utils.common.build_server_info", "AFTER", "after_build_server_info",
-                 ("server_args", "scheduler_info")),
+            Hook(
+                f"{_STREAMER}.is_request_level_customized_info_key",
+                "AROUND",
+                "around_is_request_level_customized_info_key",
+                ("self", "key"),
+            ),
+            Hook(
+                f"{_TM}.update_request_meta_info",
+                "AROUND",
+                "around_update_request_meta_info",
+                ("self", "meta_info", "state", "customized_info", "index", "finish_reason"),
+            ),
+            Hook(
+                "sglang.srt.utils.common.build_server_info",
+                "AFTER",
+                "after_build_server_info",
+                ("server_args", "scheduler_info"),
+            ),
         ),
         uses=(
             *_COMMON_USES,
@@ -131,22 +149,49 @@ RELEASES: dict[str, Release] = {
         hooks=(
             _ADMIT,
             _ROWS,
-            Hook("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.resolve_spec_aux_hidden_state_config",
-                 "AFTER", "after_resolve_spec_aux_hidden_state_config",
-                 ("server_args", "model_config", "spec_algorithm", "is_draft_worker")),
-            Hook("sglang.srt.layers.logits_processor.LogitsProcessor.forward", "AROUND", "around_logits_processor_forward",
-                 ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states")),
-            Hook("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner._trim_logits_output",
-                 "AROUND", "around_trim_logits_output", ("self", "output")),
-            Hook(f"{_TM}._handle_batch_output", "AROUND", "around_handle_batch_output", ("self", "recv_obj"), is_async=True),
-            Hook("sglang.srt.utils.request_logger.RequestLogger.log_finished_request", "BEFORE",
-                 "before_log_finished_request", ("self", "obj", "out")),
+            Hook(
+                "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.resolve_spec_aux_hidden_state_config",
+                "AFTER",
+                "after_resolve_spec_aux_hidden_state_config",
+                ("server_args", "model_config", "spec_algorithm", "is_draft_worker"),
+            ),
+            Hook(
+                "sglang.srt.layers.logits_processor.LogitsProcessor.forward",
+                "AROUND",
+                "around_logits_processor_forward",
+                ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"),
+            ),
+            Hook(
+                "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner._trim_logits_output",
+                "AROUND",
+                "around_trim_logits_output",
+                ("self", "output"),
+            ),
+            Hook(
+                f"{_TM}._handle_batch_output",
+                "AROUND",
+                "around_handle_batch_output",
+                ("self", "recv_obj"),
+                is_async=True,
+            ),
+            Hook(
+                "sglang.srt.utils.request_logger.RequestLogger.log_finished_request",
+                "BEFORE",
+                "before_log_finished_request",
+                ("self", "obj", "out"),
+            ),
             Hook(f"{_TM}.resolved_config_dict", "AFTER", "after_resolved_config_dict", ("self", "base")),
         ),
         uses=(
             *_COMMON_USES,
-            Uses("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.SpecAuxHiddenStateConfig.eagle_use_aux_hidden_state", "attr"),
-            Uses("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.SpecAuxHiddenStateConfig.eagle_aux_hidden_state_layer_ids", "attr"),
+            Uses(
+                "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.SpecAuxHiddenStateConfig.eagle_use_aux_hidden_state",
+                "attr",
+            ),
+            Uses(
+                "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.SpecAuxHiddenStateConfig.eagle_aux_hidden_state_layer_ids",
+                "attr",
+            ),
             Uses("sglang.srt.runtime_context.ParallelContext.tp_rank", "attr"),
             Uses("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "call"),
             Uses("sglang.srt.configs.model_config.ModelConfig.hf_text_config", "attr"),

@@ -40,7 +40,14 @@ import torch
 import aerie_sglang.plugin.compat as compat
 from aerie_sglang.plugin.compat import FIELD, LAYER_IDS_VAR
 from aerie_sglang.plugin.sink import (
-    FORMAT_VERSION, SUFFIX, Capture, CaptureConfigError, CaptureSinkSettings, Sinks, SinkFull, planned_size,
+    FORMAT_VERSION,
+    SUFFIX,
+    Capture,
+    CaptureConfigError,
+    CaptureSinkSettings,
+    SinkFull,
+    Sinks,
+    planned_size,
 )
 
 logger = logging.getLogger("aerie_sglang.capture")
@@ -65,7 +72,9 @@ class _RequestCapture:
     ready: object | None = None  # the event of the batch's host copy that final_parts are views of
 
 
-def configure(config: CaptureSinkSettings, rel: compat.Release, plugin_version: str, layer_ids: list[int] | None = None) -> None:
+def configure(
+    config: CaptureSinkSettings, rel: compat.Release, plugin_version: str, layer_ids: list[int] | None = None
+) -> None:
     global _config, _sinks, _rel, _sglang_version, _plugin_version
     _config, _sinks, _rel = config, Sinks(config), rel
     _planned.clear()
@@ -106,21 +115,32 @@ def _layer_ids() -> list[int] | None:
 def _refusal(scheduler, req, sink: str) -> tuple[str, int] | None:
     assert _config is not None
     if sink not in _config.sinks:
-        return (f"aerie_capture sink {sink!r} is not configured on this server: use one of "
-                f"{_config.sinks} (the s3 sink needs AERIE_STORE=http(s)://... and its credentials)",
-                HTTPStatus.BAD_REQUEST)
+        return (
+            f"aerie_capture sink {sink!r} is not configured on this server: use one of "
+            f"{_config.sinks} (the s3 sink needs AERIE_STORE=http(s)://... and its credentials)",
+            HTTPStatus.BAD_REQUEST,
+        )
     if req.return_hidden_states is not True:
-        return ("aerie_capture needs return_hidden_states: true in the same request (it replaces the "
-                "float lists of that field by a binary capture)", HTTPStatus.BAD_REQUEST)
+        return (
+            "aerie_capture needs return_hidden_states: true in the same request (it replaces the "
+            "float lists of that field by a binary capture)",
+            HTTPStatus.BAD_REQUEST,
+        )
     if req.sampling_params.max_new_tokens != 1:
-        return (f"aerie_capture captures the prompt only: set sampling_params.max_new_tokens to 1 "
-                f"(got {req.sampling_params.max_new_tokens})", HTTPStatus.BAD_REQUEST)
+        return (
+            f"aerie_capture captures the prompt only: set sampling_params.max_new_tokens to 1 "
+            f"(got {req.sampling_params.max_new_tokens})",
+            HTTPStatus.BAD_REQUEST,
+        )
     if _layer_ids() is None:
         assert _rel is not None
         return (f"aerie_capture needs a capture server: {compat.capture_server_hint(_rel)}", HTTPStatus.BAD_REQUEST)
     if not getattr(scheduler.server_args, "disable_radix_cache", False):
-        return ("aerie_capture needs --disable-radix-cache: with the prefix cache on, SGLang computes "
-                "hidden states only for a prompt's uncached tokens", HTTPStatus.BAD_REQUEST)
+        return (
+            "aerie_capture needs --disable-radix-cache: with the prefix cache on, SGLang computes "
+            "hidden states only for a prompt's uncached tokens",
+            HTTPStatus.BAD_REQUEST,
+        )
     return None
 
 
@@ -202,12 +222,20 @@ def _admit(scheduler, req, sink: str) -> None:
 
 
 # --- scheduler: rows -> sink ------------------------------------------------------------------
-def around_append_prefill_hidden_states(original, processor, *, req, logits_output, hidden_state_offset,
-                                        capture_hidden_mode, extend_input_len, store=True):
+def around_append_prefill_hidden_states(
+    original, processor, *, req, logits_output, hidden_state_offset, capture_hidden_mode, extend_input_len, store=True
+):
     state: _RequestCapture | None = getattr(req, _ATTR, None)
     if state is None:
-        return original(processor, req=req, logits_output=logits_output, hidden_state_offset=hidden_state_offset,
-                        capture_hidden_mode=capture_hidden_mode, extend_input_len=extend_input_len, store=store)
+        return original(
+            processor,
+            req=req,
+            logits_output=logits_output,
+            hidden_state_offset=hidden_state_offset,
+            capture_hidden_mode=capture_hidden_mode,
+            extend_input_len=extend_input_len,
+            store=store,
+        )
     if not capture_hidden_mode.is_full():  # admission guarantees full capture; keep offsets right anyway
         return hidden_state_offset + 1
     start, end = hidden_state_offset, hidden_state_offset + extend_input_len
@@ -225,8 +253,13 @@ def around_append_prefill_hidden_states(original, processor, *, req, logits_outp
 def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int, store: bool) -> None:
     final = compat.final_state(_rel, logits_output)
     if final is None:
-        _answer(req, {"error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
-                               "state of this forward: capture unsupported"})
+        _answer(
+            req,
+            {
+                "error": f"this SGLang build (sglang=={_sglang_version}) did not keep the final hidden "
+                "state of this forward: capture unsupported"
+            },
+        )
         return
     final_rows = None
     if store and not state.final_parts and final.is_cuda:  # the whole prompt in this batch
@@ -321,15 +354,17 @@ def _finish(req, state: _RequestCapture) -> None:
         "nbytes": nbytes,
         "rows": rows,
         "layer_ids": layer_ids,
-        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                    for name, t in tensors.items()},
+        "tensors": {
+            name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for name, t in tensors.items()
+        },
     }
     if state.sink == "shm":
         descriptor["path"] = str(_config.shm_dir / f"{capture_id}{SUFFIX}")
     else:
         assert _config.s3 is not None
-        descriptor.update(endpoint=_config.s3.endpoint, bucket=_config.s3.bucket,
-                          key=f"{_config.s3.prefix}{capture_id}{SUFFIX}")
+        descriptor.update(
+            endpoint=_config.s3.endpoint, bucket=_config.s3.bucket, key=f"{_config.s3.prefix}{capture_id}{SUFFIX}"
+        )
     _sinks.submit(Capture(capture_id, state.sink, tensors, metadata, nbytes, ready), state.reservation)
     state.reservation = None
     _answer(req, descriptor)
@@ -372,8 +407,9 @@ def after_build_server_info(result, *args, **kwargs):
 
 
 # --- releases without capture flags or a kept final state (0.5.17) -----------------------------
-def after_resolve_spec_aux_hidden_state_config(config, *args, model_config=None, spec_algorithm=None,
-                                               is_draft_worker=False, **kwargs):
+def after_resolve_spec_aux_hidden_state_config(
+    config, *args, model_config=None, spec_algorithm=None, is_draft_worker=False, **kwargs
+):
     """SGLang's own EAGLE-3 aux capture, on the target and without a draft, for the configured ids
     (what 0.5.23's --enable-return-aux-hidden-states does in `_resolve_capture_only_aux_hidden_state`)."""
     ids = _layer_ids()

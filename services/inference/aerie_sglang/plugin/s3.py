@@ -49,8 +49,10 @@ class S3Client:
         self._region = region
         self._conn: http.client.HTTPConnection | None = None
 
-    def _headers(self, method: str, path: str, payload_sha256: str, extra: dict[str, str], query: str = "") -> dict[str, str]:
-        now = _dt.datetime.now(_dt.timezone.utc)
+    def _headers(
+        self, method: str, path: str, payload_sha256: str, extra: dict[str, str], query: str = ""
+    ) -> dict[str, str]:
+        now = _dt.datetime.now(_dt.UTC)
         amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         headers = {"host": self._host, "x-amz-content-sha256": payload_sha256, "x-amz-date": amz_date}
         headers.update({k.lower(): v for k, v in extra.items()})
@@ -75,12 +77,21 @@ class S3Client:
         )
         return headers
 
-    def _request(self, method: str, bucket: str, key: str, body: Sequence[memoryview | bytes] = (),
-                 payload_sha256: str = _EMPTY_SHA256, extra: dict[str, str] | None = None,
-                 params: dict[str, str] | None = None) -> bytes:
+    def _request(
+        self,
+        method: str,
+        bucket: str,
+        key: str,
+        body: Sequence[memoryview | bytes] = (),
+        payload_sha256: str = _EMPTY_SHA256,
+        extra: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> bytes:
         path = "/" + urllib.parse.quote(f"{bucket}/{key}" if key else bucket, safe="/-_.~")
-        query = "&".join(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
-                         for k, v in sorted((params or {}).items()))
+        query = "&".join(
+            f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+            for k, v in sorted((params or {}).items())
+        )
         extra = dict(extra or {})
         length = sum(len(memoryview(b).cast("B")) for b in body)
         if method == "PUT":
@@ -91,7 +102,9 @@ class S3Client:
                 cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
                 self._conn = cls(self._host, timeout=60)
             try:
-                self._conn.putrequest(method, path + (f"?{query}" if query else ""), skip_host=True, skip_accept_encoding=True)
+                self._conn.putrequest(
+                    method, path + (f"?{query}" if query else ""), skip_host=True, skip_accept_encoding=True
+                )
                 for name, value in headers.items():
                     self._conn.putheader(name, value)
                 self._conn.endheaders()
@@ -124,7 +137,9 @@ class S3Client:
             root = ElementTree.fromstring(self._request("GET", bucket, "", params=params))
             for item in root.iterfind("{*}Contents"):
                 modified = _dt.datetime.fromisoformat(item.findtext("{*}LastModified", "").replace("Z", "+00:00"))
-                objects.append(S3Object(item.findtext("{*}Key", ""), int(item.findtext("{*}Size", "0")), modified.timestamp()))
+                objects.append(
+                    S3Object(item.findtext("{*}Key", ""), int(item.findtext("{*}Size", "0")), modified.timestamp())
+                )
             token = root.findtext("{*}NextContinuationToken")
             if root.findtext("{*}IsTruncated") != "true" or not token:
                 return objects

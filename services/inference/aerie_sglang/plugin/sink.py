@@ -68,7 +68,16 @@ from pathlib import Path
 import torch
 
 from aerie_sglang.plugin.capture_files import (  # noqa: F401 (FORMAT_VERSION, SUFFIX: the hooks' names)
-    DTYPE_NAMES, FORMAT_VERSION, OWN_NAME, SUFFIX, header, own_bytes, sweep as sweep_dir, write_capture,
+    DTYPE_NAMES,
+    FORMAT_VERSION,
+    OWN_NAME,
+    SUFFIX,
+    header,
+    own_bytes,
+    write_capture,
+)
+from aerie_sglang.plugin.capture_files import (
+    sweep as sweep_dir,
 )
 from aerie_sglang.plugin.s3 import S3Client
 from aerie_sglang.plugin.writer_process import ProcessWriter, WriterProcessError
@@ -109,7 +118,7 @@ class CaptureSinkSettings:
     ring_bytes: int = 1 << 30  # the process writer's shared-memory ring
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "CaptureSinkSettings":
+    def from_env(cls, env: dict[str, str] | None = None) -> CaptureSinkSettings:
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default: float, kind=int):
@@ -146,7 +155,9 @@ class CaptureSinkSettings:
             )
         writer = (env.get("AERIE_CAPTURE_WRITER") or "threads").strip().lower()
         if writer not in ("threads", "process"):
-            raise CaptureConfigError(f"AERIE_CAPTURE_WRITER={env['AERIE_CAPTURE_WRITER']!r} is not one of threads, process")
+            raise CaptureConfigError(
+                f"AERIE_CAPTURE_WRITER={env['AERIE_CAPTURE_WRITER']!r} is not one of threads, process"
+            )
         return cls(
             shm_dir=Path(env.get("AERIE_CAPTURE_DIR") or "/dev/shm/aerie-capture"),
             max_unclaimed_bytes=number("AERIE_CAPTURE_MAX_UNCLAIMED_BYTES", 2 << 30),
@@ -188,12 +199,16 @@ def prepare_dir(path: Path) -> None:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise CaptureConfigError(f"{where} is a symlink: refused (point AERIE_CAPTURE_DIR at a real directory of the server's user)")
+        raise CaptureConfigError(
+            f"{where} is a symlink: refused (point AERIE_CAPTURE_DIR at a real directory of the server's user)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise CaptureConfigError(f"{where} is not a directory")
     if st.st_uid != os.geteuid():
-        raise CaptureConfigError(f"{where} belongs to uid {st.st_uid}, not the server's user ({os.geteuid()}): refused "
-                                 "(another user made it; remove it or choose another AERIE_CAPTURE_DIR)")
+        raise CaptureConfigError(
+            f"{where} belongs to uid {st.st_uid}, not the server's user ({os.geteuid()}): refused "
+            "(another user made it; remove it or choose another AERIE_CAPTURE_DIR)"
+        )
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
         logger.warning("aerie capture: %s was mode %o, narrowed to 700", path, stat.S_IMODE(st.st_mode))
@@ -254,14 +269,16 @@ class SinkStats:
         def ms(s: float) -> str:
             return f"{s / n * 1e3:.3f}"
 
-        return (f"aerie capture stats: {self.captures} captures, {self.bytes / 1e9:.3f} GB written; scheduler thread "
-                f"{ms(self.admission_s + self.rows_s)} ms/capture, {ms(self.admission_cpu_s + self.rows_cpu_s)} on its CPU "
-                f"(admission {ms(self.admission_s)}, rows {ms(self.rows_s)}: "
-                f"kept {ms(self.rows_take_s)}, to host {ms(self.rows_host_s)}); "
-                f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture, {ms(self.writers_cpu_s)} on their CPU "
-                f"(device copy {ms(self.wait_s)}, sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); "
-                f"{self.listings} listings of the shm directory, "
-                f"{self.listing_s / max(self.listings, 1) * 1e3:.3f} ms each")
+        return (
+            f"aerie capture stats: {self.captures} captures, {self.bytes / 1e9:.3f} GB written; scheduler thread "
+            f"{ms(self.admission_s + self.rows_s)} ms/capture, {ms(self.admission_cpu_s + self.rows_cpu_s)} on its CPU "
+            f"(admission {ms(self.admission_s)}, rows {ms(self.rows_s)}: "
+            f"kept {ms(self.rows_take_s)}, to host {ms(self.rows_host_s)}); "
+            f"writers {ms(self.wait_s + self.hash_s + self.write_s)} ms/capture, {ms(self.writers_cpu_s)} on their CPU "
+            f"(device copy {ms(self.wait_s)}, sha256 {ms(self.hash_s)}, write {ms(self.write_s)}); "
+            f"{self.listings} listings of the shm directory, "
+            f"{self.listing_s / max(self.listings, 1) * 1e3:.3f} ms each"
+        )
 
 
 @dataclass
@@ -270,11 +287,11 @@ class Sinks:
 
     config: CaptureSinkSettings
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _queue: "queue.Queue[Capture]" = field(default_factory=queue.Queue)
+    _queue: queue.Queue[Capture] = field(default_factory=queue.Queue)
     _queued_bytes: int = 0
     _reserved: dict[int, int] = field(default_factory=dict)
     # reservations whose request was garbage-collected, forgotten at the next use of `_lock`
-    _released: "queue.SimpleQueue[int]" = field(default_factory=queue.SimpleQueue)
+    _released: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)
     _threads: list[threading.Thread] = field(default_factory=list)
     _next_reservation: int = 0
     _s3_waiting: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (bytes, uploaded at, monotonic)
@@ -295,9 +312,16 @@ class Sinks:
         self.list_shm()  # what an earlier server left there counts from the first admission
         threads = self.config.writers
         if self.config.writer == "process":
-            process = ProcessWriter(self.config.shm_dir, self.config.ring_bytes, self.config.writers,
-                                    self._process_done, self._queue.put, self._process_listed,
-                                    list_s=SHM_LIST_S, ttl_s=self.config.ttl_s)
+            process = ProcessWriter(
+                self.config.shm_dir,
+                self.config.ring_bytes,
+                self.config.writers,
+                self._process_done,
+                self._queue.put,
+                self._process_listed,
+                list_s=SHM_LIST_S,
+                ttl_s=self.config.ttl_s,
+            )
             try:
                 process.start()
             except WriterProcessError as e:
@@ -337,8 +361,13 @@ class Sinks:
             self.list_shm()
         with self._lock:
             self._forget_released()
-            return (self._queued_bytes + sum(self._reserved.values()) + sum(n for n, _ in self._s3_waiting.values())
-                    + self._shm_listed + self._shm_since)
+            return (
+                self._queued_bytes
+                + sum(self._reserved.values())
+                + sum(n for n, _ in self._s3_waiting.values())
+                + self._shm_listed
+                + self._shm_since
+            )
 
     def admit(self, owner: object, nbytes: int) -> int:
         """Reserve `nbytes` for a request; the reservation ends when its capture is submitted or
@@ -514,7 +543,9 @@ class Sinks:
         try:
             objects = s3.list(bucket, prefix)
         except Exception as e:  # the store is down: keep counting what waits, try again later
-            logger.warning("aerie capture: listing s3://%s/%s failed (%s); unclaimed uploads still count", bucket, prefix, e)
+            logger.warning(
+                "aerie capture: listing s3://%s/%s failed (%s); unclaimed uploads still count", bucket, prefix, e
+            )
             return
         present = {o.key for o in objects}
         with self._lock:
@@ -525,12 +556,14 @@ class Sinks:
             return
         cutoff = time.time() - self.config.ttl_s
         for o in objects:
-            name = o.key[len(prefix):]
+            name = o.key[len(prefix) :]
             if "/" in name or not OWN_NAME.fullmatch(name) or not name.endswith(SUFFIX) or o.modified >= cutoff:
                 continue
             try:
                 s3.delete(bucket, o.key)
-                logger.warning("aerie capture: deleted unclaimed s3://%s/%s (older than %ss)", bucket, o.key, self.config.ttl_s)
+                logger.warning(
+                    "aerie capture: deleted unclaimed s3://%s/%s (older than %ss)", bucket, o.key, self.config.ttl_s
+                )
             except Exception as e:
                 logger.warning("aerie capture: could not delete expired s3://%s/%s (%s)", bucket, o.key, e)
             with self._lock:
@@ -539,4 +572,3 @@ class Sinks:
     def _sweep(self) -> None:
         """Delete captures nobody claimed within ttl_s (capture_files.sweep)."""
         sweep_dir(self.config.shm_dir, self.config.ttl_s, logger)
-

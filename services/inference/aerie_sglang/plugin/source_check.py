@@ -57,14 +57,23 @@ def _member(body: list[ast.stmt], name: str) -> ast.AST | None:
 
 def _self_assigns(cls: ast.ClassDef, name: str) -> bool:
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name) and t.value.id == "self":
+            if (
+                isinstance(t, ast.Attribute)
+                and t.attr == name
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
                 return True
     return False
 
 
-def _in_class(module: ast.Module, cls: ast.ClassDef, name: str, attr_ok: bool, seen: frozenset = frozenset()) -> ast.AST | None:
+def _in_class(
+    module: ast.Module, cls: ast.ClassDef, name: str, attr_ok: bool, seen: frozenset = frozenset()
+) -> ast.AST | None:
     """`name` defined in `cls` or in a base class defined in the same module."""
     node = _member(cls.body, name)
     if node is not None:
@@ -117,8 +126,10 @@ def _check_params(target: str, fn: ast.AST, wanted: tuple[str, ...], is_async: b
         return [f"{target}: is not a function ({type(fn).__name__})"]
     problems = []
     if is_async is not None and isinstance(fn, ast.AsyncFunctionDef) != is_async:
-        problems.append(f"{target}: is {'async ' if isinstance(fn, ast.AsyncFunctionDef) else ''}def, the hook "
-                        f"expects {'async def' if is_async else 'def'}")
+        problems.append(
+            f"{target}: is {'async ' if isinstance(fn, ast.AsyncFunctionDef) else ''}def, the hook "
+            f"expects {'async def' if is_async else 'def'}"
+        )
     have = _params(fn)
     missing = [p for p in wanted if p not in have]
     if missing:
@@ -156,12 +167,18 @@ def _check_fresh_pinned(target: str, fn: ast.AST) -> list[str]:
     if not isinstance(fn, _FUNCS):
         return [f"{target}: is not a function ({type(fn).__name__})"]
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
-    pins = any(k.arg == "pin_memory" and isinstance(k.value, ast.Constant) and k.value.value is True for c in calls for k in c.keywords)
+    pins = any(
+        k.arg == "pin_memory" and isinstance(k.value, ast.Constant) and k.value.value is True
+        for c in calls
+        for k in c.keywords
+    )
     copies = any(isinstance(c.func, ast.Attribute) and c.func.attr == "copy_" for c in calls)
     if pins and copies:
         return []
-    return [f"{target}: does not copy into new pinned memory (pin_memory=True, .copy_) at each call: the plugin "
-            "keeps views of the host rows it returns (hooks._own), which a reused buffer would overwrite"]
+    return [
+        f"{target}: does not copy into new pinned memory (pin_memory=True, .copy_) at each call: the plugin "
+        "keeps views of the host rows it returns (hooks._own), which a reused buffer would overwrite"
+    ]
 
 
 def check(release: Release, root: str | Path) -> list[str]:

@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aerie_sglang.plugin.capture_files import (
-    DTYPE_NAMES, ITEMSIZE, header, own_bytes, sweep, write_capture, write_error_note,
+    DTYPE_NAMES,
+    ITEMSIZE,
+    header,
+    own_bytes,
+    sweep,
+    write_capture,
+    write_error_note,
 )
 
 logger = logging.getLogger("aerie_sglang.capture")
@@ -134,18 +140,29 @@ class ProcessStats:
     restarts: int = 0
 
     def line(self) -> str:
-        return (f"aerie capture writer process: {self.groups} groups, "
-                f"{self.captures / max(self.groups, 1):.2f} captures per group, "
-                f"{self.copied_bytes / max(self.captures, 1) / 1e6:.3f} MB copied per capture, "
-                f"{self.ring_wait_s:.3f} s waiting for ring space, {self.restarts} restarts")
+        return (
+            f"aerie capture writer process: {self.groups} groups, "
+            f"{self.captures / max(self.groups, 1):.2f} captures per group, "
+            f"{self.copied_bytes / max(self.captures, 1) / 1e6:.3f} MB copied per capture, "
+            f"{self.ring_wait_s:.3f} s waiting for ring space, {self.restarts} restarts"
+        )
 
 
 class ProcessWriter:
     """The server's side of the writer process: `submit` takes captures from the scheduler thread
     (a queue put), the batcher and reader threads do the rest (the module docstring)."""
 
-    def __init__(self, directory: Path, ring_bytes: int, threads: int, on_done, fallback, on_listed,
-                 list_s: float = 1.0, ttl_s: float = 900.0):
+    def __init__(
+        self,
+        directory: Path,
+        ring_bytes: int,
+        threads: int,
+        on_done,
+        fallback,
+        on_listed,
+        list_s: float = 1.0,
+        ttl_s: float = 900.0,
+    ):
         """`on_done(captures, written_ids, reply)` settles the sink's accounting for a group;
         `fallback(capture)` writes a capture in-process (one larger than the ring);
         `on_listed(bytes listed, bytes written since, seconds)` takes the writer process's listing
@@ -168,8 +185,10 @@ class ProcessWriter:
         try:
             self.ring = Ring(self.ring_bytes, self.directory)
         except OSError as e:
-            raise WriterProcessError(f"AERIE_CAPTURE_WRITER=process: the shared-memory ring of "
-                                     f"AERIE_CAPTURE_RING_BYTES={self.ring_bytes} could not be made ({e})") from None
+            raise WriterProcessError(
+                f"AERIE_CAPTURE_WRITER=process: the shared-memory ring of "
+                f"AERIE_CAPTURE_RING_BYTES={self.ring_bytes} could not be made ({e})"
+            ) from None
         with self._cond:
             self._channel = self._spawn()
         threading.Thread(target=self._run, name="aerie-capture-batcher", daemon=True).start()
@@ -183,14 +202,36 @@ class ProcessWriter:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "aerie_sglang.plugin.writer_process", "--fd", str(self.ring.fd),
-                 "--size", str(self.ring.size), "--dir", str(self.directory), "--threads", str(self.threads),
-                 "--list-s", str(self.list_s), "--ttl-s", str(self.ttl_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.ring.fd,), env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "aerie_sglang.plugin.writer_process",
+                    "--fd",
+                    str(self.ring.fd),
+                    "--size",
+                    str(self.ring.size),
+                    "--dir",
+                    str(self.directory),
+                    "--threads",
+                    str(self.threads),
+                    "--list-s",
+                    str(self.list_s),
+                    "--ttl-s",
+                    str(self.ttl_s),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=(self.ring.fd,),
+                env=env,
+            )
         except OSError as e:
-            raise WriterProcessError(f"AERIE_CAPTURE_WRITER=process: the writer process could not start ({e})") from None
+            raise WriterProcessError(
+                f"AERIE_CAPTURE_WRITER=process: the writer process could not start ({e})"
+            ) from None
         channel = _Channel(proc)
-        threading.Thread(target=self._read, args=(channel,), name="aerie-capture-writer-process-reader", daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(channel,), name="aerie-capture-writer-process-reader", daemon=True
+        ).start()
         return channel
 
     # --- batcher thread -----------------------------------------------------------------------
@@ -208,7 +249,9 @@ class ProcessWriter:
                 # ~0.2 ms apart on the H200; a get that finds one waiting does not release the GIL.
                 while True:
                     try:
-                        capture = self._queue.get(timeout=GATHER_S) if first.ready is not None else self._queue.get_nowait()
+                        capture = (
+                            self._queue.get(timeout=GATHER_S) if first.ready is not None else self._queue.get_nowait()
+                        )
                     except queue.Empty:
                         break
                     if capture.ready is not first.ready:  # another batch's (or a prompt split over batches)
@@ -217,7 +260,9 @@ class ProcessWriter:
                     group.append(capture)
                 self._send(group)
             except Exception:  # never lose the thread: what it held gets error notes
-                logger.exception("aerie capture: the writer process's batcher failed; %d captures get error notes", len(group))
+                logger.exception(
+                    "aerie capture: the writer process's batcher failed; %d captures get error notes", len(group)
+                )
                 self._fail(group, "the SGLang server's capture batcher failed (its log has the traceback)")
             finally:
                 self.wait_s += time.perf_counter() - started
@@ -254,9 +299,17 @@ class ProcessWriter:
                 ctypes.memmove(self.ring.address + at, pointer, n)
                 offsets[key] = at
                 at += -(-n // ALIGN) * ALIGN
-            captures = [{"id": c.capture_id, "metadata": c.metadata, "tensors": [
-                [name, dtype, shape, offsets[key] + within, n] for name, dtype, shape, key, within, n in layout[id(c)]]}
-                for c in group]
+            captures = [
+                {
+                    "id": c.capture_id,
+                    "metadata": c.metadata,
+                    "tensors": [
+                        [name, dtype, shape, offsets[key] + within, n]
+                        for name, dtype, shape, key, within, n in layout[id(c)]
+                    ],
+                }
+                for c in group
+            ]
             with self._cond:
                 if self._channel is None or self._channel.dead:
                     self.stats.restarts += self._channel is not None
@@ -322,8 +375,12 @@ class ProcessWriter:
                 self.ring.give_back(region)
             self._cond.notify_all()
         if held:
-            logger.error("aerie capture: the writer process ended (exit code %s) holding %d captures: they get "
-                         "error notes; the next batch starts a new one", code, sum(len(g) for _, g in held))
+            logger.error(
+                "aerie capture: the writer process ended (exit code %s) holding %d captures: they get "
+                "error notes; the next batch starts a new one",
+                code,
+                sum(len(g) for _, g in held),
+            )
         for _, group in held:
             self._fail(group, f"the SGLang server's capture writer process ended (exit code {code}) before writing it")
 
@@ -385,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         with out_lock:
             out.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
             out.flush()
+
     pool = ThreadPoolExecutor(max(1, args.threads), thread_name_prefix="aerie-capture-writer")
 
     def write_one(capture: dict) -> tuple[bool, float, float, float, int]:
@@ -397,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                 for d in shape:
                     count *= int(d)
                 if count != n or offset < 0 or offset + n > args.size:
-                    raise ValueError(f"tensor {name} at {offset}+{n} of a {args.size}-byte ring, {count} bytes by its shape")
+                    raise ValueError(
+                        f"tensor {name} at {offset}+{n} of a {args.size}-byte ring, {count} bytes by its shape"
+                    )
                 entries.append((str(name), dtype, [int(d) for d in shape]))
                 parts.append(ring[offset : offset + n])
             sha = hashlib.sha256()
@@ -428,7 +488,16 @@ def main(argv: list[str] | None = None) -> int:
             hash_s, write_s, cpu_s, nbytes = hash_s + h, write_s + w, cpu_s + c, nbytes + n
             if ok:
                 written.append(capture_id)
-        say({"seq": request["seq"], "written": written, "bytes": nbytes, "hash_s": hash_s, "write_s": write_s, "cpu_s": cpu_s})
+        say(
+            {
+                "seq": request["seq"],
+                "written": written,
+                "bytes": nbytes,
+                "hash_s": hash_s,
+                "write_s": write_s,
+                "cpu_s": cpu_s,
+            }
+        )
 
     def housekeeping() -> None:
         """The directory listed every --list-s (a listing stats every file: here, not in the

@@ -9,6 +9,14 @@
   (`AERIE_BROKER_VISIBILITY_TIMEOUT_S`) then counts only for a worker that is gone (killed, host
   lost), whose tasks go to another worker once it has passed.
 - Prefetch 1: a long extract or train task never hides behind another in a worker's buffer.
+- `Consumer` (the workers' consumer class): a message that is not a Celery task of the JSON
+  protocol (its body not `[args, kwargs, embed]`, not JSON, another content type, headers without
+  a task name and id) or whose body is over `AERIE_BROKER_MAX_MESSAGE_BYTES` is refused once, before
+  its body is decoded where the size is what is wrong: one log line, the message dropped (and its
+  task id, if it has one, marked failed in the result backend). The worker goes on.
+- `CheckItems` (a worker step, Redis brokers): an item on a queue's list that is not a kombu
+  message (not JSON, not its envelope, over twice that bound) is dropped with one log line as it
+  is read, before kombu decodes it.
 - `run_task`: every service's tasks retry and give up the same way — transient errors (the store,
   an engine that says so) are retried with exponential backoff, at most MAX_RETRIES times; a
   permanent error, or the last retry's, is recorded once in the store and raised.
@@ -21,6 +29,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import threading
 import time
@@ -29,6 +39,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from celery import Celery, Task, bootsteps, current_app
+from celery.worker.consumer import Consumer as CeleryConsumer
 from pydantic import BaseModel, ValidationError
 
 from aerie.contracts import ProgressEvent
@@ -101,11 +112,173 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
         task_always_eager=settings.embedded,
         task_eager_propagates=True,
         task_track_started=True,
+        worker_consumer="aerie.queue:Consumer",
     )
     if settings.broker.startswith(("redis://", "rediss://")):
         app.steps["consumer"].add(KeepVisible)
+        app.steps["consumer"].add(CheckItems)
     app.aerie_settings = settings  # type: ignore[attr-defined]
     return app
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer, refusing a message it cannot run once instead of dying on it.
+
+    Celery's own handler raises out of the worker's loop on a body that is not a 3-item list (or
+    not a list at all), or on headers without an id: the worker stops ("Unrecoverable error"), the
+    broker restores the unacknowledged message and every restart dies on it again. Here each
+    message is checked first (`refusal`), the body's size before the body is decoded; a refused one
+    is dropped with one log line. Anything Celery's handler still raises for a message (other than
+    a broker connection error, which restarts the connection as before) drops that message too."""
+
+    def create_task_handler(self, *args, **kwargs):
+        handle = super().create_task_handler(*args, **kwargs)
+        limit = task_settings(self.app).broker_max_message_bytes
+        connection_errors = tuple(self.connection_errors)
+
+        def on_task_received(message) -> None:
+            reason = refusal(message, limit)
+            if reason is None:
+                try:
+                    return handle(message)
+                except connection_errors:
+                    raise
+                except Exception as e:  # a shape refusal() did not foresee: this message only
+                    if message.acknowledged:
+                        raise
+                    reason = f"Celery could not take it ({type(e).__name__}: {_short(str(e), 200)})"
+            self.refuse(message, reason)
+
+        return on_task_received
+
+    def refuse(self, message, reason: str) -> None:
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        task_id, name = headers.get("id"), headers.get("task")
+        queue = (message.delivery_info or {}).get("routing_key")
+        log.error(
+            "refused a message on queue %s (task %s, id %s, %d bytes): %s; dropped",
+            queue,
+            _short(name, 60),
+            _short(task_id, 60),
+            len(message.body or b""),
+            reason,
+        )
+        message.reject_log_error(log, self.connection_errors)
+        if isinstance(task_id, str) and task_id:
+            try:
+                self.app.backend.mark_as_failure(task_id, MessageRefused(f"message refused: {reason}"))
+            except Exception as e:  # no result backend, or it is away: the log line stands
+                log.warning("could not record the refusal of %s (%s: %s)", task_id, type(e).__name__, e)
+
+
+EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})  # what Celery's protocol 2 embeds
+
+
+class CheckItems(bootsteps.StartStopStep):
+    """Every item a worker pops off a queue's Redis list is checked before kombu decodes it.
+
+    kombu decodes the item (its JSON envelope: body, headers, properties) inside the worker's loop;
+    an item that is not valid JSON, not an envelope, or whose body is not base64, raises out of that
+    loop and the worker stops. The check is redis-py's response callback for BRPOP on the channel
+    the task consumer reads with (kombu's `channel.client`), so it sees the raw bytes first: an
+    item over twice AERIE_BROKER_MAX_MESSAGE_BYTES (room for the body's base64 and its headers) is
+    dropped before any decoding, and one that kombu could not take is dropped too, each with one
+    log line. It was popped already: nothing to acknowledge, nothing comes back."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c) -> None:
+        limit = 2 * task_settings(c.app).broker_max_message_bytes
+        channel = c.task_consumer.channel
+
+        def checked(response, **_):
+            if not response:
+                return None
+            queue, item = response
+            reason = item_refusal(item, limit)
+            if reason is None:
+                return tuple(response)
+            name = queue.decode(errors="replace").split(channel.sep)[0] if isinstance(queue, bytes) else queue
+            log.error("refused an item of queue %s (%d bytes): %s; dropped", _short(name, 60), len(item), reason)
+            return None  # kombu reads it as an empty poll
+
+        channel.client.set_response_callback("BRPOP", checked)
+
+
+def item_refusal(item: bytes, limit: int) -> str | None:
+    """Why kombu's Redis transport could not take `item` (a queue list's raw entry) as a message."""
+    if len(item) > limit:
+        return f"it is over {limit} bytes (twice AERIE_BROKER_MAX_MESSAGE_BYTES)"
+    try:
+        envelope = json.loads(item)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        return f"it is not JSON ({type(e).__name__}: {_short(str(e), 120)})"
+    if not isinstance(envelope, dict):
+        return f"it is a JSON {type(envelope).__name__}, not a kombu message"
+    properties = envelope.get("properties")
+    if not isinstance(properties, dict) or not isinstance(properties.get("delivery_tag"), str):
+        return "it has no properties with a delivery_tag"
+    delivery = properties.get("delivery_info")
+    if not isinstance(delivery, dict) or not {"exchange", "routing_key"} <= delivery.keys():
+        return "its properties have no delivery_info with an exchange and a routing_key"
+    headers, body = envelope.get("headers"), envelope.get("body")
+    if headers is not None and not isinstance(headers, dict):
+        return f"its headers are of type {type(headers).__name__}, not a mapping"
+    if body is not None and not isinstance(body, str):
+        return f"its body is of type {type(body).__name__}, not a string"
+    encoding = properties.get("body_encoding")
+    if encoding not in (None, "base64"):
+        return f"its body_encoding {_short(encoding)} is not base64"
+    if body and encoding == "base64":
+        try:
+            base64.b64decode(body, validate=True)
+        except ValueError:  # binascii.Error
+            return "its body is not base64"
+    return None
+
+
+def refusal(message, limit: int) -> str | None:
+    """Why a worker cannot run `message` as a task of the JSON protocol (Celery protocol 2), or None.
+
+    The size is checked before the body is decoded; the content type before it is parsed."""
+    headers = message.headers
+    if not isinstance(headers, dict):
+        return f"its headers are a {type(headers).__name__}, not a mapping"
+    for field in ("task", "id"):
+        if not isinstance(headers.get(field), str) or not headers[field]:
+            return f"its headers have no {field!r} (a Celery task message of protocol 2 names its task and id)"
+    timelimit = headers.get("timelimit")
+    if timelimit is not None and not (
+        isinstance(timelimit, list | tuple)
+        and len(timelimit) == 2
+        and all(t is None or isinstance(t, int | float) for t in timelimit)
+    ):
+        return f"its timelimit header {_short(timelimit)} is not [hard, soft] seconds"
+    size = len(message.body or b"")
+    if size > limit:
+        return f"its body is {size} bytes, over AERIE_BROKER_MAX_MESSAGE_BYTES={limit}"
+    if message.content_type != "application/json":
+        return f"its content type is {_short(message.content_type)}, not application/json"
+    try:
+        body = message.decode()
+    except Exception as e:
+        return f"its body is not JSON ({type(e).__name__}: {_short(str(e), 120)})"
+    if not (isinstance(body, list) and len(body) == 3):
+        kind = f"a list of {len(body)}" if isinstance(body, list) else f"of type {type(body).__name__}"
+        return f"its body is {kind}, not [args, kwargs, embed]"
+    args, kwargs, embed = body
+    if not isinstance(args, list):
+        return f"its args are of type {type(args).__name__}, not a list"
+    if not isinstance(kwargs, dict):
+        return f"its kwargs are of type {type(kwargs).__name__}, not a mapping"
+    if embed is not None and not isinstance(embed, dict):
+        return f"its embed is of type {type(embed).__name__}, not a mapping"
+    if unknown := sorted(set(embed or {}) - EMBED_KEYS):  # they would overwrite the request's own fields
+        return f"its embed has {_short(unknown)}, not only {sorted(EMBED_KEYS)}"
+    for key, value in (embed or {}).items():
+        if not (value is None or isinstance(value, dict) or (isinstance(value, list) and key != "chord")):
+            return f"its embed's {key} is of type {type(value).__name__}, not a signature"
+    return None
 
 
 class KeepVisible(bootsteps.StartStopStep):

@@ -48,6 +48,13 @@ class Settings(BaseSettings):
         "(a live worker keeps its own however long they run: aerie.queue.KeepVisible)",
     )
 
+    broker_max_message_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        description="largest task message body a worker takes (aerie's are a few KiB); a larger one is refused "
+        "before it is decoded",
+    )
+
     # --- datasets -----------------------------------------------------------------------
     ingest_local_dirs: list[Path] = Field(
         default_factory=list,

@@ -95,7 +95,7 @@ def serve_args(
 # --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, ~60% of a core
 # (measured), and the module-scoped servers of a test run sit idle most of the time.
 CPU_ARGS = [
-    "--device", "cpu", "--tp", "1", "--disable-cuda-graph", "--skip-server-warmup",
+    "--device", "cpu", "--disable-cuda-graph", "--skip-server-warmup",
     "--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--sleep-on-idle",
 ]  # fmt: skip
 

@@ -27,6 +27,13 @@ What it does before handing over to SGLang's `launch_server`:
   equal q/k and v head dims and crashes at the first prefill), so the same override is applied
   without `--serve-eagle`, in capture mode too; aerie's ops run MLA's expanded-head prefill and
   its one-latent-head extend/decode.
+- Several ranks (`--tp N`, `--attn-dp-size N`, `--dp-size N`): SGLang's CPU engine binds each
+  rank's threads to one NUMA node and refuses more ranks than nodes unless
+  `SGLANG_CPU_OMP_THREADS_BIND` names a core set per rank; when unset, the launcher splits this
+  process's cores among the ranks (`threads_bind`). And PyPI's CUDA build of torch ships
+  `libnccl`, which SGLang then loads for every group of several ranks and drives with a CUDA
+  device: on the CPU engine `SGLANG_NCCL_SO_PATH` points at no library (when unset), so SGLang
+  falls back to its gloo groups, as on a machine without NCCL.
 - Hook for those ops: the module `aerie_sglang.cpu.ops`, when it exists, is imported here and by
   the shim in every SGLang process; it registers plain-torch implementations with
   `torch.library`. Its import errors are not swallowed.
@@ -42,6 +49,7 @@ from pathlib import Path
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 SGLANG_VERSION = "0.5.23"
+NO_NCCL = "/nonexistent/aerie-cpu-engine/libnccl.so.2"  # SGLANG_NCCL_SO_PATH: no NCCL on the CPU engine
 
 
 def cpu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -50,7 +58,37 @@ def cpu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SHIM_DIR)]
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *parts])
+    env.setdefault("SGLANG_NCCL_SO_PATH", NO_NCCL)
     return env
+
+
+def threads_bind(ranks: int, cpus: list[int] | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `ranks` scheduler processes: this process's CPUs split into
+    `ranks` groups of neighbours, in SGLang's notation (`0|1` for two ranks on two cores, `0-3|4-7`
+    on eight); with fewer CPUs than ranks, ranks share them in turn."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    size, extra = divmod(len(cpus), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        end = start + size + (r < extra)
+        groups.append(_cpu_list(cpus[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """Sorted CPU ids as runs: [0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def import_cpu_ops() -> bool:
@@ -116,7 +154,11 @@ def prepare(args: list[str]):
     if serve_eagle or uses_mla(_model_path(args)):
         override_platform(has_amx=True).install()
     load_plugins()
-    return prepare_server_args(args)
+    server_args = prepare_server_args(args)
+    ranks = server_args.dp_size * server_args.tp_size * server_args.pp_size
+    if ranks > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(ranks)  # read by the scheduler processes
+    return server_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -133,7 +133,11 @@ RELEASES: dict[str, Release] = {
         uses=(
             *_COMMON_USES,
             Uses("sglang.srt.runtime_context.get_exec", "call"),
-            Uses("sglang.srt.arg_groups.fields.parallel.Parallel.tp_rank", "attr"),  # get_parallel() reads it by name
+            # get_parallel() reads these by name (writes_captures, unsupported_parallelism)
+            Uses("sglang.srt.arg_groups.fields.parallel.Parallel.attn_tp_rank", "attr"),
+            Uses("sglang.srt.arg_groups.fields.parallel.Parallel.attn_cp_rank", "attr"),
+            Uses("sglang.srt.arg_groups.fields.parallel.Parallel.attn_cp_size", "attr"),
+            Uses("sglang.srt.arg_groups.fields.parallel.Parallel.pp_size", "attr"),
             Uses("sglang.srt.arg_groups.fields.exec_.ExecFeatures.return_aux_hidden_state_layer_ids", "attr"),
             Uses(f"{_LPO}.last_hidden_states", "attr"),
             Uses("sglang.srt.managers.utils.GenerationBatchResult.copy_to_cpu", "call", ("return_hidden_states",)),
@@ -192,7 +196,10 @@ RELEASES: dict[str, Release] = {
                 "sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state.SpecAuxHiddenStateConfig.eagle_aux_hidden_state_layer_ids",
                 "attr",
             ),
-            Uses("sglang.srt.runtime_context.ParallelContext.tp_rank", "attr"),
+            Uses("sglang.srt.runtime_context.ParallelContext.attn_tp_rank", "attr"),
+            Uses("sglang.srt.runtime_context.ParallelContext.attn_cp_rank", "attr"),
+            Uses("sglang.srt.runtime_context.ParallelContext.attn_cp_size", "attr"),
+            Uses("sglang.srt.runtime_context.ParallelContext.pp_size", "attr"),
             Uses("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "call"),
             Uses("sglang.srt.configs.model_config.ModelConfig.hf_text_config", "attr"),
             Uses("sglang.srt.layers.logits_processor.LogitsMetadata.capture_hidden_mode", "attr"),
@@ -293,6 +300,34 @@ def abort(rel: Release, req, message: str, status_code: int, err_type: str | Non
     req.to_finish.status_code = int(status_code)
     if err_type is not None:
         req.to_finish.err_type = err_type
+
+
+def writes_captures() -> bool:
+    """Whether this scheduler process writes the captures of the requests it runs: the rank that
+    sends its attention group's outputs to the detokenizer, by SGLang's own rule in both releases
+    (`Scheduler.init_ipc_channels`: attention-TP rank 0, attention-CP rank 0). TP-only serving has
+    one such rank (TP rank 0); with DP attention (`--attn-dp-size N`, or `--dp-size N
+    --enable-dp-attention`) every attention-DP group has one, and each group schedules its own
+    requests. The other ranks of a group run the same requests and drop their rows."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+
+
+def unsupported_parallelism() -> str | None:
+    """Why this server's parallel layout cannot capture (None: it can). Attention context
+    parallelism splits a prompt's tokens over ranks, and pipeline parallelism leaves the final
+    state on another rank than the first stage: neither is implemented, so captures are refused
+    rather than written with rows missing."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if parallel.attn_cp_size > 1:
+        return f"attention context parallelism (--attn-cp-size {parallel.attn_cp_size})"
+    if parallel.pp_size > 1:
+        return f"pipeline parallelism (--pp-size {parallel.pp_size})"
+    return None
 
 
 def final_state(rel: Release, logits_output):

@@ -66,7 +66,7 @@ _plugin_version = ""
 class _RequestCapture:
     sink: str
     reservation: int | None
-    writer: bool  # False on tensor-parallel ranks other than 0: they drop their rows
+    writer: bool  # compat.writes_captures(): False on the ranks of an attention group that drop their rows
     aux_parts: list[torch.Tensor] = field(default_factory=list)
     final_parts: list[torch.Tensor] = field(default_factory=list)
     ready: object | None = None  # the event of the batch's host copy that final_parts are views of
@@ -135,6 +135,13 @@ def _refusal(scheduler, req, sink: str) -> tuple[str, int] | None:
     if _layer_ids() is None:
         assert _rel is not None
         return (f"aerie_capture needs a capture server: {compat.capture_server_hint(_rel)}", HTTPStatus.BAD_REQUEST)
+    unsupported = compat.unsupported_parallelism()
+    if unsupported is not None:
+        return (
+            f"aerie_capture does not support {unsupported}: serve the capture server with tensor "
+            "parallelism and/or DP attention only",
+            HTTPStatus.BAD_REQUEST,
+        )
     if not getattr(scheduler.server_args, "disable_radix_cache", False):
         return (
             "aerie_capture needs --disable-radix-cache: with the prefix cache on, SGLang computes "
@@ -202,9 +209,7 @@ def _admit(scheduler, req, sink: str) -> None:
     if refusal is not None:
         compat.abort(_rel, req, refusal[0], refusal[1])
         return
-    from sglang.srt.runtime_context import get_parallel
-
-    writer = get_parallel().tp_rank == 0
+    writer = compat.writes_captures()
     reservation = None
     if writer:
         assert _sinks is not None

@@ -59,7 +59,6 @@ def extract_run(store, settings, run: str, model: Path, dataset: str, size, reco
             model=str(model),
             engine="hf",
             dtype="bfloat16",
-            fan_out=False,
             options=IngestOptions(
                 max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, max_records=records, overlong="truncate"
             ),

@@ -131,7 +131,6 @@ def main() -> None:
                 model=str(model),
                 engine="hf",
                 dtype="bfloat16",
-                fan_out=False,
                 options=IngestOptions(max_tokens=size.max_tokens, shard_tokens=size.shard_tokens, overlong="truncate"),
             ),
         )

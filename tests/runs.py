@@ -138,7 +138,6 @@ def hidden_run_folder(
             dtype=dtype,
             target_signal=signal,
             topk=topk,
-            fan_out=False,
             options=IngestOptions(max_tokens=max_tokens, shard_tokens=shard_sequences * max_tokens),
         ),
     )

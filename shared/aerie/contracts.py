@@ -7,6 +7,7 @@ record written by another version is an error that names the field, not a silent
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -118,9 +119,16 @@ class RunSpec(Contract):
     target_signal: Literal["final", "topk"] = "final"
     topk: int | None = None
     ingest: IngestOptions
-    train_after: TrainRequest | None = None
-    align: AlignGate | None = Field(None, description="check alignment against a serving server before train_after")
     created_at: str = Field(default_factory=utcnow)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_chained_work(cls, data: object) -> object:
+        """Stores written by earlier versions carry `train_after` and `align` keys (what followed the
+        run, now its plan's): unset ones are read without them; a set one is refused by name."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in ("train_after", "align")):
+            data = {k: v for k, v in data.items() if not (k in ("train_after", "align") and v is None)}
+        return data
 
 
 class ShardRecord(Contract):
@@ -237,9 +245,6 @@ class IngestRequest(Contract):
     target_signal: Literal["final", "topk"] = "final"
     topk: int = Field(20, ge=1)
     options: IngestOptions = Field(default_factory=IngestOptions)
-    train_after: TrainRequest | None = None
-    align: AlignGate | None = Field(None, description="check alignment against a serving server before train_after")
-    fan_out: bool = Field(True, description="enqueue one extract task per shard")
 
     @model_validator(mode="after")
     def _scale_block_needs_fp8(self) -> IngestRequest:
@@ -260,7 +265,6 @@ class RegenerateRequest(Contract):
 
     run: str = Field(pattern=_NAME)
     shard: str = Field(pattern=SHARD_NAME, description="six digits, as aerie.layout.shard_name makes")
-    fan_out: bool = Field(True, description="enqueue the shard's extract task when its tokens are stored")
 
 
 class DrafterShape(Contract):
@@ -334,6 +338,20 @@ class TrainRequest(Contract):
         if len(set(v)) != len(v):
             raise ValueError(f"runs {v} repeat a run")
         return v
+
+    @property
+    def resolved_train_id(self) -> str:
+        """The job's checkpoint namespace: `train_id` when given, else derived from the inputs
+        (same inputs, same id: a redelivered or repeated request finds its own checkpoints)."""
+        if self.train_id is not None:
+            return self.train_id
+        basis = self.model_dump_json(exclude={"train_id", "publish"})
+        return f"{self.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
+
+    @property
+    def version(self) -> str:
+        """The drafter version it publishes: the hash part of the derived id, or the id it names."""
+        return self.resolved_train_id.rsplit("-", 1)[-1] if self.train_id is None else self.train_id
 
 
 # --------------------------------------------------------------------------------------
@@ -603,8 +621,6 @@ class AlignRequest(Contract):
     max_tokens: int = Field(
         256, ge=2, description="tokens per sequence compared (its prefix: the states of a prefix are the same)"
     )
-    then_train: TrainRequest | None = Field(None, description="the task enqueues this training when the check passes")
-    allow_misaligned: bool = Field(False, description="with then_train: train even when the check fails")
 
 
 class CosineStats(Contract):
@@ -743,6 +759,52 @@ class DrafterLineage(Contract):
     created_at: str = Field(default_factory=utcnow)
 
 
-RunSpec.model_rebuild()
-IngestRequest.model_rebuild()
-AlignRequest.model_rebuild()
+# --------------------------------------------------------------------------------------
+# The run's plan: what the user asked of a run, read by the run controller (aerie.controller)
+# --------------------------------------------------------------------------------------
+class RunPlan(Contract):
+    """`runs/<run>/plan.json`: the run's data as asked, created once (a conditional write) before
+    anything else of the run is written. Its `id` is new each time the plan is created, so the
+    work a deleted and re-created run of the same name dispatches is never taken for the old one's."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str = Field(pattern=_NAME)
+    id: str = Field(pattern=r"^[0-9a-f]{32}$", description="this creation of the run (claims are keyed by it)")
+    ingest: IngestRequest
+    fan_out: bool = Field(
+        True, description="the controller dispatches the run's regenerate and extract steps (False: ingest only)"
+    )
+    created_at: str = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _one_run(self) -> RunPlan:
+        if self.ingest.run != self.run:
+            raise ValueError(f"plan of run {self.run!r} ingests run {self.ingest.run!r}")
+        return self
+
+
+class PlannedTraining(Contract):
+    """`runs/<run>/plan/train/<train-id>.json`: a training asked to follow the run, and when.
+
+    `start` is the rule the controller checks before it dispatches the training: `extracted`,
+    every run of the request completely extracted. (A streaming training would add a rule that
+    holds once each run has its first hidden shards; the controller reads it in one place.)"""
+
+    schema_version: int = SCHEMA_VERSION
+    train: TrainRequest
+    align: AlignGate | None = Field(None, description="check the run against a serving server before training")
+    start: Literal["extracted"] = "extracted"
+    created_at: str = Field(default_factory=utcnow)
+
+
+class GateRecord(Contract):
+    """`runs/<run>/plan/gates/<gate-id>.json`: the outcome of a planned alignment check (the
+    report itself is `runs/<run>/align/<server-id>.json`)."""
+
+    schema_version: int = SCHEMA_VERSION
+    run: str
+    gate: AlignGate
+    report: str = Field(description="the alignment report's key")
+    server_id: str
+    passed: bool
+    created_at: str = Field(default_factory=utcnow)

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from aerie import layout
-from aerie.contracts import _NAME, DrafterLineage
+from aerie.contracts import _NAME, DrafterLineage, TrainRequest, TrainResult
 from aerie.runs import lineage_alignment
 from aerie.store import NotFound, ObjectStore, StoreError
 
@@ -60,6 +60,24 @@ def published_lineage(store: ObjectStore, name: str, version: str) -> DrafterLin
         return store.get_json(layout.drafter_lineage(name, version), DrafterLineage)
     except NotFound:
         return None
+
+
+def published_result(store: ObjectStore, request: TrainRequest) -> TrainResult | None:
+    """What a training request that published its drafter version returned (from its lineage), or None."""
+    if not request.publish:
+        return None
+    done = published_lineage(store, request.drafter, request.version)
+    if done is None:
+        return None
+    return TrainResult.of(
+        request.drafter,
+        request.version,
+        done.metrics,
+        already_published=True,
+        train_id=request.resolved_train_id,
+        key=layout.drafter_prefix(request.drafter, request.version),
+        layer_ids=done.exported_layer_ids,
+    )
 
 
 def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:

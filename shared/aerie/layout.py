@@ -3,6 +3,9 @@
 ```
 datasets/<name>.jsonl
 datasets/sha256/<sha256>/<file name>      a local dataset uploaded by enqueue / aerie run (keyed by content)
+runs/<run>/plan.json                        what the user asked of the run (RunPlan; created once, first)
+runs/<run>/plan/train/<train-id>.json       a training asked to follow the run (PlannedTraining)
+runs/<run>/plan/gates/<gate-id>.json        a planned alignment check's outcome (GateRecord)
 runs/<run>/run.json
 runs/<run>/conversations/<shard>.jsonl      a regenerated run's input conversations (ingest writes them)
 runs/<run>/regenerated/<shard>.jsonl (+ .json record)   the target's answers to them (the regenerate stage)
@@ -39,6 +42,7 @@ _SHARD_NAME = re.compile(SHARD_NAME)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SERVER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the contracts' name pattern
+_GATE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def dataset(name: str) -> str:
@@ -60,6 +64,44 @@ def run_prefix(run: str) -> str:
 
 def run_spec(run: str) -> str:
     return f"runs/{run}/run.json"
+
+
+# --- the run's plan (aerie.controller) ----------------------------------------------------
+def run_plan(run: str) -> str:
+    return f"runs/{run}/plan.json"
+
+
+def planned_training(run: str, train_id: str) -> str:
+    """A training asked to follow `run`, named by its train id."""
+    if not _SERVER_ID.fullmatch(train_id):
+        raise ValueError(f"train id {train_id!r} is not a valid name")
+    return f"runs/{run}/plan/train/{train_id}.json"
+
+
+def planned_trainings_prefix(run: str) -> str:
+    return f"runs/{run}/plan/train/"
+
+
+def planned_training_ids(run: str, keys: list[str]) -> list[str]:
+    """Train ids of the planned trainings among `keys` (a listing of the run's plan/train folder), sorted."""
+    return _json_names(planned_trainings_prefix(run), keys)
+
+
+def gate(run: str, gate_id: str) -> str:
+    """The outcome of a planned alignment check of `run` (gate ids are hex digests)."""
+    if not _GATE_ID.fullmatch(gate_id):
+        raise ValueError(f"gate id {gate_id!r} is not 16 hex digits")
+    return f"runs/{run}/plan/gates/{gate_id}.json"
+
+
+def _json_names(root: str, keys: list[str]) -> list[str]:
+    """Names of the `<name>.json` objects directly under `root` among `keys`, valid names only, sorted."""
+    names = set()
+    for key in keys:
+        rest = key[len(root) :] if key.startswith(root) else ""
+        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
+            names.add(rest[: -len(".json")])
+    return sorted(names)
 
 
 # --- shards -------------------------------------------------------------------------------
@@ -179,12 +221,7 @@ def alignments_prefix(run: str) -> str:
 
 def alignment_server_ids(run: str, keys: list[str]) -> list[str]:
     """Server ids of the alignment reports among `keys` (a listing of the run's align folder), sorted."""
-    root, ids = alignments_prefix(run), set()
-    for key in keys:
-        rest = key[len(root) :] if key.startswith(root) else ""
-        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
-            ids.add(rest[: -len(".json")])
-    return sorted(ids)
+    return _json_names(alignments_prefix(run), keys)
 
 
 # --- training progress --------------------------------------------------------------------
@@ -201,12 +238,7 @@ def train_progress_prefix(run: str) -> str:
 
 def train_progress_ids(run: str, keys: list[str]) -> list[str]:
     """Train ids of the progress records among `keys` (a listing of the run's training folder), sorted."""
-    root, ids = train_progress_prefix(run), set()
-    for key in keys:
-        rest = key[len(root) :] if key.startswith(root) else ""
-        if "/" not in rest and rest.endswith(".json") and _SERVER_ID.fullmatch(rest[: -len(".json")]):
-            ids.add(rest[: -len(".json")])
-    return sorted(ids)
+    return _json_names(train_progress_prefix(run), keys)
 
 
 # --- captures (the SGLang plugin's s3 sink) ----------------------------------------------

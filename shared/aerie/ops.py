@@ -3,7 +3,7 @@
     aerie prepare-store                 the bucket (or folder) of AERIE_STORE / AERIE_BUCKET, and a
                                         write-read-list-delete round trip with this key
     aerie smoke --model /models/target  a 10-record dataset through the workers: ingest, extract, report
-    aerie retry-failed --run chat-v1    re-enqueue the shards of a run whose extraction gave up
+    aerie retry-failed --run chat-v1    re-enqueue what of a run gave up (shards, ingest, training)
 
 They talk to the deployment the way a user does (the store, and the queues by task name), so they
 run in any container that has the settings (`docker compose exec extractor aerie smoke ...`) or on
@@ -87,8 +87,8 @@ def smoke_dataset() -> bytes:
 @click.option("--keep", is_flag=True, help="keep the smoke run and its dataset in the store")
 def smoke(model: str, capture_points: str | None, target_signal: str, timeout: float, keep: bool) -> None:
     """After `up`: enqueue a 10-record dataset, wait for the workers to ingest and extract it, report."""
+    from aerie import controller
     from aerie.contracts import IngestOptions, IngestRequest
-    from aerie.queue import INGEST_TASK
     from aerie.runs import RunError, load_run, wait_for_run
     from aerie.store import open_store
 
@@ -107,7 +107,7 @@ def smoke(model: str, capture_points: str | None, target_signal: str, timeout: f
     )
     store.put_bytes(dataset, smoke_dataset())
     started = time.monotonic()
-    app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
+    controller.start(store, settings, controller.new_plan(request), [], controller.OnWorkers(app, settings, run))
     click.echo(f"smoke: enqueued run {run} ({SMOKE_RECORDS} records) on {settings.broker.rsplit('@', 1)[-1]}")
     try:
         status = wait_for_run(store, run, timeout_s=timeout)
@@ -127,38 +127,28 @@ def smoke(model: str, capture_points: str | None, target_signal: str, timeout: f
 @click.command("retry-failed")
 @click.option("--run", "run_name", required=True, help="the run whose failed shards to extract again")
 def retry_failed(run_name: str) -> None:
-    """Re-enqueue every shard of a run whose extraction (or regeneration) gave up (fix the cause first: `progress`
-    and runs/RUN/failed/ in the store say what it was)."""
-    from aerie.contracts import ExtractRequest, RegenerateRequest
-    from aerie.queue import EXTRACT_TASK, REGENERATE_TASK
-    from aerie.runs import failures, load_run
+    """Re-enqueue what of a run gave up: its shards' extraction (or regeneration), its ingest, its
+    training or a failed alignment check (fix the cause first: `progress` and runs/RUN/failed/ in the
+    store say what it was)."""
+    from aerie import controller
     from aerie.store import open_store
 
     settings = _settings()
     store = open_store(settings)
-    if not store.exists(layout.run_spec(run_name)) and store.exists(layout.ingest_failure(run_name)):
-        raise click.ClickException(
-            f"run {run_name!r}: its ingest failed (runs/{run_name}/failed/ingest.json): enqueue the dataset again"
-        )
-    load_run(store, run_name)
-    failed = failures(store, run_name)
-    if not failed:
-        click.echo(f"run {run_name}: no failed shard")
-        return
+    if not store.exists(layout.run_plan(run_name)) and not store.exists(layout.run_spec(run_name)):
+        message = f"run {run_name!r} has neither a plan nor a run.json in {store.url}: enqueue it"
+        if store.exists(layout.ingest_failure(run_name)):
+            message = (
+                f"run {run_name!r}: its ingest failed (runs/{run_name}/failed/ingest.json): enqueue the dataset again"
+            )
+        raise click.ClickException(message)
     app = _app(settings)
-    for failure in failed:
-        record = layout.shard_failure(run_name, failure.shard)
-        store.delete(record)  # the run counts it failed no more; put back if the task cannot be sent
-        try:
-            if store.exists(layout.shard_record(run_name, "tokens", failure.shard)):
-                app.send_task(
-                    EXTRACT_TASK, kwargs=ExtractRequest(run=run_name, shard=failure.shard).model_dump(mode="json")
-                )
-            else:  # a regenerated run's shard whose answers failed: the regenerate task extracts it after
-                app.send_task(
-                    REGENERATE_TASK, kwargs=RegenerateRequest(run=run_name, shard=failure.shard).model_dump(mode="json")
-                )
-        except Exception:
-            store.put_json(record, failure)
-            raise
-    click.echo(f"run {run_name}: re-enqueued {len(failed)} failed shard(s): {', '.join(f.shard for f in failed)}")
+    steps = controller.retry(store, run_name, controller.OnWorkers(app, settings, f"retry-{secrets.token_hex(8)}"))
+    shards = [s.name.split(":", 1)[1] for s in steps if s.kind in ("extract", "regenerate")]
+    others = [s.name for s in steps if s.kind not in ("extract", "regenerate")]
+    if not steps:
+        click.echo(f"run {run_name}: no failed shard")
+    if shards:
+        click.echo(f"run {run_name}: re-enqueued {len(shards)} failed shard(s): {', '.join(shards)}")
+    if others:
+        click.echo(f"run {run_name}: re-enqueued {', '.join(others)}")

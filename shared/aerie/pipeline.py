@@ -5,14 +5,17 @@
     aerie run --server http://sglang:30000   # train only if the run is aligned with that serving SGLang
     aerie run --regenerate   # train on the target's own answers (AERIE_REGENERATE_URLS: an SGLang server, many in flight)
 
-Stages (aerie.stages): prepare the target -> ingest -> [regenerate, shard by shard] -> extract -> train (draft vocab, training,
-evaluation before and after with a real speculative-decoding loop, export, publish) -> pull.
-On the embedded default (`memory://` broker, a filesystem store with the bucket's layout) every
-stage runs in this process, through the same stage functions the Celery workers run. With
-`--broker redis://...` this command only enqueues and watches: the workers (`celery -A
-aerie_extractor.worker worker -Q ingest,extract`, `celery -A aerie_trainer.worker worker -Q train`)
-do the work; a failed task or a refused credential stops it with the reason, and every wait has a
-deadline (`--timeout`). Re-running with the same arguments reuses what the store already holds.
+Stages (aerie.stages): prepare the target -> ingest -> [regenerate, shard by shard] -> extract ->
+[align] -> train (draft vocab, training, evaluation before and after with a real speculative-decoding
+loop, export, publish) -> pull. The run controller (aerie.controller) decides what runs next from the
+run's plan and the store, on both ways: on the embedded default (`memory://` broker, a filesystem
+store with the bucket's layout) every step runs in this process (`controller.drive` with the stage
+functions the Celery workers run); with `--broker redis://...` this command writes the plan, enqueues
+the first step and watches the store: the workers (`celery -A aerie_extractor.worker worker -Q
+ingest,extract`, `celery -A aerie_trainer.worker worker -Q train`) do the work and advance the run; a
+failed step or a refused credential stops it with the reason, and the wait has a deadline
+(`--timeout`). Re-running with the same arguments reuses what the store already holds (and retries
+what failed); another request under a run name in use is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,20 +36,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from aerie import datasets, layout, presets, runs, stages
+from aerie import controller, datasets, drafters, layout, presets, runs, stages
 from aerie.contracts import (
+    AlignGate,
     AlignmentReport,
-    AlignRequest,
     ExtractRequest,
     IngestOptions,
     IngestRequest,
+    PlannedTraining,
     ProgressEvent,
-    RegenerateRequest,
+    RunPlan,
     RunStatus,
     TrainConfig,
     TrainRequest,
     TrainResult,
 )
+from aerie.controller import RunState, Step
 from aerie.presets import train_options
 from aerie.settings import Settings
 from aerie.store import ObjectStore, open_store
@@ -167,35 +173,109 @@ def serve_command(model: str, drafter_dir: str, layer_ids: list[int], steps: int
 
 
 # --------------------------------------------------------------------------------------
-# The two ways to run the stages: in this process, or on the workers
+# The two ways to run the stages: in this process, or on the workers (aerie.controller decides)
 # --------------------------------------------------------------------------------------
+class StepsHere:
+    """The in-process dispatcher's work (`controller.drive`): each batch of steps through the stage
+    functions, drawn: a status for the ingest, bars for the shards and the training, the
+    alignment report before the training."""
+
+    ORDER = ("ingest", "regenerate", "extract", "align", "train")
+
+    def __init__(self, store: ObjectStore, settings: Settings, watch: Stopwatch):
+        self.store, self.settings, self.watch = store, settings, watch
+        self.trained: dict[str, TrainResult] = {}
+        self._seen: RunState | None = None
+        self._shown_ingest = False
+
+    def __call__(self, steps: list[Step]) -> None:
+        for kind in self.ORDER:
+            batch = [s for s in steps if s.kind == kind]
+            if batch:
+                getattr(self, f"_{kind}")(batch)
+
+    def on_state(self, st: RunState) -> None:
+        """What the store held already, said once; the ingest's figures once the shards are known."""
+        if self._seen is None:
+            if st.ingested:
+                console.print(f"[yellow]ingest: run {st.run} already in {self.store.url}: reused[/]")
+            if st.extracted:
+                console.print(f"[yellow]extract: {st.extracted} of {st.shards} shards already extracted: reused[/]")
+        self._seen = st
+        if not self._shown_ingest and st.ingested and st.phase != "regenerate":
+            self._shown_ingest = True
+            _print_ingested(runs.run_status(self.store, st.run))
+
+    def _ingest(self, steps: list[Step]) -> None:
+        (step,) = steps
+        request: IngestRequest = step.request
+        self.watch.start("ingest")
+        with console.status(f"ingesting {request.options.max_records} conversations from {Path(request.dataset).name}"):
+            controller.run_here(self.store, self.settings, step)
+
+    def _regenerate(self, steps: list[Step]) -> None:
+        """The regenerate stage over the conversation shards, its throughput on the bar."""
+        self.watch.start("regenerate")
+        tokens = seconds = 0.0
+        with _bar() as bar:
+            task = bar.add_task("regenerate (shards)", total=len(steps))
+
+            def report(event: ProgressEvent) -> None:
+                bar.update(task, description=f"regenerate: {event.message}")
+
+            for step in steps:
+                result = controller.run_here(self.store, self.settings, step, report)
+                tokens, seconds = tokens + result.completion_tokens, seconds + result.seconds
+                bar.update(
+                    task,
+                    advance=1,
+                    description=f"regenerate ({tokens / max(seconds, 1e-9):.0f} tok/s, "
+                    f"{result.max_in_flight} in flight at most)",
+                )
+
+    def _extract(self, steps: list[Step]) -> None:
+        self.watch.start("extract")
+        extract_in_process(self.store, self.settings, steps[0].request.run, [s.request.shard for s in steps])
+
+    def _align(self, steps: list[Step]) -> None:
+        """`--server`: the run against the serving server before training (a failed check stops the run)."""
+        from aerie.alignment import print_report
+
+        self.watch.start("align")
+        for step in steps:
+            with console.status(f"aerie align: run {step.request.run} against {step.request.server}"):
+                report = controller.run_here(self.store, self.settings, step)
+            print_report(report)  # its own console: one line a row in a log too
+
+    def _train(self, steps: list[Step]) -> None:
+        for step in steps:
+            request: TrainRequest = step.request
+            self.trained[request.resolved_train_id] = _train_with_bar(
+                request,
+                self.watch,
+                lambda report, step=step: controller.run_here(self.store, self.settings, step, report),
+            )
+
+
 def run_in_process(
-    store: ObjectStore,
-    settings: Settings,
-    ingest: IngestRequest,
-    train: TrainRequest,
-    watch: Stopwatch,
-    align: AlignRequest | None = None,
+    store: ObjectStore, settings: Settings, plan: RunPlan, training: PlannedTraining, watch: Stopwatch
 ) -> TrainResult:
-    """Every stage here, one after the other (the embedded default)."""
-    watch.start("ingest")
-    with console.status(f"ingesting {ingest.options.max_records} conversations from {Path(ingest.dataset).name}"):
-        ingested = stages.ingest(store, settings, ingest)
-    if ingested.skipped:
-        console.print(f"[yellow]ingest: run {ingest.run} already in {store.url}: reused[/]")
-    if ingested.regenerate_shards:
-        _regenerate_in_process(store, settings, ingest.run, ingested.regenerate_shards, watch)
-        shards = [s for s in ingested.regenerate_shards if s in set(runs.shard_names(store, ingest.run, "tokens"))]
-    else:
-        shards = ingested.shards
-    _print_ingested(runs.run_status(store, ingest.run))
-    watch.start("extract")
-    reused = extract_in_process(store, settings, ingest.run, shards)
-    if reused:
-        console.print(f"[yellow]extract: {reused} of {len(shards)} shards already extracted: reused[/]")
-    if align is not None:
-        _check_alignment(align, watch, lambda: stages.align(store, settings, align))
-    return _train_with_bar(train, watch, lambda report: stages.train(store, settings, train, report))
+    """Every stage here, as the run controller dispatches them (the embedded default)."""
+    here = StepsHere(store, settings, watch)
+    st = controller.drive(store, settings, plan, [training], here, on_state=here.on_state)
+    return _trained(store, st, training.train, here.trained.get(training.train.resolved_train_id))
+
+
+def _trained(store: ObjectStore, st: RunState, request: TrainRequest, result: TrainResult | None) -> TrainResult:
+    """The run's end: its training's result, or the reason it stopped, in one line."""
+    if st.phase == "failed":
+        raise click.ClickException(" ".join(str(st.failure).split()))
+    if result is None:
+        result = drafters.published_result(store, request)
+        if result is None:
+            raise click.ClickException(f"run {st.run}: stopped at {st.phase}; nothing left to do in this process")
+        console.print(f"[yellow]train: drafter {result.drafter}:{result.version} already published: reused[/]")
+    return result
 
 
 def shards_in_flight(settings: Settings) -> int:
@@ -229,113 +309,85 @@ def extract_in_process(store: ObjectStore, settings: Settings, run: str, shards:
     return reused
 
 
-def _regenerate_in_process(
-    store: ObjectStore, settings: Settings, run: str, shards: list[str], watch: Stopwatch
-) -> None:
-    """The regenerate stage over every conversation shard, its throughput on the bar."""
-    watch.start("regenerate")
-    tokens = seconds = 0.0
-    with _bar() as bar:
-        task = bar.add_task("regenerate (shards)", total=len(shards))
-
-        def report(event: ProgressEvent) -> None:
-            bar.update(task, description=f"regenerate: {event.message}")
-
-        for shard in shards:
-            result = stages.regenerate(store, settings, RegenerateRequest(run=run, shard=shard, fan_out=False), report)
-            tokens, seconds = tokens + result.completion_tokens, seconds + result.seconds
-            bar.update(
-                task,
-                advance=1,
-                description=f"regenerate ({tokens / max(seconds, 1e-9):.0f} tok/s, "
-                f"{result.max_in_flight} in flight at most)",
-            )
-
-
 def run_on_workers(
     store: ObjectStore,
     settings: Settings,
-    ingest: IngestRequest,
-    train: TrainRequest,
+    plan: RunPlan,
+    training: PlannedTraining,
     watch: Stopwatch,
     timeout_s: float,
-    align: AlignRequest | None = None,
 ) -> TrainResult:
-    """Enqueue on the broker and watch: the run through the store, the training through its task."""
-    from aerie.queue import INGEST_TASK, TRAIN_TASK, check_broker, make_app
+    """Write the plan and enqueue its first step; the workers advance the run (aerie.controller),
+    and this command watches the store until the drafter is published."""
+    from aerie.queue import check_broker, make_app
 
     app = make_app(settings)
     check_broker(app)  # before anything is written: a broker that is down leaves no orphan upload
     # workers read datasets from the store only: upload it (keyed by its content)
-    ingest = ingest.model_copy(update={"dataset": datasets.upload(store, ingest.dataset)})
-    deadline = time.monotonic() + timeout_s
-    watch.start("ingest + extract")
-    app.send_task(
-        INGEST_TASK, kwargs=ingest.model_copy(update={"fan_out": True, "train_after": None}).model_dump(mode="json")
-    )
+    ingest = plan.ingest.model_copy(update={"dataset": datasets.upload(store, plan.ingest.dataset)})
+    plan = plan.model_copy(update={"ingest": ingest})
+    dispatcher = controller.OnWorkers(app, settings, owner=f"aerie-run-{secrets.token_hex(8)}")
+    st = controller.start(store, settings, plan, [training], dispatcher)
+    sent = ", ".join(task for _, task, _ in dispatcher.results) or "nothing new (planned earlier)"
     console.print(
-        f"enqueued {INGEST_TASK} for run {ingest.run} on {settings.broker}; waiting for the workers "
+        f"run {plan.run} ({st.phase}): enqueued {sent} on {settings.broker}; waiting for the workers "
         "(queues ingest, extract, train)"
     )
+    return _watch(store, st, training, watch, time.monotonic() + timeout_s)
+
+
+QUEUE_OF = {"ingest": "ingest", "regenerate": "ingest", "extract": "extract", "align": "ingest"}
+
+
+def _watch(
+    store: ObjectStore, st: RunState, training: PlannedTraining, watch: Stopwatch, deadline: float
+) -> TrainResult:
+    """Follow the run through the store (the controller's state) until its training is published;
+    a failure stops it with the reason, and the deadline (--timeout) names the queue it waited on."""
+    from aerie.alignment import print_report
+
+    request, gate_shown, reused = training.train, False, None
+    watch.start("ingest + extract")
     with _bar() as bar:
-        task = bar.add_task("extract hidden states (shards)", total=None)
-
-        def show(status: RunStatus | None) -> None:
-            if status is not None:
-                bar.update(task, total=status.shards_total or None, completed=status.hidden_done)
-
-        status = runs.wait_for_run(store, ingest.run, timeout_s=deadline - time.monotonic(), on_status=show)
-    _print_ingested(status)
-    if align is not None:
-        _check_alignment(align, watch, lambda: _wait_for_alignment(app, align, deadline))
-    result = app.send_task(TRAIN_TASK, kwargs=train.model_dump(mode="json"))
-
-    def wait(report: Callable[[ProgressEvent], None]) -> TrainResult:
-        while not result.ready():
+        shards = bar.add_task("extract hidden states (shards)", total=None)
+        steps = None
+        while True:
+            mine = next((t for t in st.trainings if t.planned.train == request), None)
+            reused = (mine is not None and mine.phase == "done") if reused is None else reused
+            if st.ingested and not st.phase == "failed":
+                bar.update(shards, total=st.shards or None, completed=st.extracted)
+            if mine is not None and mine.gate is not None and not gate_shown:
+                gate_shown = True
+                print_report(store.get_json(mine.gate.report, AlignmentReport), console=bar.console)
+            if st.phase == "failed":
+                raise click.ClickException(" ".join(str(st.failure).split()))
+            if mine is not None and mine.phase == "done":
+                break
+            if mine is not None and mine.progress is not None and mine.progress.stage == "train":
+                if steps is None:
+                    watch.start("train")
+                    steps = bar.add_task("train (steps)", total=mine.progress.steps)
+                p = mine.progress
+                bar.update(steps, completed=p.step, total=p.steps, description=f"train (loss {p.loss or 0:.3f})")
+            elif mine is not None and mine.progress is not None and mine.progress.stage in ("evaluate", "publish"):
+                watch.start("evaluate" if mine.progress.stage == "evaluate" else "export + publish")
+            elif mine is not None and mine.phase == "align":
+                watch.start("align")
             if time.monotonic() > deadline:
+                phase = mine.phase if mine is not None and mine.phase != "waiting" else st.phase
+                queue = QUEUE_OF.get(phase, "train")
                 raise click.ClickException(
-                    f"training {train.drafter} (task {result.id}) did not finish within the "
-                    f"--timeout: is a worker consuming queue 'train'?"
+                    f"run {st.run} did not finish within the --timeout (at {phase}): is a worker consuming "
+                    f"queue '{queue}'?"
                 )
-            if result.state == "PROGRESS" and isinstance(result.info, dict):
-                report(ProgressEvent.model_validate(result.info))
             time.sleep(2)
-        if result.failed():
-            raise click.ClickException(
-                f"training {train.drafter} failed on the worker: {type(result.result).__name__}: {result.result}"
-            )
-        return TrainResult.model_validate(result.result)
-
-    return _train_with_bar(train, watch, wait)
-
-
-def _check_alignment(request: AlignRequest, watch: Stopwatch, measure: Callable[[], AlignmentReport]) -> None:
-    """`--server`: the run against the serving server before training; a failed check stops here."""
-    from aerie.alignment import failure_message, print_report
-
-    watch.start("align")
-    with console.status(f"aerie align: run {request.run} against {request.server}"):
-        report = measure()
-    print_report(report)  # its own console: one line a row in a log too
-    if not report.passed and not request.allow_misaligned:
-        raise click.ClickException(failure_message(report))
-
-
-def _wait_for_alignment(app, request: AlignRequest, deadline: float) -> AlignmentReport:
-    from celery.exceptions import TimeoutError as ResultTimeout
-
-    from aerie.queue import ALIGN_TASK
-
-    pending = app.send_task(ALIGN_TASK, kwargs=request.model_dump(mode="json"))
-    try:
-        return AlignmentReport.model_validate(pending.get(timeout=max(1.0, deadline - time.monotonic())))
-    except ResultTimeout:
-        raise click.ClickException(
-            f"the alignment check (task {pending.id}) did not finish within the --timeout: is a "
-            "worker consuming queue 'ingest'?"
-        ) from None
-    except Exception as e:  # the task's own error, raised here by Celery
-        raise click.ClickException(f"the alignment check failed on the worker: {type(e).__name__}: {e}") from None
+            st = controller.state(store, st.run)
+    watch.stop()
+    result = drafters.published_result(store, request)
+    assert result is not None  # the training is done: its lineage is there
+    if reused:
+        console.print(f"[yellow]train: drafter {result.drafter}:{result.version} already published: reused[/]")
+    return result.model_copy(update={"already_published": bool(reused)})
 
 
 def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) -> TrainResult:
@@ -538,14 +590,14 @@ def run(
             regenerate=regenerate,
             **({"regenerate_max_tokens": regenerate_max_tokens} if regenerate_max_tokens else {}),
         ),
-        fan_out=False,
     )
     if allow_misaligned and not server:
         raise click.UsageError("--allow-misaligned overrides the alignment check of --server: give --server URL")
     try:
-        align = AlignRequest(run=run_name, server=server, allow_misaligned=allow_misaligned) if server else None
+        gate = AlignGate(server=server, allow_misaligned=allow_misaligned) if server else None
     except ValueError:
         raise click.UsageError(f"--server {server!r}: give the serving SGLang's http(s)://host:port") from None
+    plan, training = controller.new_plan(ingest_request), PlannedTraining(train=train_request, align=gate)
     if settings.embedded:
         import transformers
 
@@ -555,9 +607,9 @@ def run(
         settings = settings.model_copy(
             update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]}
         )
-        result = run_in_process(store, settings, ingest_request, train_request, watch, align)
+        result = run_in_process(store, settings, plan, training, watch)
     else:
-        result = run_on_workers(store, settings, ingest_request, train_request, watch, timeout_s, align)
+        result = run_on_workers(store, settings, plan, training, watch, timeout_s)
 
     watch.start("pull")
     dest = Path(out or Path("drafters") / drafter).resolve()

@@ -22,9 +22,11 @@
   permanent error, or the last retry's, is recorded once in the store and raised.
 - `parse_message`: a task's kwargs against its contract; a message that does not match (a refused
   name, a typo) is a permanent failure, raised once with every problem named.
-- `claim_once`: exactly-once follow-up work across racing workers (Redis SET NX on the broker).
-- `held`: one live holder of a piece of work (a regenerate shard) across deliveries of its task: a
-  second delivery waits while the holder lives, and takes over once it is gone.
+- `claim` / `mark_done` / `release`: exactly-once dispatch of a run's steps across racing workers
+  (Redis SET NX on the broker; aerie.controller keys them by the run's plan).
+- `held`: one live holder of a piece of work (a regenerate shard, a training) across deliveries of
+  its task: a second delivery waits while the holder lives, and takes over once it is gone (a lease
+  on the broker; in-process, a lock on a file of this host).
 """
 
 from __future__ import annotations
@@ -449,39 +451,105 @@ def enqueue(app: Celery, name: str, kwargs: dict):
 
 
 # --------------------------------------------------------------------------------------
-# Exactly-once follow-up work (a run's training) across racing workers
+# Exactly-once dispatch of a run's steps (aerie.controller) across racing workers
 # --------------------------------------------------------------------------------------
 _local_claims: dict[str, str] = {}
+_local_done: set[str] = set()
 _local_lock = threading.Lock()
 CLAIM_TTL_S = 30 * 24 * 3600
 SENDING_TTL_S = 120  # a claimant that died between claiming and sending is replaced after this
 
 
-def claim_once(settings: Settings, name: str, owner: str) -> bool:
-    """True for exactly one owner of `name` (and again for that same owner, e.g. a redelivered
-    task whose first attempt died between claiming and sending, until `mark_done`). Redis SET NX
-    on the broker; in-process for the embedded broker.
+def _redis(settings: Settings, what: str):
+    if not settings.broker.startswith(("redis://", "rediss://")):
+        raise QueueError(f"{what} needs a Redis broker, AERIE_BROKER={settings.broker!r}")
+    import redis
+
+    return redis.Redis.from_url(settings.broker)
+
+
+def claim(settings: Settings, names: list[str], owner: str) -> list[str]:
+    """Those of `names` this owner may send now: each is claimed by exactly one owner (and again by
+    that same owner, e.g. a redelivered task whose first attempt died between claiming and sending,
+    until `mark_done`). Redis SET NX on the broker, in three round trips however many names;
+    in-process for the embedded broker.
 
     Two deliveries of one task can still run at once (a worker's broker connection lost and its
     unacknowledged tasks requeued while they run; KeepVisible covers the visibility timeout): the
     owner's claim is then taken again only after the other's `sending` mark expires
     (SENDING_TTL_S), so the two never both send."""
-    key = f"aerie:once:{name}"
+    keys = [f"aerie:once:{name}" for name in names]
     if settings.embedded:
         with _local_lock:
-            return _local_claims.setdefault(key, owner) == owner
-    if not settings.broker.startswith(("redis://", "rediss://")):
-        raise QueueError(f"exactly-once follow-up work needs a Redis broker, AERIE_BROKER={settings.broker!r}")
-    import redis
-
-    client = redis.Redis.from_url(settings.broker)
+            return [
+                n for n, k in zip(names, keys) if k not in _local_done and _local_claims.setdefault(k, owner) == owner
+            ]
+    if not names:
+        return []
+    client = _redis(settings, "exactly-once dispatch")
     try:
-        if not client.set(key, owner, nx=True, ex=CLAIM_TTL_S):
-            if (client.get(key) or b"").decode() != owner or client.exists(key + ":done"):
-                return False
-        return bool(client.set(key + ":sending", owner, nx=True, ex=SENDING_TTL_S))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, owner, nx=True, ex=CLAIM_TTL_S)
+        fresh = pipe.execute()
+        pipe = client.pipeline(transaction=False)
+        for key, new in zip(keys, fresh):
+            if not new:
+                pipe.get(key)
+                pipe.exists(key + ":done")
+        seen, mine = iter(pipe.execute()), []
+        for key, new in zip(keys, fresh):
+            if not new:
+                holder, done = next(seen), next(seen)
+                if (holder or b"").decode() != owner or done:
+                    continue
+            mine.append(key)
+        pipe = client.pipeline(transaction=False)
+        for key in mine:
+            pipe.set(key + ":sending", owner, nx=True, ex=SENDING_TTL_S)
+        sending = dict(zip(mine, pipe.execute()))
+        return [n for n, k in zip(names, keys) if sending.get(k)]
     finally:
         client.close()
+
+
+def claim_once(settings: Settings, name: str, owner: str) -> bool:
+    """`claim` of one name: True for exactly one owner."""
+    return bool(claim(settings, [name], owner))
+
+
+def mark_done(settings: Settings, *names: str) -> None:
+    """The claimed work of `names` was sent: never sent again, not even by its owner."""
+    if settings.embedded:
+        with _local_lock:
+            _local_done.update(f"aerie:once:{name}" for name in names)
+        return
+    if names and settings.broker.startswith(("redis://", "rediss://")):
+        client = _redis(settings, "exactly-once dispatch")
+        try:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.set(f"aerie:once:{name}:done", 1, ex=CLAIM_TTL_S)
+            pipe.execute()
+        finally:
+            client.close()
+
+
+def release(settings: Settings, *names: str) -> None:
+    """Forget the claims of `names` (the work failed for good and is retried): claimable again."""
+    keys = [f"aerie:once:{name}{part}" for name in names for part in ("", ":sending", ":done")]
+    if settings.embedded:
+        with _local_lock:
+            for key in keys:
+                _local_claims.pop(key, None)
+                _local_done.discard(key)
+        return
+    if keys:
+        client = _redis(settings, "exactly-once dispatch")
+        try:
+            client.delete(*keys)
+        finally:
+            client.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -498,23 +566,47 @@ def lease_ttl(settings: Settings) -> float:
 
 
 @contextmanager
+def local_lease(settings: Settings, name: str) -> Iterator[None]:
+    """One holder of `name` among the processes (and threads) of this host that use the same store:
+    an exclusive `flock` on a file named by the store and `name` in the temporary folder. The
+    kernel drops it when its holder exits, however it exits, so a killed holder never blocks."""
+    import fcntl
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    where = hashlib.sha256(f"{settings.store}|{settings.bucket}|{name}".encode()).hexdigest()[:32]
+    folder = Path(tempfile.gettempdir()) / "aerie-leases"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    with open(folder / where, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is held by another process on this host: waiting until it finishes", name)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
 def held(settings: Settings, name: str, ttl_s: float | None = None) -> Iterator[None]:
     """Run the block as the one live holder of `name` (a redis-py Lock on the broker, renewed from a
     thread of its own every third of `ttl_s`). A second live delivery of the same task (the broker
     connection lost and the unacknowledged task requeued while it runs; see KeepVisible for the
     visibility timeout) waits here until the holder releases (then the work is found done) or dies
     (its lease lapses within `ttl_s`: the waiter takes it over), so the work is never done twice
-    at once. In-process (the embedded broker): no lease."""
+    at once. In-process (the embedded broker): a lock on a file of this host (`local_lease`)."""
     if settings.embedded:
-        yield
+        with local_lease(settings, name):
+            yield
         return
-    if not settings.broker.startswith(("redis://", "rediss://")):
-        raise QueueError(f"a lease needs a Redis broker, AERIE_BROKER={settings.broker!r}")
     import redis
     from redis.exceptions import LockError
 
     ttl_s = ttl_s or lease_ttl(settings)
-    client = redis.Redis.from_url(settings.broker)
+    client = _redis(settings, "a lease")
     lock = client.lock(f"aerie:lease:{name}", timeout=ttl_s, sleep=min(1.0, ttl_s / 5), thread_local=False)
     try:
         if not lock.acquire(blocking=False):
@@ -555,14 +647,3 @@ def held(settings: Settings, name: str, ttl_s: float | None = None) -> Iterator[
                 pass
     finally:
         client.close()
-
-
-def mark_done(settings: Settings, name: str) -> None:
-    if settings.broker.startswith(("redis://", "rediss://")):
-        import redis
-
-        client = redis.Redis.from_url(settings.broker)
-        try:
-            client.set(f"aerie:once:{name}:done", 1, ex=CLAIM_TTL_S)
-        finally:
-            client.close()

@@ -11,11 +11,12 @@
                                                exported and published drafter
     pull     NAME[:VERSION] -> folder          a published drafter, checked            (this package)
 
-The Celery tasks, `aerie run`, the benchmarks and the tests call these functions, so the
-pipeline is laid out once. The code behind a stage is the service's domain code: a service
-registers it under the entry-point group `aerie.stages` (`pip install` is registration), and a
-stage whose service is not installed here says which package to install. Only the transport
-differs between callers: in-process, or queues and workers.
+The shared library composes the services through these functions: the run controller's
+in-process dispatcher (`aerie.controller.run_here`, under `aerie run`), the benchmarks and the
+tests. The code behind a stage is the service's domain code: a service registers it under the
+entry-point group `aerie.stages` (`pip install` is registration), and a stage whose service is
+not installed here says which package to install. Inside a service, its own tasks and commands
+call its functions directly (`aerie_extractor.ingest.run_ingest`, `aerie_trainer.job.run_train`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@
 Whole-object writes only: an object appears complete or not at all (S3 semantics; the
 filesystem backend writes a temporary file and renames it). Records are written *after*
 the data they describe, so a reader that finds a record finds its object.
+
+`put_new` writes an object only if none exists under its key, atomically: of two writers racing
+for one key exactly one creates it (a hard link on the filesystem; `If-None-Match: *` on S3, which
+AWS S3, MinIO and SeaweedFS honour). A run's creation rests on it (aerie.controller).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import io
 import os
 import shutil
 import tempfile
+import time
 import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -114,6 +119,11 @@ class ObjectStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    @abstractmethod
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create the object `key` holding `data` unless one exists: True when this call created it,
+        False when the key was taken (by an earlier or a racing writer). Atomic across processes."""
+
     def local_path(self, key: str) -> Path | None:
         """A path the object can be memory-mapped from, when the backend has one."""
         return None
@@ -155,6 +165,13 @@ class ObjectStore(ABC):
 
     def put_json(self, key: str, record) -> str:
         return self.put_bytes(key, record.to_json())
+
+    def create_json(self, key: str, record, model: type[T]) -> tuple[T, bool]:
+        """`record` written at `key` unless a record is there already: (the record the key holds,
+        whether this call wrote it)."""
+        if self.put_new(key, record.to_json()):
+            return record, True
+        return self.get_json(key, model), False
 
     def get_json(self, key: str, model: type[T]) -> T:
         return model.model_validate_json(self.get_bytes(key))  # type: ignore[attr-defined]
@@ -270,6 +287,22 @@ class FsStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def put_new(self, key: str, data: bytes) -> bool:
+        """The whole object written to a temporary file, then hard-linked to its key: link() fails
+        when the name exists, so exactly one writer creates it, and a reader never sees a part."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
 
@@ -367,6 +400,34 @@ class S3Store(ObjectStore):
 
     def delete(self, key: str) -> None:
         self._call(self.client.remove_object, self.bucket, _check_key(key), key=key)
+
+    CONDITIONAL_CONFLICT_RETRIES = 5
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """PUT with `If-None-Match: *`: the server refuses it (412) when the key exists. minio's
+        public put_object turns unknown headers into user metadata (`X-Amz-Meta-If-None-Match`,
+        silently unconditional), so the request goes through its single-part PUT with the header
+        as is. A 409 (a conditional write to the key in flight, AWS) is asked again."""
+        from minio.error import S3Error
+
+        for attempt in range(self.CONDITIONAL_CONFLICT_RETRIES):
+            try:
+                self.client._put_object(
+                    self.bucket,
+                    _check_key(key),
+                    data,
+                    headers={"Content-Type": "application/octet-stream", "If-None-Match": "*"},
+                )
+                return True
+            except S3Error as e:
+                if e.code == "PreconditionFailed":
+                    return False
+                if e.code != "ConditionalRequestConflict" or attempt == self.CONDITIONAL_CONFLICT_RETRIES - 1:
+                    raise self._explain(e, key) from e
+            except Exception as e:  # translated into one clear error
+                raise self._explain(e, key) from e
+            time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
 
 
 def open_store(settings: Settings | None = None, *, create_bucket: bool = False) -> ObjectStore:

@@ -60,14 +60,11 @@ def test_smoke_then_a_failed_run_retried_after_the_cause_is_fixed(s3_store, redi
 
     # a run whose extraction gives up: the model folder is gone when its shards are extracted
     s3_store.put_bytes(layout.dataset("chat"), smoke_dataset())
-    request = {
-        "run": "r1",
-        "dataset": "datasets/chat.jsonl",
-        "model": str(model),
-        "fan_out": False,
-        "options": {"shard_tokens": 64},
-    }
-    celery_cli(env, "call", "aerie.ingest", "--kwargs", json.dumps(request))
+    # ingest only: the shards are extracted by hand below
+    celery_cli(
+        env, "enqueue", "--dataset", "datasets/chat.jsonl", "--run", "r1", "--model", str(model),
+        "--shard-tokens", "64", "--no-fan-out",
+    )  # fmt: skip
     shards = wait_until(
         lambda: shard_names(s3_store, "r1", "tokens") if s3_store.exists(layout.run_spec("r1")) else None,
         120,

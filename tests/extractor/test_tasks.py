@@ -2,8 +2,8 @@
 
 - Importing the extractor's modules reads no settings and connects to nothing.
 - The sub-commands registered through `celery.commands` keep a fixed set of flags.
-- With the embedded `memory://` broker the same task code runs in-process (the main job's path),
-  fans out, and enqueues training exactly once.
+- With the embedded `memory://` broker the same task code runs in-process: the run controller's
+  first step enqueued, each task's end advances the run, and training is enqueued exactly once.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from aerie import layout
-from aerie.contracts import IngestOptions, IngestRequest, TrainRequest
+from aerie import controller, layout
+from aerie.contracts import IngestOptions, IngestRequest, PlannedTraining, TrainRequest
 from aerie.queue import INGEST_TASK, make_app
 from aerie.settings import Settings
 from tests.runs import DATA
@@ -160,14 +160,18 @@ def test_eager_app_runs_the_same_tasks_and_trains_once(tmp_path, smollm2_path):
         model=str(smollm2_path),
         capture_points=[2, 15, 27],
         options=IngestOptions(max_tokens=96, shard_tokens=64),
-        train_after=TrainRequest(runs=["eager"], drafter="d-eager", model=str(smollm2_path)),
     )
-    result = app.tasks[INGEST_TASK].apply_async(kwargs=request.model_dump(mode="json")).get()
-    assert result["fanned_out"] == len(result["shards"]) == 3
+    training = PlannedTraining(train=TrainRequest(runs=["eager"], drafter="d-eager", model=str(smollm2_path)))
     from aerie.runs import run_status
     from aerie.store import FsStore
 
     store = FsStore(tmp_path / "store")
+    dispatcher = controller.OnWorkers(app, settings, "test")
+    controller.start(store, settings, controller.new_plan(request), [training], dispatcher)
+    ((step, task, sent),) = dispatcher.results  # the first step; the tasks enqueue the rest
+    result = sent.get()
+    assert (step.kind, task) == ("ingest", INGEST_TASK)
+    assert result["fanned_out"] == len(result["shards"]) == 3
     status = run_status(store, "eager")
     assert status.complete and status.hidden_done == 3 and status.rejects == 8
     # a redelivered extract of a finished run neither redoes the shard nor trains again

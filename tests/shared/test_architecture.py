@@ -35,7 +35,11 @@ def test_the_trainer_does_not_depend_on_the_extractor():
     assert not [d for d in deps if d.startswith("aerie-extractor")], deps
 
 
-def test_each_stage_is_defined_once_and_every_caller_uses_it():
+def test_each_stage_is_defined_once_and_composed_through_the_registry_only_outside_its_service():
+    """The shared library (the run controller's in-process dispatcher under `aerie run`), the
+    benchmarks and the tests compose the services through `aerie.stages` (entry points); a service
+    calls its own stage functions directly, never through the registry (go-to-definition reaches
+    the code, and stale installed metadata cannot change what a worker runs)."""
     sources = {
         p: p.read_text()
         for root in ("shared", "services", "benchmarks", "tests")
@@ -45,18 +49,23 @@ def test_each_stage_is_defined_once_and_every_caller_uses_it():
     for stage in ("run_ingest", "run_extract", "run_train"):
         defined = [p for p, text in sources.items() if re.search(rf"^def {stage}\(", text, re.M)]
         assert len(defined) == 1, (stage, defined)
-    # the transports call aerie.stages: the tasks, `aerie run`, the GPU driver, the tests' drafter
     for path in (
-        "services/extractor/aerie_extractor/tasks.py",
-        "services/trainer/aerie_trainer/tasks.py",
+        "shared/aerie/controller.py",
         "shared/aerie/pipeline.py",
         "benchmarks/gpu_pipeline.py",
         "tests/trained.py",
         "tests/runs.py",
     ):
         text = (REPO / path).read_text()
-        assert re.search(r"stages\.(ingest|extract|train)\(", text), path
+        assert re.search(r"stages\.(ingest|extract|train)\b", text), path
         assert not re.search(r"\brun_(ingest|extract|train)\(", text), f"{path} calls a stage's implementation directly"
+    for path in (REPO / "services").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"\bstages\.[a-z]+\(|from aerie import .*\bstages\b|import aerie\.stages", text), (
+            f"{path.relative_to(REPO)} calls its own service through the registry (aerie.stages)"
+        )
+    for path in ("services/extractor/aerie_extractor/tasks.py", "services/trainer/aerie_trainer/tasks.py"):
+        assert re.search(r"\brun_(ingest|extract|train)\(", (REPO / path).read_text()), path
 
 
 def test_command_surface():

@@ -12,8 +12,8 @@ import pytest
 import redis
 import torch
 
-from aerie import presets
-from aerie.contracts import IngestRequest
+from aerie import layout, presets
+from aerie.contracts import IngestRequest, PlannedTraining
 from aerie_trainer.model import DrafterConfig, Eagle3Drafter
 from aerie_trainer.sizing import FIT_FRACTION, GiB, choose_sharding, target_parameters, training_bytes
 from tests.runs import DATA
@@ -83,7 +83,7 @@ def test_fsdp_is_chosen_when_the_drafter_does_not_fit_one_device():
 
 def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_path):
     """`enqueue --preset llama-3.1-8b --train-drafter`: the ingest message carries the preset's
-    capture points and its training recipe, with an explicit option over the preset."""
+    capture points, and the run's plan its training recipe, with an explicit option over the preset."""
     import subprocess
 
     model = tmp_path / "llama"
@@ -116,7 +116,8 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
     message = json.loads(client.lpop("ingest"))
     request = IngestRequest.model_validate(json.loads(base64.b64decode(message["body"]))[1])
     assert request.capture_points == [2, 16, 29]
-    train = request.train_after.config
+    (train_id,) = layout.planned_training_ids("llama-run", s3_store.list(layout.planned_trainings_prefix("llama-run")))
+    train = s3_store.get_json(layout.planned_training("llama-run", train_id), PlannedTraining).train.config
     assert (train.preset, train.lr, train.epochs, train.steps, train.ttt_steps, train.grad_clip) == (
         "llama-3.1-8b",
         1e-4,

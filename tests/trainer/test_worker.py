@@ -26,7 +26,6 @@ from aerie import layout
 from aerie.contracts import TrainConfig, TrainProgress, TrainRequest
 from aerie.queue import TRAIN_TASK, make_app
 from aerie.settings import Settings
-from aerie_trainer.trainer import default_train_id
 from tests.runs import hidden_run_folder, upload_run
 from tests.services import REPO, clean_env, store_env, wait_until
 from tests.workers import TrainerWorker as Worker
@@ -60,7 +59,7 @@ def job_ranks(worker_pid: int) -> dict[int, int]:
         tree |= frontier
     ranks = {}
     for pid in tree:
-        if "aerie_trainer.launch rank" in procs[pid][2]:
+        if "aerie_trainer.job rank" in procs[pid][2]:
             try:
                 env = dict(
                     v.split("=", 1)
@@ -98,7 +97,7 @@ def test_two_rank_job_survives_a_killed_worker_and_a_killed_rank_and_publishes_o
         holdout_fraction=0.1,
     )
     request = TrainRequest(runs=["sharegpt"], drafter="killed", model=str(smollm2_path), config=cfg)
-    train_id = default_train_id(request)
+    train_id = request.resolved_train_id
     latest = layout.checkpoint_latest(train_id)
     # a short visibility timeout: Redis hands a lost worker's unacknowledged task on after 5 s
     env = clean_env(

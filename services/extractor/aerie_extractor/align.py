@@ -706,7 +706,6 @@ def align_command(run_name: str, server: str, samples: int, seed: int, max_token
     """Measure that a run's training states are what the serving SGLang computes (exit 1 when not)."""
     from pydantic import ValidationError
 
-    from aerie import stages
     from aerie.store import open_store
 
     try:
@@ -718,7 +717,7 @@ def align_command(run_name: str, server: str, samples: int, seed: int, max_token
         raise click.UsageError(f"{flag} {first.get('input')!r}: {why}") from None
     settings = Settings.load()
     try:
-        report = stages.align(open_store(settings), settings, request)
+        report = run_align(open_store(settings), settings, request)
     except EngineError as e:
         raise click.ClickException(" ".join(str(e).split())) from None
     if as_json:

@@ -14,23 +14,25 @@ plugin of that name would be silently replaced.
 `enqueue` checks everything before it writes anything: the request (names, options), then the
 broker (AERIE_BROKER), then uploads a local dataset under its content's key
 (`datasets/sha256/<hex>/<name>`: two files of the same name never overwrite each other), then
-sends. Expected failures print one line naming the cause and the setting; `--debug` shows the
-traceback.
+writes the run's plan (aerie.controller: refused, naming the run, when the run exists with another
+request; the same request again reuses it and retries what failed) and enqueues its first step;
+the workers advance the run from there. Expected failures print one line naming the cause and the
+setting; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
 import click
 from celery.bin.base import CeleryCommand
 
-from aerie import datasets, layout
+from aerie import controller, datasets, layout
 from aerie.cli import one_line_failures
-from aerie.contracts import AlignGate, IngestOptions, IngestRequest, RunStatus, TrainRequest
+from aerie.contracts import AlignGate, IngestOptions, IngestRequest, PlannedTraining, RunStatus, TrainRequest
 from aerie.presets import train_options
-from aerie.queue import INGEST_TASK
 
 
 def _app_settings(ctx: click.Context):
@@ -107,7 +109,9 @@ def _points(value: str | None) -> list[int] | None:
 @click.option(
     "--regenerate-shard-records", type=int, default=None, help="with --regenerate: conversations per task (default 256)"
 )
-@click.option("--fan-out/--no-fan-out", default=True, help="enqueue one extract task per shard")
+@click.option(
+    "--fan-out/--no-fan-out", default=True, help="extract the run's shards once ingested (--no-fan-out: ingest only)"
+)
 @click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
@@ -153,7 +157,7 @@ def enqueue(
     allow_misaligned,
     **training,
 ):
-    """Enqueue a dataset for ingest + extraction (task aerie.ingest)."""
+    """Plan a run (ingest, extraction, the training after it) and enqueue its first step (task aerie.ingest)."""
     from aerie import presets
 
     regeneration = {
@@ -205,7 +209,6 @@ def enqueue(
             scale_block=scale_block,
             target_signal=target_signal,
             topk=topk,
-            fan_out=fan_out,
             options=IngestOptions(
                 loss_on=loss_on,
                 max_tokens=max_tokens,
@@ -216,10 +219,16 @@ def enqueue(
                 regenerate=regenerate,
                 **regeneration,
             ),
-            train_after=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config)
+        )
+        trainings = (
+            [
+                PlannedTraining(
+                    train=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config),
+                    align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
+                )
+            ]
             if train_drafter
-            else None,
-            align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
+            else []
         )
     except ValueError as e:  # a refused name or option: one line naming the field
         raise click.ClickException(" ".join(str(e).split())) from None
@@ -240,16 +249,24 @@ def enqueue(
             f"--dataset {dataset}: neither a file here nor an object in {store.url} "
             "(give a local file to upload, or the key of an uploaded dataset)"
         )
-    result = app.send_task(INGEST_TASK, kwargs=request.model_dump(mode="json"))
-    ctx.obj.echo(f"enqueued {INGEST_TASK} {result.id} for run {run_name}")
-    if wait:
+    # the run's plan, then its first step: the workers advance it from there (aerie.controller)
+    dispatcher = controller.OnWorkers(app, settings, owner=f"enqueue-{secrets.token_hex(8)}")
+    state = controller.start(store, settings, controller.new_plan(request, fan_out=fan_out), trainings, dispatcher)
+    for _, task, sent in dispatcher.results:
+        ctx.obj.echo(f"enqueued {task} {sent.id} for run {run_name}")
+    if not dispatcher.results:
+        ctx.obj.echo(
+            f"run {run_name} is planned already ({state.phase}): nothing new to enqueue (`progress --run {run_name}`)"
+        )
+    ingested = [sent for step, _, sent in dispatcher.results if step.kind == "ingest"]
+    if wait and ingested:
         from celery.exceptions import TimeoutError as ResultTimeout
 
         try:
-            summary = result.get(timeout=wait)
+            summary = ingested[0].get(timeout=wait)
         except ResultTimeout:
             raise click.ClickException(
-                f"the ingest of run {run_name} (task {result.id}) did not finish within --wait {wait:g} s: "
+                f"the ingest of run {run_name} (task {ingested[0].id}) did not finish within --wait {wait:g} s: "
                 "is a worker consuming queue 'ingest'? (`progress --run` shows it)"
             ) from None
         ctx.obj.echo(
@@ -337,5 +354,10 @@ def progress(ctx, run_name, watch, timeout, as_json):
         if jobs:
             console.print(progress_table(jobs))
             console.print(logs_hint(settings.store, jobs[0].logs))
+        try:  # where the run controller has it (a run with a plan)
+            state = controller.state(store, run_name)
+            console.print(f"run {run_name}: {state.phase}" + (f": {state.failure}" if state.failure else ""))
+        except controller.NoPlan:
+            pass
     if watch and not status.complete:
         raise SystemExit(1)

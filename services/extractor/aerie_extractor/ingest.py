@@ -590,8 +590,6 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
         target_signal=request.target_signal,
         topk=request.topk if request.target_signal == "topk" else None,
         ingest=request.options,
-        train_after=request.train_after,
-        align=request.align,
     )
 
 

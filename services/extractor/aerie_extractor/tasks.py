@@ -1,20 +1,26 @@
 """The Celery tasks of the extractor: the `ingest`, `regenerate`, `extract` and `align` stages on the queues.
 
-- Names come from `aerie.queue` (`aerie.ingest`, `aerie.regenerate`, `aerie.extract`); routing
-  sends them to the `ingest` (ingest, regenerate, align) and `extract` queues.
-- A run with `regenerate`: ingest enqueues one `aerie.regenerate` per conversation shard, and each
-  enqueues its shard's `aerie.extract` as soon as the shard's tokens are stored; each follow-up is
-  sent once (`claim_once`, keyed by the run's creation time and the shard), also when a task is
-  redelivered after it sent. A shard is answered by one live delivery at a time (`held`): a second
-  one waits for it, then finds the shard done, or takes over if the first died. Kwargs are JSON, validated by IngestRequest / ExtractRequest
-  (`aerie.queue.parse_message`: a message that does not match, e.g. a refused name, fails once).
+- Names come from `aerie.queue` (`aerie.ingest`, `aerie.regenerate`, `aerie.extract`, `aerie.align`);
+  routing sends them to the `ingest` (ingest, regenerate, align) and `extract` queues.
+- Each task runs its stage (this service's own function) and, when it ends, calls the run
+  controller's `advance` (aerie.controller), which enqueues what the run's plan says comes next,
+  each step once across redeliveries and racing workers: an ingest's end enqueues the run's
+  regenerate or extract tasks, a regenerated shard's end its extraction, the last extraction's end
+  the alignment check or the training, a passed check's end the training. A bare `aerie.ingest`
+  message (no plan written by `enqueue`) creates the plan it implies: ingest, then extract.
+- A shard is answered by one live delivery at a time (`held`): a second one waits for it, then
+  finds the shard done, or takes over if the first died. Kwargs are JSON, validated by their
+  contract (`aerie.queue.parse_message`: a message that does not match, e.g. a refused name,
+  fails once).
 - Retries and failures follow `aerie.queue.run_task` (the same in every service): store errors
   and retryable engine errors are retried with backoff; a refused engine (EngineMismatch) or a
-  bad request fails at once; what gives up is recorded in `runs/<run>/failed/` (shard or ingest).
+  bad request fails at once; what gives up is recorded in `runs/<run>/failed/` (shard or ingest),
+  where the controller reads it (the run's phase is `failed` until the same request, or
+  `aerie retry-failed`, sends it again).
+- An alignment check the run's plan asked for (`enqueue --train-drafter D --server URL`) records
+  its outcome for the controller; when it fails and the training does not `--allow-misaligned`,
+  the task fails naming its report, and the training is not enqueued.
 - No settings are read at import: the app that runs a task carries them (`app.aerie_settings`).
-- A complete run that asks for training (`train_after`) and for an alignment check first
-  (`align`: `enqueue --train-drafter D --server URL`) gets `aerie.align`, which enqueues the
-  training when the check passes (or `allow_misaligned`), and fails naming its report otherwise.
 
 Enqueue from the Celery CLI (the worker's app module is `aerie_extractor.worker`):
 
@@ -28,8 +34,9 @@ import logging
 
 from celery import Task, shared_task
 
-from aerie import layout, runs, stages
+from aerie import controller, runs
 from aerie.contracts import AlignRequest, ExtractRequest, IngestRequest, RegenerateRequest
+from aerie.controller import OnWorkers, RunConflict
 from aerie.queue import (
     ALIGN_TASK,
     EXTRACT_TASK,
@@ -37,46 +44,47 @@ from aerie.queue import (
     MAX_RETRIES,
     REGENERATE_TASK,
     TRAIN_TASK,
-    claim_once,
-    enqueue,
     held,
-    mark_done,
     parse_message,
     run_task,
     task_progress,
     task_settings,
     task_store,
 )
-from aerie.settings import Settings
-from aerie.store import ObjectStore
+from aerie_extractor.align import AlignmentFailed, run_align
+from aerie_extractor.extract import run_extract
+from aerie_extractor.ingest import run_ingest
+from aerie_extractor.regenerate import run_regenerate
 
 log = logging.getLogger(__name__)
+
+
+def _advance(task: Task, run: str) -> controller.RunState | None:
+    """The run controller's next steps, enqueued from this task (claims owned by its id, so a
+    redelivery of a task that died between claiming and sending sends them then)."""
+    settings = task_settings(task.app)
+    return controller.advance_planned(
+        task_store(settings), settings, run, OnWorkers(task.app, settings, task.request.id or "local")
+    )
 
 
 @shared_task(bind=True, name=INGEST_TASK, max_retries=MAX_RETRIES)
 def ingest(self: Task, **kwargs) -> dict:
     request = parse_message(IngestRequest, kwargs)
     settings = task_settings(self.app)
+    store = task_store(settings)
+
+    def work():
+        controller.plan_for(store, request)  # created before anything of the run is written
+        return run_ingest(store, settings, request)
 
     def give_up(error: BaseException, attempts: int) -> None:
-        runs.record_ingest_failure(task_store(settings), request, error, attempts)
+        if not isinstance(error, RunConflict):  # another request's run: its records are not this one's
+            runs.record_ingest_failure(store, request, error, attempts)
 
-    result = run_task(self, lambda: stages.ingest(task_store(settings), settings, request), give_up)
-    if request.fan_out:
-        for shard in result.shards:
-            enqueue(self.app, EXTRACT_TASK, ExtractRequest(run=request.run, shard=shard).model_dump(mode="json"))
-        result.fanned_out = len(result.shards)
-        if result.regenerate_shards:
-            created = runs.load_run(task_store(settings), request.run).created_at
-            for shard in result.regenerate_shards:
-                result.fanned_out += send_once(
-                    self.app,
-                    settings,
-                    f"regenerate:{request.run}:{created}:{shard}",
-                    self.request.id or "local",
-                    REGENERATE_TASK,
-                    RegenerateRequest(run=request.run, shard=shard).model_dump(mode="json"),
-                )
+    result = run_task(self, work, give_up)
+    state = _advance(self, request.run)
+    result.fanned_out = len(state.sent) if state is not None else 0
     return result.model_dump(mode="json")
 
 
@@ -91,32 +99,10 @@ def regenerate(self: Task, **kwargs) -> dict:
         runs.record_failure(store, request.run, request.shard, error, attempts)
 
     with held(settings, f"regenerate:{request.run}:{request.shard}"):  # one live delivery answers a shard
-        result = run_task(self, lambda: stages.regenerate(store, settings, request, task_progress(self)), give_up)
-    owner = self.request.id or "local"
-    if request.fan_out and store.exists(layout.shard_record(request.run, "tokens", request.shard)):
-        created = runs.load_run(store, request.run).created_at
-        result.extract_enqueued = bool(
-            send_once(
-                self.app,
-                settings,
-                f"extract:{request.run}:{created}:{request.shard}",
-                owner,
-                EXTRACT_TASK,
-                ExtractRequest(run=request.run, shard=request.shard).model_dump(mode="json"),
-            )
-        )
-    elif request.fan_out:  # every conversation refused: nothing to extract, and the run may be complete now
-        maybe_enqueue_train(self.app, settings, store, request.run, owner)
+        result = run_task(self, lambda: run_regenerate(store, settings, request, task_progress(self)), give_up)
+    state = _advance(self, request.run)
+    result.extract_enqueued = state is not None and any(s.name == f"extract:{request.shard}" for s in state.sent)
     return result.model_dump(mode="json")
-
-
-def send_once(app, settings: Settings, name: str, owner: str, task: str, kwargs: dict) -> int:
-    """Enqueue `task` once for `name` across redeliveries and racing workers (1 when sent here)."""
-    if not claim_once(settings, name, owner):
-        return 0
-    enqueue(app, task, kwargs)
-    mark_done(settings, name)
-    return 1
 
 
 @shared_task(bind=True, name=EXTRACT_TASK, max_retries=MAX_RETRIES)
@@ -127,72 +113,33 @@ def extract(self: Task, **kwargs) -> dict:
     def give_up(error: BaseException, attempts: int) -> None:
         runs.record_failure(task_store(settings), request.run, request.shard, error, attempts)
 
-    result = run_task(self, lambda: stages.extract(task_store(settings), settings, request), give_up)
-    result.train_enqueued = maybe_enqueue_train(
-        self.app, settings, task_store(settings), request.run, self.request.id or "local"
-    )
+    result = run_task(self, lambda: run_extract(task_store(settings), settings, request), give_up)
+    state = _advance(self, request.run)
+    result.train_enqueued = state is not None and any(s.kind == "train" for s in state.sent)
+    _log_sent(request.run, state)
     return result.model_dump(mode="json")
 
 
 @shared_task(bind=True, name=ALIGN_TASK, max_retries=MAX_RETRIES)
 def align(self: Task, **kwargs) -> dict:
-    """The alignment check (report in `runs/<run>/align/`); with `then_train`, the training after it."""
+    """The alignment check (report in `runs/<run>/align/`); for a check the run's plan asked, its
+    outcome recorded and the run advanced (the training after it, when it passed or may train anyway)."""
     from aerie.alignment import failure_message
-    from aerie_extractor.align import AlignmentFailed
 
     request = parse_message(AlignRequest, kwargs)
     settings = task_settings(self.app)
-    report = run_task(self, lambda: stages.align(task_store(settings), settings, request))
-    if request.then_train is not None:
-        if not report.passed and not request.allow_misaligned:
-            raise AlignmentFailed(failure_message(report))
-        enqueue(self.app, TRAIN_TASK, request.then_train.model_dump(mode="json"))
-        log.info(
-            "run %s %s: enqueued %s for drafter %s",
-            request.run,
-            "aligned" if report.passed else "NOT aligned (allow_misaligned)",
-            TRAIN_TASK,
-            request.then_train.drafter,
-        )
+    store = task_store(settings)
+    report = run_task(self, lambda: run_align(store, settings, request))
+    gated = controller.record_alignment(store, request, report)
+    _log_sent(request.run, _advance(self, request.run) if gated else None, report.passed)
+    if not report.passed and any(not p.align.allow_misaligned for p in gated):
+        raise AlignmentFailed(failure_message(report))
     return report.model_dump(mode="json")
 
 
-def maybe_enqueue_train(app, settings: Settings, store: ObjectStore, run: str, owner: str) -> bool:
-    """When the run is complete and asks for training, enqueue `aerie.train` exactly once.
-
-    Every extract checks after writing its record, so the last to finish sees the run
-    complete (two may both see it: the claim lets one through). The claim's owner is the task
-    id, so a redelivered task that died after claiming but before sending sends it then.
-    """
-    if not runs.run_complete(store, run):
-        return False
-    spec = runs.load_run(store, run)
-    if spec.train_after is None:
-        return False
-    name = f"train:{run}"  # not keyed by anything a concurrent re-ingest could rewrite
-    if not claim_once(settings, name, owner):
-        return False
-    if spec.align is not None:  # the check first; it enqueues the training
-        gate = spec.align
-        enqueue(
-            app,
-            ALIGN_TASK,
-            AlignRequest(
-                run=run,
-                server=gate.server,
-                samples=gate.samples,
-                seed=gate.seed,
-                then_train=spec.train_after,
-                allow_misaligned=gate.allow_misaligned,
-            ).model_dump(mode="json"),
-        )
-    else:
-        enqueue(app, TRAIN_TASK, spec.train_after.model_dump(mode="json"))
-    mark_done(settings, name)
-    log.info(
-        "run %s complete: enqueued %s for drafter %s",
-        run,
-        ALIGN_TASK if spec.align else TRAIN_TASK,
-        spec.train_after.drafter,
-    )
-    return True
+def _log_sent(run: str, state: controller.RunState | None, aligned: bool | None = None) -> None:
+    for step in state.sent if state is not None else []:
+        if step.kind in ("align", "train"):
+            how = {None: "complete", True: "aligned", False: "NOT aligned (allow_misaligned)"}[aligned]
+            what = ALIGN_TASK if step.kind == "align" else f"{TRAIN_TASK} for drafter {step.request.drafter}"
+            log.info("run %s %s: enqueued %s", run, how, what)

@@ -26,10 +26,10 @@ def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
     """Train, evaluate and publish a drafter in this process (or one torchrun rank)."""
     import torch
 
-    from aerie import stages
     from aerie.contracts import ProgressEvent, TrainConfig, TrainRequest
     from aerie.settings import Settings
     from aerie.store import open_store
+    from aerie_trainer.job import run_train
 
     request = TrainRequest(
         runs=list(runs),
@@ -46,7 +46,7 @@ def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
         if main and (event.stage != "train" or (event.step or 0) % 10 == 0 or event.step == event.steps):
             click.echo(event.model_dump_json(exclude_none=True))
 
-    result = stages.train(open_store(settings), settings, request, show)
+    result = run_train(open_store(settings), settings, request, show)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if main:

@@ -4,13 +4,13 @@
     torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
     celery -A aerie_trainer.worker call aerie.train --kwargs '{"runs": ["sharegpt"], "drafter": "NAME", "model": "M"}'
 
-All three run `run_train` (registered as the stage `train` in `aerie.stages`). Called outside a
-distributed job with more than one rank wanted (AERIE_TRAIN_RANKS: every GPU the worker was
+All three call `run_train` (registered as the stage `train` in `aerie.stages` for the shared
+library, which composes the services: `aerie run`). Called outside a distributed job with more than one rank wanted (AERIE_TRAIN_RANKS: every GPU the worker was
 given), it starts the job as torchrun's ranks (aerie_trainer.launch) and relays their progress.
 In a rank: DDP or FSDP2 by the memory estimate (aerie_trainer.sizing; AERIE_TRAIN_SHARDING
 overrides); rank 0 checkpoints, tracks, evaluates and publishes. A job started again with the same
 request resumes from its last checkpoint; a request whose drafter version is already published
-returns its lineage.
+returns its lineage; two starts of one training at once train once (the train id's lease).
 """
 
 from __future__ import annotations
@@ -21,17 +21,12 @@ from pathlib import Path
 from aerie import drafters, layout
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
+from aerie.queue import held
 from aerie.settings import Settings
 from aerie.store import ObjectStore
 from aerie_trainer import export
 from aerie_trainer.evaluate import Evaluator
-from aerie_trainer.trainer import Progress, Trainer, default_train_id, setup_dist
-
-
-def version_of(request: TrainRequest) -> str:
-    """The version a request publishes: the hash part of its train id (or the id it names)."""
-    train_id = request.train_id or default_train_id(request)
-    return train_id.rsplit("-", 1)[-1] if request.train_id is None else train_id
+from aerie_trainer.trainer import Progress, Trainer, setup_dist
 
 
 def eval_prompts(store: ObjectStore, request: TrainRequest) -> str | None:
@@ -42,47 +37,42 @@ def eval_prompts(store: ObjectStore, request: TrainRequest) -> str | None:
     return local.read_text() if local.is_file() else store.get_bytes(request.eval_prompts_file).decode()
 
 
-def already_published(store: ObjectStore, request: TrainRequest) -> TrainResult | None:
-    if not request.publish:
-        return None
-    train_id, version = request.train_id or default_train_id(request), version_of(request)
-    done = drafters.published_lineage(store, request.drafter, version)
-    if done is None:
-        return None
-    return TrainResult.of(
-        request.drafter,
-        version,
-        done.metrics,
-        already_published=True,
-        train_id=train_id,
-        key=layout.drafter_prefix(request.drafter, version),
-        layer_ids=done.exported_layer_ids,
-    )
-
-
 def run_train(
     store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress | None = None
 ) -> TrainResult:
-    """Train (resuming if a checkpoint exists), evaluate before/after, export and publish."""
+    """Train (resuming if a checkpoint exists), evaluate before/after, export and publish.
+
+    One job per train id: the process that starts it (not a rank) holds the train id's lease
+    (aerie.queue.held: on the broker, or a lock of this host in-process) while it trains, so the
+    same training started twice trains once, in one checkpoint namespace, and publishes once (the
+    second start waits, then finds it published); a redelivered task of a killed holder takes the
+    lease over once it lapses, and resumes from the last checkpoint."""
     progress = progress or (lambda event: None)
-    done = already_published(store, request)  # every rank sees it and stops
-    if done is not None:
-        progress(ProgressEvent(stage="done", message=f"drafter {request.drafter}:{done.version} already published"))
-        return done
-    if "WORLD_SIZE" not in os.environ:
+    if "WORLD_SIZE" in os.environ:  # a rank of a job its launcher holds
+        return _published(request, progress, store) or train_here(store, settings, request, progress)
+    with held(settings, f"train:{request.resolved_train_id}"):
+        done = _published(request, progress, store)
+        if done is not None:
+            return done
         from aerie_trainer.launch import resolve_ranks, run_ranks
 
         ranks = resolve_ranks(settings)
         if ranks > 1:
-            return run_ranks(settings, request, ranks, progress)
-    return train_here(store, settings, request, progress)
+            return run_ranks(settings, request, ranks, progress, entry="aerie_trainer.job")  # each rank: main()
+        return train_here(store, settings, request, progress)
+
+
+def _published(request: TrainRequest, progress: Progress, store: ObjectStore) -> TrainResult | None:
+    done = drafters.published_result(store, request)  # every rank sees it and stops
+    if done is not None:
+        progress(ProgressEvent(stage="done", message=f"drafter {request.drafter}:{done.version} already published"))
+    return done
 
 
 def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress) -> TrainResult:
     """This process's part: the whole job, or one rank of it."""
     dist = setup_dist(settings.device)
-    train_id = request.train_id or default_train_id(request)
-    version = version_of(request)
+    train_id, version = request.resolved_train_id, request.version
     sharding, why = sharding_for(store, settings, request, dist.world_size)
     trainer = Trainer(store, request, dist, progress, sharding=sharding, trackers=settings.train_trackers)
     st = trainer.state
@@ -209,10 +199,26 @@ def record_failure(store: ObjectStore, request: TrainRequest, error: BaseExcepti
     """`checkpoints/<train-id>/failed.json`: the job gave up (read by `aerie run` and `progress`)."""
     from aerie.training import mark_failed
 
-    train_id = request.train_id or default_train_id(request)
+    train_id = request.resolved_train_id
     text = f"{type(error).__name__}: {error}"
     store.put_json(
         layout.train_failure(train_id),
         TrainFailure(train_id=train_id, drafter=request.drafter, error=text, attempts=attempts),
     )
     mark_failed(store, train_id, request.drafter, list(request.runs), text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m aerie_trainer.job rank JOB_DIR`: one rank of a job `run_ranks` started."""
+    import sys
+
+    from aerie_trainer.launch import run_rank
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["rank"] or len(argv) != 2:
+        raise SystemExit("usage: python -m aerie_trainer.job rank JOB_DIR")
+    run_rank(Path(argv[1]), run_train)
+
+
+if __name__ == "__main__":
+    main()

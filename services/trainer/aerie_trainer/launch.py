@@ -8,7 +8,7 @@
 one rank is wanted) starts
 
     python -m aerie_trainer.launch guard -- python -m torch.distributed.run --standalone \\
-        --nproc_per_node N --max-restarts 0 -m aerie_trainer.launch rank JOB_DIR
+        --nproc_per_node N --max-restarts 0 -m aerie_trainer.job rank JOB_DIR
 
 and relays what rank 0 reports (progress events, then the result) from files in JOB_DIR.
 
@@ -98,9 +98,14 @@ def die_with_parent(sig: int) -> None:
 
 
 def run_ranks(
-    settings: Settings, request: TrainRequest, ranks: int, progress: Callable[[ProgressEvent], None]
+    settings: Settings,
+    request: TrainRequest,
+    ranks: int,
+    progress: Callable[[ProgressEvent], None],
+    entry: str = "aerie_trainer.job",
 ) -> TrainResult:
-    """Train on `ranks` ranks (torchrun child), relaying rank 0's progress; raises RankFailed."""
+    """Train on `ranks` ranks (torchrun child running `python -m ENTRY rank JOB_DIR` in each,
+    which calls `run_rank`), relaying rank 0's progress; raises RankFailed."""
     job = Path(tempfile.mkdtemp(prefix="aerie-train-"))
     try:
         (job / "request.json").write_text(request.model_dump_json())
@@ -124,7 +129,7 @@ def run_ranks(
             "--max-restarts",
             "0",
             "-m",
-            "aerie_trainer.launch",
+            entry,
             "rank",
             str(job),
         ]
@@ -235,10 +240,11 @@ def _guard(argv: list[str]) -> None:
     os.execv(cmd[0], cmd)
 
 
-def _rank(job: Path) -> None:
-    """One rank: the train stage in this process (RANK/WORLD_SIZE from torchrun)."""
+def run_rank(job: Path, train: Callable[..., TrainResult]) -> None:
+    """One rank (RANK/WORLD_SIZE from torchrun): `train(store, settings, request, progress)` in this
+    process, the job's request and settings read from JOB_DIR and the environment; rank 0's progress
+    and result written back for `run_ranks`."""
     die_with_parent(signal.SIGKILL)
-    from aerie import stages  # the registered train stage (aerie_trainer.job.run_train), run as a rank
     from aerie.store import open_store
 
     settings = Settings.load()
@@ -253,7 +259,7 @@ def _rank(job: Path) -> None:
             events.flush()
 
     try:
-        result = stages.train(open_store(settings), settings, request, report)
+        result = train(open_store(settings), settings, request, report)
     except Exception as e:  # every rank says what it raised; job_failure picks the cause
         record_failure(job, rank, e)
         raise
@@ -271,10 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["guard"]:
         _guard(argv[1:])
-    elif argv[:1] == ["rank"] and len(argv) == 2:
-        _rank(Path(argv[1]))
     else:
-        raise SystemExit("usage: python -m aerie_trainer.launch guard PARENT_PID -- CMD... | rank JOB_DIR")
+        raise SystemExit("usage: python -m aerie_trainer.launch guard PARENT_PID -- CMD...")
 
 
 if __name__ == "__main__":

@@ -5,16 +5,19 @@ Registered with `shared_task`, so it binds to whichever app includes this module
 store errors are retried with backoff; a job that gives up is recorded in
 `checkpoints/<train-id>/failed.json`. A killed worker's task is redelivered (acks_late +
 reject_on_worker_lost, see aerie.queue) and resumes from its last checkpoint; a task whose drafter
-version is already published returns it. Progress goes to the task state (`PROGRESS`).
+version is already published returns it; the same training delivered twice trains once (the train
+id's lease, aerie_trainer.job.run_train). Progress goes to the task state (`PROGRESS`) and to the
+run's progress record, which the run controller (aerie.controller) reads: the train step is a run's
+last, so this task dispatches nothing after it.
 """
 
 from __future__ import annotations
 
 from celery import Task, shared_task
 
-from aerie import stages
 from aerie.contracts import TrainRequest
 from aerie.queue import MAX_RETRIES, TRAIN_TASK, parse_message, run_task, task_progress, task_settings, task_store
+from aerie_trainer.job import record_failure, run_train
 
 
 @shared_task(bind=True, name=TRAIN_TASK, max_retries=MAX_RETRIES)
@@ -23,9 +26,7 @@ def train(self: Task, **kwargs) -> dict:
     settings = task_settings(self.app)
 
     def give_up(error: BaseException, attempts: int) -> None:
-        from aerie_trainer.job import record_failure
-
         record_failure(task_store(settings), request, error, attempts)
 
-    result = run_task(self, lambda: stages.train(task_store(settings), settings, request, task_progress(self)), give_up)
+    result = run_task(self, lambda: run_train(task_store(settings), settings, request, task_progress(self)), give_up)
     return result.model_dump(mode="json")

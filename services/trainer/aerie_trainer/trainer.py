@@ -12,7 +12,6 @@ Steps: `TrainConfig.steps`, else `epochs` passes over this rank's batches (divid
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ __all__ = [
     "Progress",
     "Trainer",
     "clip_and_step",
-    "default_train_id",
     "lr_at",
     "make_optimizer",
     "pack_stats",
@@ -68,7 +66,7 @@ class Trainer:
     ):
         self.store, self.request, self.cfg, self.dist, self.sharding = store, request, request.config, dist, sharding
         self.progress = progress or (lambda event: None)
-        self.train_id = request.train_id or default_train_id(request)
+        self.train_id = request.resolved_train_id
         cfg = self.cfg
         self.runset = load_runs(store, request.runs)
         self.data = HiddenData(
@@ -299,9 +297,3 @@ def read_stats(
         stats[1 + S : 1 + 2 * S].long(),
         stats[1 + 2 * S :].long(),
     )
-
-
-def default_train_id(request: TrainRequest) -> str:
-    """Same inputs -> same id: a redelivered task finds its own checkpoints."""
-    basis = request.model_dump_json(exclude={"train_id", "publish"})
-    return f"{request.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"

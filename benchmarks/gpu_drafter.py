@@ -67,15 +67,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STAGES = ("regen", "extract", "train", "serve")
-ARMS = {  # name: (fraction of the parts, bf16 states, fraction of main's steps)
-    "main": (1.0, False, 1.0),
-    "steps-1/2": (1.0, False, 0.5),
-    "steps-1/4": (1.0, False, 0.25),
-    "data-1/2": (0.5, False, 0.5),
-    "data-1/4": (0.25, False, 0.25),
-    "data-1/8": (0.125, False, 0.125),
-    "bf16-1/4": (0.25, True, 0.25),
+ARMS = {  # name: (fraction of the parts, bf16 states, fraction of main's steps, x main's learning rate)
+    "main": (1.0, False, 1.0, 1.0),
+    "steps-1/2": (1.0, False, 0.5, 1.0),
+    "steps-1/4": (1.0, False, 0.25, 1.0),
+    "data-1/2": (0.5, False, 0.5, 1.0),
+    "data-1/4": (0.25, False, 0.25, 1.0),
+    "data-1/8": (0.125, False, 0.125, 1.0),
+    "bf16-1/4": (0.25, True, 0.25, 1.0),
+    "lr-x2": (1.0, False, 1.0, 2.0),  # main at twice its learning rate, equal tokens (issue 39's second arm)
 }
+DEFAULT_ARMS = "main,steps-1/2,steps-1/4,data-1/2,data-1/4,data-1/8,bf16-1/4"
 SPEC = [
     "--speculative-algorithm",
     "EAGLE3",
@@ -144,8 +146,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--serve-parallel", type=int, default=8, help="servers at once (the plain one and the arms')")
     # train
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=DEFAULT_ARMS)
     ap.add_argument("--epochs", type=float, default=6.0, help="main's passes over all parts")
+    ap.add_argument(
+        "--tokens", type=float, default=None, help="main's token slots (steps x --batch-tokens); overrides --epochs"
+    )
+    ap.add_argument(
+        "--curve-points",
+        type=int,
+        default=0,
+        help="N > 1: an arm's steps are a multiple of 2^(N-1) and its checkpoints at 1/2, 1/4 ... 1/2^(N-1) of "
+        "them are kept (WORK/curve-ARM/step-S/) for serve to export and serve beside the final drafter",
+    )
+    ap.add_argument(
+        "--bf16-parts", type=int, default=None, help="parts also extracted in bf16 (default a quarter; 0: none)"
+    )
+    ap.add_argument("--ingest-procs", type=int, default=1, help="parts ingested from --answers at once (processes)")
+    ap.add_argument("--arm-retry-s", type=float, default=30.0, help="a dead arm starts again this long after it died")
     ap.add_argument("--train-budget-s", type=float, default=None, help="the train stage stops its arms after this long")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--max-seq", type=int, default=2048)
@@ -160,7 +177,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-tokens", type=int, default=128)
     ap.add_argument("--train-arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child process
     # serve
-    ap.add_argument("--serve-arms", default=",".join(ARMS))
+    ap.add_argument("--serve-arms", default=DEFAULT_ARMS)
+    ap.add_argument(
+        "--serve-curve", default="", help="arms whose kept checkpoints (--curve-points) are served too, as ARM@STEP"
+    )
+    ap.add_argument(
+        "--figures",
+        default="figures.json",
+        help="this process's figures file in OUT and WORK (a train stage running beside a serve stage writes its own)",
+    )
     ap.add_argument("--gsm8k", type=int, default=200)
     ap.add_argument("--mtbench", type=int, default=80)
     ap.add_argument("--serve-tokens", type=int, default=256)
@@ -168,7 +193,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--speed-prompts", type=int, default=8, help="0: no plain server, no decode speed")
     a = ap.parse_args(argv)
     a.stage_list = [s for s in a.stages.split(",") if s]
-    bad = sorted(set(a.stage_list) - set(STAGES)) + sorted(set(a.arms.split(",")) - set(ARMS))
+    named = {*a.arms.split(","), *a.serve_arms.split(","), *filter(None, a.serve_curve.split(","))}
+    bad = sorted(set(a.stage_list) - set(STAGES)) + sorted(named - set(ARMS))
     if bad:
         ap.error(f"unknown stages or arms {bad}")
     a.started = time.monotonic()
@@ -196,8 +222,8 @@ class Bench:
             tokens_per_batch=65536 if a.device != "cpu" else 2048,
             train_trackers=[],
         )  # the device has no tensorboardX; the figures go to figures.json
-        fig = self.out / "figures.json"
-        prior = self.work / "figures.json"  # what earlier calls on this machine measured
+        fig = self.out / a.figures
+        prior = self.work / a.figures  # what earlier calls on this machine measured
         self.figures = json.loads(prior.read_text()) if prior.is_file() else {"calls": []}
         self.figures["calls"].append(
             {"stages": a.stage_list, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -367,10 +393,9 @@ class Bench:
         log("answers exported", out, out.stat().st_size, "bytes")
 
     def from_answers(self) -> None:
+        """The parts ingested from an earlier session's answers, `--ingest-procs` at once (each a
+        process: ingesting is tokenizing, CPU work)."""
         import lzma
-
-        from aerie import stages
-        from aerie.contracts import IngestOptions, IngestRequest
 
         parts: dict[int, list[str]] = {}
         with lzma.open(self.a.answers, "rt", encoding="utf-8") as f:
@@ -381,25 +406,23 @@ class Bench:
             raise SystemExit(
                 f"{self.a.answers} holds parts {sorted(parts)}, not 0..{self.a.parts - 1}: pass --parts {len(parts)}"
             )
+        jobs = []
         for p, run in enumerate(self.part_runs()):
             path = self.work / f"answers-p{p}.jsonl"
             if not path.is_file():
                 path.write_text("".join(parts[p]), encoding="utf-8")
-            stages.ingest(
-                self.store,
-                self.settings,
-                IngestRequest(
-                    run=run,
-                    dataset=str(path),
-                    model=str(self.model_dir),
-                    engine="hf",
-                    dtype=self.dtype,
-                    storage_dtype="float8_e4m3fn",
-                    options=IngestOptions(max_tokens=self.a.max_seq),
-                    fan_out=False,
-                ),
-            )
+            jobs.append((run, str(path)))
+        t0 = time.monotonic()
+        args = (self.a.store, self.settings.model_dump_json(), str(self.model_dir), self.dtype, self.a.max_seq)
+        if self.a.ingest_procs > 1:
+            with ProcessPoolExecutor(self.a.ingest_procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                list(pool.map(ingest_part, *zip(*[(*args, run, path) for run, path in jobs])))
+        else:
+            for run, path in jobs:
+                ingest_part(*args, run, path)
         self.figures["regen_from"] = str(self.a.answers)
+        self.figures["ingest_s"] = time.monotonic() - t0
+        log(f"ingested {len(jobs)} parts from the answers in {self.figures['ingest_s']:.0f} s")
         self.save()
 
     def baseline(self, url: str, path: Path) -> dict:
@@ -430,7 +453,7 @@ class Bench:
         from aerie_extractor.extract import drop_engine, extract_shards
 
         a = self.a
-        quarter = max(1, a.parts // 4)
+        quarter = max(1, a.parts // 4) if a.bf16_parts is None else a.bf16_parts
         for p, bf16_run in enumerate(self.part_runs(bf16=True)[:quarter]):
             stages.ingest(
                 self.store,
@@ -495,19 +518,27 @@ class Bench:
         from aerie.contracts import TrainConfig, TrainRequest
 
         a = self.a
-        frac, bf16, step_frac = ARMS[name]
+        frac, bf16, step_frac, lr_mult = ARMS[name]
         runs = self.part_runs(bf16)[: max(1, round(a.parts * frac))]
-        all_tokens = sum(self.figures["runs"][r]["tokens"] for r in self.part_runs())
-        main_steps = max(10, int(a.epochs * all_tokens / a.batch_tokens))
+        if a.tokens:
+            main_steps = max(10, int(a.tokens / a.batch_tokens))
+        else:
+            all_tokens = sum(self.run_tokens(r)["tokens"] for r in self.part_runs())
+            main_steps = max(10, int(a.epochs * all_tokens / a.batch_tokens))
         steps = max(10, int(main_steps * step_frac))
+        checkpoint_every = max(50, min(400, steps // 10))
+        if a.curve_points > 1:  # the kept checkpoints at S/2, S/4 ... are checkpoint steps
+            unit = 2 ** (a.curve_points - 1)
+            steps = max(unit, steps // unit * unit)
+            checkpoint_every = steps // unit
         eval_file = self.eval_files()["mtbench"]
         cfg = TrainConfig(
             draft_vocab_size=a.draft_vocab,
             steps=steps,
             batch_tokens=a.batch_tokens,
             max_seq_tokens=a.max_seq,
-            lr=a.lr,
-            checkpoint_every=max(50, min(400, steps // 10)),
+            lr=a.lr * lr_mult,
+            checkpoint_every=checkpoint_every,
             holdout_fraction=0.02,
             eval_prompts=a.eval_prompts if name == "main" else 0,
             eval_new_tokens=a.eval_tokens,
@@ -519,13 +550,31 @@ class Bench:
         )
 
     def train_one(self, name: str) -> None:
-        """In a child process: one arm, resumed from its checkpoint if an earlier call began it."""
-        from aerie import stages
+        """In a child process: one arm, resumed from its checkpoint if an earlier call began it.
+        With --curve-points, the checkpoints at S/2, S/4 ... are copied to WORK/curve-ARM/ the
+        step after they were written (the trainer keeps only its last two)."""
+        from aerie import layout, stages
+        from aerie_trainer.trainer import default_train_id
 
         request = self.arm_request(name)
         t0, said = time.monotonic(), [0.0]
+        train_id = request.train_id or default_train_id(request)
+        steps = request.config.steps
+        keep = {steps >> k for k in range(1, self.a.curve_points)} if self.a.curve_points > 1 else set()
+
+        def keep_checkpoint(step: int) -> None:
+            folder = self.work / f"curve-{name.replace('/', 'of')}" / f"step-{step}"
+            if (folder / "trainer.json").is_file():
+                return
+            prefix = layout.checkpoint_prefix(train_id, step)
+            folder.mkdir(parents=True, exist_ok=True)
+            for f in ("model.safetensors", "trainer.json"):  # trainer.json last: it marks the copy complete
+                (folder / f).write_bytes(self.store.get_bytes(prefix + f))
+            log(name, "kept checkpoint", step, "of", steps)
 
         def progress(event) -> None:  # a line every 15 s: a stopped arm's log says how far it got
+            if event.stage == "train" and event.step and event.step - 1 in keep:
+                keep_checkpoint(event.step - 1)
             if time.monotonic() - said[0] >= 15 or event.stage != "train":
                 said[0] = time.monotonic()
                 log(
@@ -553,7 +602,8 @@ class Bench:
     def train(self) -> None:
         """Every arm not finished yet, as a child process each, all at once; an arm that dies (a
         CUDA OOM while seven share the GPU, say) is started again once, from its checkpoint, when
-        another arm has ended. Arms still running at the deadline are stopped (a later call resumes them)."""
+        another arm has ended or `--arm-retry-s` after it died. Arms still running at the deadline
+        are stopped (a later call resumes them)."""
         arms = [n for n in self.a.arms.split(",") if not (self.work / f"arm-{n.replace('/', 'of')}.json").is_file()]
         procs, logs, retried, ended = {}, {}, set(), 0
         env = {
@@ -573,7 +623,7 @@ class Bench:
             start(name)
         log("train: arms", arms)
         deadline = time.monotonic() + min(self.left() - 15, self.a.train_budget_s or float("inf"))
-        failed: list[tuple[str, int]] = []  # (arm, arms ended when it died)
+        failed: list[tuple[str, int, float]] = []  # (arm, arms ended when it died, when)
         while time.monotonic() < deadline:
             for name, p in list(procs.items()):
                 if p.returncode is None and p.poll() is not None:
@@ -586,10 +636,14 @@ class Bench:
                             p.returncode,
                             "(started again from its checkpoint once another arm ends)",
                         )
-                        failed.append((name, ended))
+                        failed.append((name, ended, time.monotonic()))
             for item in list(failed):
-                name, at = item
-                if ended > at or all(q.poll() is not None for q in procs.values()):
+                name, at, died = item
+                if (
+                    ended > at
+                    or time.monotonic() - died >= self.a.arm_retry_s
+                    or all(q.poll() is not None for q in procs.values())
+                ):
                     failed.remove(item)
                     retried.add(name)
                     log("train: starting", name, "again")
@@ -641,12 +695,41 @@ class Bench:
     def eval_files(self) -> dict[str, Path]:
         data, files = Path(self.a.data), {}
         mt = [json.loads(x) for x in (data / "mtbench_question.jsonl").read_text().splitlines() if x.strip()]
-        files["mtbench"] = self.work / "eval-mtbench.jsonl"
-        files["mtbench"].write_text("".join(json.dumps({"prompt": q["turns"][0]}) + "\n" for q in mt[: self.a.mtbench]))
         gs = [json.loads(x) for x in (data / "gsm8k_test.jsonl").read_text().splitlines() if x.strip()]
-        files["gsm8k"] = self.work / "eval-gsm8k.jsonl"
-        files["gsm8k"].write_text("".join(json.dumps({"prompt": q["question"]}) + "\n" for q in gs[: self.a.gsm8k]))
+        texts = {
+            "mtbench": "".join(json.dumps({"prompt": q["turns"][0]}) + "\n" for q in mt[: self.a.mtbench]),
+            "gsm8k": "".join(json.dumps({"prompt": q["question"]}) + "\n" for q in gs[: self.a.gsm8k]),
+        }
+        for key, text in texts.items():  # written once: a train stage beside a serve stage reads them
+            files[key] = self.work / f"eval-{key}.jsonl"
+            if not files[key].is_file() or files[key].read_text() != text:
+                files[key].write_text(text)
         return files
+
+    def export_checkpoint(self, arm: str, folder: Path) -> Path:
+        """A kept checkpoint (train_one) as a drafter folder SGLang loads: the trainer's own
+        resume path (build_drafter, then the checkpoint's weights and vocabulary), then `export`."""
+        import torch
+        from safetensors.torch import load as st_load
+
+        from aerie.capture import convention_for, to_engine_ids
+        from aerie.runs import load_run
+        from aerie_trainer.export import export
+        from aerie_trainer.model import build_drafter, load_target_config
+
+        out = folder.with_name(folder.name + "-export")
+        if (out / "config.json").is_file():
+            return out
+        request = self.arm_request(arm)
+        spec = load_run(self.store, request.runs[0])
+        drafter = build_drafter(self.model_dir, len(spec.capture_points), request.config.draft_vocab_size)
+        drafter.load_state_dict(st_load((folder / "model.safetensors").read_bytes()), strict=False)
+        layer_ids = to_engine_ids(
+            spec.capture_points, convention_for("sglang", spec.target.architecture), spec.target.num_layers
+        )
+        with torch.no_grad():
+            export(drafter, out, layer_ids, load_target_config(self.model_dir))
+        return out
 
     def serve(self) -> None:
         """The plain server and every served arm's EAGLE-3 server, `--serve-parallel` at a time on
@@ -663,6 +746,7 @@ class Bench:
         served = self.figures.setdefault("served", {})
         speed = sets["mtbench"][: a.speed_prompts]
         todo = []  # (name, python module, args)
+        seen = {}  # served name: tokens its drafter was trained on
         if "plain" not in served and a.speed_prompts:
             todo.append(("plain", a.sglang_module, common))
         for name in a.serve_arms.split(","):
@@ -670,6 +754,7 @@ class Bench:
             if name in served or not f.is_file():
                 continue
             arm = json.loads(f.read_text())
+            seen[name] = arm.get("tokens")
             folder = stages.pull(
                 self.store, f"{arm['drafter']}:{arm['version']}", self.work / f"pulled-{name.replace('/', 'of')}"
             )
@@ -680,6 +765,22 @@ class Bench:
                     [*common, *SPEC, "--speculative-draft-model-path", str(folder)],
                 )
             )
+        for arm in filter(None, a.serve_curve.split(",")):
+            kept = self.work / f"curve-{arm.replace('/', 'of')}"
+            for folder in sorted(kept.glob("step-*"), key=lambda f: int(f.name.split("-")[1])):
+                name = f"{arm}@{folder.name.split('-')[1]}"
+                if folder.name.endswith("-export") or name in served or not (folder / "trainer.json").is_file():
+                    continue
+                seen[name] = json.loads((folder / "trainer.json").read_text())["tokens"]
+                drafter = self.export_checkpoint(arm, folder)
+                todo.append(
+                    (
+                        name,
+                        a.sglang_eagle_module or a.sglang_module,
+                        [*common, *SPEC, "--speculative-draft-model-path", str(drafter)],
+                    )
+                )
+        log("serve: to serve", [n for n, _, _ in todo])
         for i in range(0, len(todo), a.serve_parallel):
             wave = todo[i : i + a.serve_parallel]
             log("serve: servers", [n for n, _, _ in wave])
@@ -721,6 +822,8 @@ class Bench:
                             identical_to_plain=sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
                         )
             for n, row in rows.items():
+                if n in seen:
+                    row["tokens_seen"] = seen[n]
                 served[n] = row
                 log("served", n, json.dumps(row))
             self.save()
@@ -769,6 +872,29 @@ def part_record(record: dict, max_chars: int) -> dict | None:
         "id": record.get("id"),
         "conversations": [{"from": t["from"], "value": t["value"][:max_chars]} for t in conv],
     }
+
+
+def ingest_part(store_root: str, settings_json: str, model: str, dtype: str, max_seq: int, run: str, path: str):
+    """One part's regenerated answers ingested as a run (fp8 states), in a worker process."""
+    from aerie import stages
+    from aerie.contracts import IngestOptions, IngestRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+
+    stages.ingest(
+        FsStore(store_root),
+        Settings.model_validate_json(settings_json),
+        IngestRequest(
+            run=run,
+            dataset=path,
+            model=model,
+            engine="hf",
+            dtype=dtype,
+            storage_dtype="float8_e4m3fn",
+            options=IngestOptions(max_tokens=max_seq),
+            fan_out=False,
+        ),
+    )
 
 
 def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dict:

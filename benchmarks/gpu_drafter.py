@@ -191,6 +191,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--serve-tokens", type=int, default=256)
     ap.add_argument("--eval-concurrency", type=int, default=32)
     ap.add_argument("--speed-prompts", type=int, default=8, help="0: no plain server, no decode speed")
+    ap.add_argument(
+        "--speed-batch", default="1", help="requests in flight for the decode speed (1: one at a time), e.g. 1,8"
+    )
+    ap.add_argument(
+        "--target", default=None, help="a target folder instead of SmolLM2 (gpu_random_target.py's 8B-shaped one)"
+    )
     a = ap.parse_args(argv)
     a.stage_list = [s for s in a.stages.split(",") if s]
     named = {*a.arms.split(","), *a.serve_arms.split(","), *filter(None, a.serve_curve.split(","))}
@@ -211,7 +217,7 @@ class Bench:
         self.a, self.out, self.work = a, Path(a.out), Path(a.work)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work.mkdir(parents=True, exist_ok=True)
-        self.model_dir = smollm2(a.cache)
+        self.model_dir = Path(a.target) if a.target else smollm2(a.cache)
         self.dtype = "float32" if a.device == "cpu" else "bfloat16"
         self.store = FsStore(a.store)
         self.settings = Settings(
@@ -544,7 +550,7 @@ class Bench:
             eval_new_tokens=a.eval_tokens,
             eval_draft_tokens=3,
         )
-        drafter = "smollm2-" + name.replace("/", "of")
+        drafter = ("target-" if a.target else "smollm2-") + name.replace("/", "of")
         return TrainRequest(
             runs=runs, drafter=drafter, model=str(self.model_dir), config=cfg, eval_prompts_file=str(eval_file)
         )
@@ -821,12 +827,52 @@ class Bench:
                             speedup=one["tok_per_s"] / served["plain"]["tok_per_s"],
                             identical_to_plain=sum(x == y for x, y in zip(texts, served["plain"]["texts"])),
                         )
+                for (n, _, _), url in zip(wave, urls):  # batches > 1: one server at a time too
+                    for b in self.speed_batches():
+                        row = served["plain"] if n == "plain" else rows[n]
+                        one = self.speed_at(url, speed, b)
+                        plain = served.get("plain", {}).get("batches", {}).get(str(b))
+                        if n != "plain" and plain:
+                            one["speedup"] = one["tok_per_s"] / plain["tok_per_s"]
+                        row.setdefault("batches", {})[str(b)] = one
             for n, row in rows.items():
                 if n in seen:
                     row["tokens_seen"] = seen[n]
                 served[n] = row
                 log("served", n, json.dumps(row))
             self.save()
+
+    def speed_batches(self) -> list[int]:
+        return [int(b) for b in self.a.speed_batch.split(",") if b and int(b) > 1] if self.a.speed_prompts else []
+
+    def speed_at(self, url: str, prompts: list[list[int]], batch: int) -> dict:
+        """Decode tok/s with `batch` requests in flight (greedy, --serve-tokens each, after one
+        warm-up round): completion tokens over the wall time of all of `prompts`."""
+        import urllib.request
+
+        def post(ids):
+            body = json.dumps(
+                {"input_ids": ids, "sampling_params": {"max_new_tokens": self.a.serve_tokens, "temperature": 0}}
+            ).encode()
+            req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=1800) as r:
+                return json.loads(r.read())["meta_info"]
+
+        with ThreadPoolExecutor(batch) as pool:
+            list(pool.map(post, prompts[:batch]))
+            t0 = time.monotonic()
+            metas = list(pool.map(post, prompts))
+            seconds = time.monotonic() - t0
+        tokens = sum(m["completion_tokens"] for m in metas)
+        verify = sum(m.get("spec_verify_ct") or 0 for m in metas)
+        return {
+            "batch": batch,
+            "prompts": len(prompts),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tok_per_s": tokens / seconds,
+            "spec_accept_length": tokens / verify if verify else None,
+        }
 
     def accept(self, url: str, prompts: list[list[int]]) -> dict:
         """SGLang's acceptance over a whole prompt set, `--eval-concurrency` requests in flight."""

@@ -164,7 +164,10 @@ loop)
   # a wave of servers starts only with this much of the call left (the first builds SGLang's JIT kernels)
   WAVE_S=${WAVE_S_WARM:-170}
   [ -f $L/jit_warm ] || WAVE_S=${FIRST_WAVE_S:-300}
-  MIN_NEW=${MIN_NEW:-2}  # kept checkpoints a wave waits for while the daemon trains (each wave starts its servers)
+  # kept checkpoints a wave waits for while the daemon trains: 2 for the first (S/32 and S/16 come close
+  # together), then each as it comes, so that the final wave serves the final drafter alone
+  MIN_NEW=${MIN_NEW:-2}
+  [ ! -f $L/jit_warm ] || MIN_NEW=1
   mkdir -p $L/serve-out
   serve() {  # -> the driver's exit status; from the daemon's copy of the tree (the same code as its arms)
     cd $L/repo && python3 benchmarks/gpu_drafter.py "${A[@]}" $(cat $L/args) --out $L/serve-out --figures figures-serve.json \
@@ -191,7 +194,7 @@ loop)
     n=$(kept)
     if [ "$n" -ge $((served_kept + MIN_NEW)) ] && [ "$left" -ge "$WAVE_S" ]; then
       echo "serving kept checkpoints ($n) at $(elapsed) s"; status_line
-      if serve; then touch $L/jit_warm; WAVE_S=${WAVE_S_WARM:-170}; else echo "wave failed (serve-driver.log)"; fi
+      if serve; then touch $L/jit_warm; WAVE_S=${WAVE_S_WARM:-170}; MIN_NEW=1; else echo "wave failed (serve-driver.log)"; fi
       served_kept=$n; echo "$n" > $L/served_kept
       continue
     fi

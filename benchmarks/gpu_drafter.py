@@ -307,7 +307,6 @@ class Bench:
                     dtype=self.dtype,
                     storage_dtype="float8_e4m3fn",
                     options=options,
-                    fan_out=False,
                 ),
             )
             done = set(shard_names(self.store, run, "tokens"))
@@ -471,7 +470,6 @@ class Bench:
                     engine="hf",
                     dtype=self.dtype,
                     options=IngestOptions(max_tokens=a.max_seq),
-                    fan_out=False,
                 ),
             )
         runs = self.part_runs() + self.part_runs(bf16=True)[:quarter]
@@ -560,11 +558,10 @@ class Bench:
         With --curve-points, the checkpoints at S/2, S/4 ... are copied to WORK/curve-ARM/ the
         step after they were written (the trainer keeps only its last two)."""
         from aerie import layout, stages
-        from aerie_trainer.trainer import default_train_id
 
         request = self.arm_request(name)
         t0, said = time.monotonic(), [0.0]
-        train_id = request.train_id or default_train_id(request)
+        train_id = request.resolved_train_id
         steps = request.config.steps
         keep = {steps >> k for k in range(1, self.a.curve_points)} if self.a.curve_points > 1 else set()
 
@@ -938,7 +935,6 @@ def ingest_part(store_root: str, settings_json: str, model: str, dtype: str, max
             dtype=dtype,
             storage_dtype="float8_e4m3fn",
             options=IngestOptions(max_tokens=max_seq),
-            fan_out=False,
         ),
     )
 
@@ -951,9 +947,7 @@ def regen_task(store_root: str, settings_json: str, run: str, shard: str) -> dic
     from aerie.store import FsStore
 
     settings = Settings.model_validate_json(settings_json)
-    return stages.regenerate(
-        FsStore(store_root), settings, RegenerateRequest(run=run, shard=shard, fan_out=False)
-    ).model_dump()
+    return stages.regenerate(FsStore(store_root), settings, RegenerateRequest(run=run, shard=shard)).model_dump()
 
 
 def main() -> None:

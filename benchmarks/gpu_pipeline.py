@@ -476,7 +476,6 @@ class Pipeline:
                 engine="hf",
                 dtype=self.dtype,
                 options=IngestOptions(max_tokens=1024, shard_tokens=65536, max_records=n),
-                fan_out=False,
             ),
         )
         for shard in result.shards:

@@ -168,13 +168,14 @@ def upload_run(store, folder: Path, run: str) -> RunSpec:
 
     cached = FsStore(folder)
     spec = cached.get_json(layout.run_spec("RUN"), RunSpec).model_copy(update={"run": run})
-    for name in shard_names(cached, "RUN", "hidden"):
-        store.put_file(layout.shard(run, "hidden", name), cached.local_path(layout.shard("RUN", "hidden", name)))
-        rec = cached.get_json(layout.shard_record("RUN", "hidden", name), ShardRecord)
-        store.put_json(
-            layout.shard_record(run, "hidden", name),
-            rec.model_copy(update={"run": run, "key": layout.shard(run, "hidden", name)}),
-        )
+    for kind in ("tokens", "hidden"):  # both, as an extracted run holds them (the controller reads both)
+        for name in shard_names(cached, "RUN", kind):
+            store.put_file(layout.shard(run, kind, name), cached.local_path(layout.shard("RUN", kind, name)))
+            rec = cached.get_json(layout.shard_record("RUN", kind, name), ShardRecord)
+            store.put_json(
+                layout.shard_record(run, kind, name),
+                rec.model_copy(update={"run": run, "key": layout.shard(run, kind, name)}),
+            )
     store.put_json(layout.run_spec(run), spec)
     return spec
 

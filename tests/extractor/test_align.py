@@ -7,7 +7,7 @@ spending GPU-days they ask whether the run's states are what that server compute
 - a run whose states were captured one layer deeper than its capture points say (an engine that
   numbers the output of layer k as "k") fails, and the report says "point 2 matches the server's
   point 3: an off-by-one in the layer ids"; the training that was to follow is not enqueued
-  (task aerie.align with then_train), unless the user insists;
+  (the plan's align gate), unless the user insists;
 - the same weights quantized to 4 bits per 32-weight group, served by SGLang, against states of
   the unquantized weights: fails with the cosine drop measured at every point, each point still
   matching its own layer best, and the quantization named.
@@ -26,8 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from aerie import layout
-from aerie.contracts import AlignmentReport, AlignRequest, TrainRequest
+from aerie import controller, layout
+from aerie.contracts import (
+    AlignGate,
+    AlignmentReport,
+    AlignRequest,
+    IngestRequest,
+    PlannedTraining,
+    TrainRequest,
+)
 from aerie.settings import Settings
 from aerie.store import FsStore
 from aerie_extractor.align import neighbour_layer_ids
@@ -190,10 +197,16 @@ def test_capture_ids_off_by_one_fail_name_the_off_by_one_and_stop_training(
     settings = Settings(store=f"file://{store.root}", broker="memory://")
     app = make_app(settings, include=["aerie_extractor.tasks"])
     app.loader.import_default_modules()
-    then_train = TrainRequest(runs=["foreign"], drafter="d", model=str(smollm2_path))
-    request = AlignRequest(
-        run="foreign", server=smol_server.url, samples=SAMPLES, max_tokens=MAX_TOKENS, then_train=then_train
+    # the run's plan: a training gated by the check against the serving server (what
+    # `enqueue --train-drafter --server URL` writes)
+    gate = AlignGate(server=smol_server.url, samples=SAMPLES)
+    ingest = IngestRequest(
+        run="foreign", dataset="datasets/foreign.jsonl", model=str(smollm2_path), capture_points=POINTS
     )
+    plan = controller.create_plan(store, controller.new_plan(ingest))
+    train = TrainRequest(runs=["foreign"], drafter="d", model=str(smollm2_path))
+    controller.add_training(store, "foreign", PlannedTraining(train=train, align=gate))
+    request = controller.gate_request("foreign", gate)
 
     # the check before training fails: the task raises, naming the report and the cause; no training
     with pytest.raises(
@@ -216,14 +229,21 @@ def test_capture_ids_off_by_one_fail_name_the_off_by_one_and_stop_training(
         assert cause.startswith(f"point {p.point} matches the server's point {p.point + 1} (cos ")
         assert cause.endswith("an off-by-one in the layer ids")
 
-    # the user insists: the training is enqueued, and the report stays failed
-    insisted = request.model_copy(update={"allow_misaligned": True})
-    assert not app.tasks[ALIGN_TASK].apply_async(kwargs=insisted.model_dump(mode="json")).get()["passed"]
+    # the user insists (a training planned with --allow-misaligned): it is enqueued on the same
+    # failed check, and the report stays failed
+    insisting = TrainRequest(runs=["foreign"], drafter="d2", model=str(smollm2_path))
+    controller.add_training(
+        store, "foreign", PlannedTraining(train=insisting, align=gate.model_copy(update={"allow_misaligned": True}))
+    )
+    st = controller.advance(store, settings, plan.run, controller.OnWorkers(app, settings, "test"))
+    assert [s.name for s in st.sent] == [f"train:{insisting.resolved_train_id}"]
+    assert "is not aligned" in next(t.failure for t in st.trainings if t.planned.train.drafter == "d")
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue("train")
         message = queue.get(timeout=5)
-        assert message.headers["task"] == "aerie.train" and message.payload[1]["drafter"] == "d"
+        assert message.headers["task"] == "aerie.train" and message.payload[1]["drafter"] == "d2"
         queue.close()
+    assert not store.get_json(layout.alignment_report("foreign", server_id), AlignmentReport).passed
 
 
 def test_a_quantized_serving_target_fails_with_the_drop_measured_and_the_quantization_named(

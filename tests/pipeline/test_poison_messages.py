@@ -21,8 +21,9 @@ import pytest
 import redis
 from kombu import Connection
 
-from aerie import layout
-from aerie.contracts import IngestOptions, IngestRequest, TrainConfig, TrainRequest
+from aerie import controller, layout
+from aerie.contracts import IngestOptions, IngestRequest, PlannedTraining, TrainConfig, TrainRequest
+from aerie.controller import OnWorkers
 from aerie.queue import EXTRACT_TASK, INGEST_TASK, TRAIN_TASK, make_app
 from aerie.settings import Settings
 from tests.conftest import POINTS
@@ -177,9 +178,15 @@ def test_every_malformed_message_is_refused_once_and_every_queue_goes_on(
         model=str(smollm2_path),
         capture_points=POINTS,
         options=IngestOptions(max_tokens=96, shard_tokens=128),
-        train_after=train,
     )
-    app.send_task(INGEST_TASK, kwargs=ingest.model_dump(mode="json"))
+    settings = Settings(broker=private_redis)
+    controller.start(
+        s3_store,
+        settings,
+        controller.new_plan(ingest),
+        [PlannedTraining(train=train)],
+        OnWorkers(app, settings, "test"),
+    )
     status = wait_complete(s3_store, "after-poison", workers, 300, private_redis)
     assert status.sequences == 3 and status.failed == 0
     trainer.wait_for(r"Task aerie\.train\[[0-9a-f-]+\] succeeded", 300)

@@ -88,6 +88,26 @@ def celery_apps(command) -> set[str]:
     )
 
 
+def liveness_problems(c: Container) -> list[str]:
+    """A solo-pool worker answers no `celery inspect ping` while it runs a task: a check of one on
+    ping fails all through every task (a liveness probe then restarts it mid-task). Such a worker is
+    checked by the age of its `--alive-file`; a check must read the file the worker touches."""
+    alive = re.search(r"--alive-file[= ](\S+)", c.command)
+    problems = []
+    for name, check in c.checks.items():
+        check = " ".join(check) if isinstance(check, list) else check or ""
+        if re.search(r"--pool[= ]solo\b", c.command) and "inspect ping" in check:
+            problems.append(
+                f"{name} pings a solo-pool worker, which answers no ping while a task runs: check its --alive-file"
+            )
+        for read in re.findall(r"stat -c %Y (\S+?)\)", check):
+            if not alive or read != alive.group(1):
+                problems.append(
+                    f"{name} reads {read}, not the --alive-file the worker touches ({alive and alive.group(1)})"
+                )
+    return problems
+
+
 def soft_shutdown_missing(c: Container) -> bool:
     """A Celery worker hands its task back on SIGTERM only as a cold shutdown (REMAP_SIGTERM=SIGQUIT)
     after a soft timeout shorter than the grace period; else the kill leaves it to the visibility timeout."""
@@ -159,6 +179,7 @@ CONTAINER_RULES = [  # (message, test(Container))
         soft_shutdown_missing,
     ),
     (": {0}", regeneration_problems),
+    (": {0}", liveness_problems),
 ]
 
 

@@ -14,6 +14,10 @@
   a task name and id) or whose body is over `AERIE_BROKER_MAX_MESSAGE_BYTES` is refused once, before
   its body is decoded where the size is what is wrong: one log line, the message dropped (and its
   task id, if it has one, marked failed in the result backend). The worker goes on.
+- `Alive` (a worker step, `celery worker --alive-file PATH`): the worker touches PATH every
+  ALIVE_EVERY_S (`--alive-every`) while it runs, from a thread, so a probe can tell a live worker from a dead one by
+  the file's age even while a solo-pool worker runs a long task and answers no control message
+  (`celery inspect ping` says "No nodes replied" then; a liveness probe built on it kills training).
 - `CheckItems` (a worker step, Redis brokers): an item on a queue's list that is not a kombu
   message (not JSON, not its envelope, over twice that bound) is dropped with one log line as it
   is read, before kombu decodes it.
@@ -38,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
 from celery import Celery, Task, bootsteps, current_app
@@ -72,6 +77,7 @@ ROUTES = {
 }
 
 MAX_RETRIES = 5
+ALIVE_EVERY_S = 10.0  # a probe allows several periods: see k8s/base/trainer.yaml's livenessProbe
 BACKOFF_S, BACKOFF_CAP_S = 2.0, 60.0
 
 
@@ -116,11 +122,66 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
         task_track_started=True,
         worker_consumer="aerie.queue:Consumer",
     )
+    add_alive_options(app)
     if settings.broker.startswith(("redis://", "rediss://")):
         app.steps["consumer"].add(KeepVisible)
         app.steps["consumer"].add(CheckItems)
     app.aerie_settings = settings  # type: ignore[attr-defined]
     return app
+
+
+def add_alive_options(app: Celery) -> None:
+    """`celery worker --alive-file PATH` on this app: the `Alive` step, off unless the option is given."""
+    from click import Option
+
+    app.user_options["worker"].add(
+        Option(
+            ("--alive-file",),
+            default=None,
+            help=f"Touch this file every {ALIVE_EVERY_S:g} s while the worker runs (for liveness probes).",
+        )
+    )
+    app.user_options["worker"].add(
+        Option(("--alive-every",), type=float, default=ALIVE_EVERY_S, help="Seconds between touches of --alive-file.")
+    )
+    app.steps["worker"].add(Alive)
+
+
+class Alive(bootsteps.StartStopStep):
+    """Touches `--alive-file` every ALIVE_EVERY_S while the worker's blueprint runs.
+
+    The touch comes from a thread of the worker's process, so it goes on while a solo pool runs a
+    task in the main thread; it stops when the worker stops (the file is removed) or the process
+    dies (the file ages). A probe checks the file's age: older than a few periods means no worker."""
+
+    def __init__(self, parent, alive_file: str | None = None, alive_every: float = ALIVE_EVERY_S, **options) -> None:
+        self.path = Path(alive_file) if alive_file else None
+        self.every_s = float(alive_every)
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def include_if(self, parent) -> bool:
+        return self.path is not None
+
+    def start(self, worker) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self.thread = threading.Thread(target=self.touch, name="aerie-alive", daemon=True)
+        self.thread.start()
+
+    def touch(self) -> None:
+        while not self.done.wait(self.every_s):
+            try:
+                self.path.touch()
+            except OSError as e:  # a full or read-only disk: the probe will say so by the file's age
+                log.warning("could not touch the alive file %s (%s)", self.path, e)
+
+    def stop(self, worker) -> None:
+        self.done.set()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+    terminate = stop  # a cold shutdown (SIGQUIT, the workers' REMAP_SIGTERM) calls this instead
 
 
 class Consumer(CeleryConsumer):

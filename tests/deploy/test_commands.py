@@ -254,10 +254,12 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
     env.update(AERIE_BROKER=redis_url, AERIE_RESULT_BACKEND=redis_url, HOSTNAME=socket.gethostname())
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = (tmp_path / f"{service}.log").open("w")
+    # a worker's alive file (--alive-file) goes to this test's folder, for the command and its check alike
+    command = [part.replace("/tmp/aerie-alive", str(tmp_path / "alive")) for part in svc["command"]]
     worker = subprocess.Popen(
-        svc["command"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    health = svc["healthcheck"]["test"]
+    health = [part.replace("/tmp/aerie-alive", str(tmp_path / "alive")) for part in svc["healthcheck"]["test"]]
     assert health[0] == "CMD-SHELL"
     log_path = tmp_path / f"{service}.log"
     try:
@@ -281,7 +283,13 @@ def test_compose_worker_runs_as_a_plain_process_and_answers_its_own_healthcheck(
         assert answered is not None, (
             f"{service}: healthcheck never passed (worker exit {worker.poll()}):\n{log_path.read_text()[-3000:]}"
         )
-        assert "pong" in answered
+        if "inspect ping" in health[1]:
+            assert "pong" in answered
+        else:  # a probe of the alive file: the worker's removes it as it stops
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=60)
+            after = subprocess.run(["sh", "-c", unescape(health[1])], capture_output=True, timeout=60, cwd=tmp_path)
+            assert after.returncode != 0, f"{service}: healthcheck passes with no worker"
     finally:
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGTERM)

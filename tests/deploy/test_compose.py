@@ -360,9 +360,9 @@ COMPOSE_BREAKS = [
     Break(
         "a healthcheck pinging another Celery app",
         "docker-compose.yml",
-        "celery -A aerie_trainer.worker inspect ping",
         "celery -A aerie_extractor.worker inspect ping",
-        "services.trainer: healthcheck pings Celery app ['aerie_extractor.worker']",
+        "celery -A aerie_trainer.worker inspect ping",
+        "services.extractor: healthcheck pings Celery app ['aerie_trainer.worker']",
         batch="services",
     ),
     Break(

@@ -103,12 +103,11 @@ def _autoscalers(r: dict, every: list[dict]) -> list[dict]:
     ]
 
 
-def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
-    """The workloads mounting one ReadWriteOnce claim must share a node: a required podAffinity on
-    kubernetes.io/hostname that selects all of them, else a pod placed elsewhere never starts."""
+def _rwo_users(claim: dict, every: list[dict]) -> list[dict]:
+    """The workloads mounting a ReadWriteOnce claim (none for any other resource)."""
     if claim["kind"] != "PersistentVolumeClaim" or "ReadWriteOnce" not in claim["spec"].get("accessModes", []):
         return []
-    users = [
+    return [
         w
         for w in every
         if any(
@@ -116,6 +115,38 @@ def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
             for v in _pod(w).get("volumes") or []
         )
     ]
+
+
+def _gpu_pod(w: dict) -> bool:
+    return any(
+        "nvidia.com/gpu" in (dig(c, "resources", k) or {})
+        for c in _pod(w).get("containers") or []
+        for k in ("limits", "requests")
+    )
+
+
+def _rwo_users_off_gpu(claim: dict, every: list[dict]) -> list[tuple[str, dict, list[str]]]:
+    """The pods of a ReadWriteOnce claim share the node of the first one scheduled: one that may land
+    where the GPU pods cannot (no GPU nodeSelector) pins them off the GPU node, and one that does not
+    tolerate the GPU node's taint never reaches it. Each user selects and tolerates what the GPU users do."""
+    users = _rwo_users(claim, every)
+    gpu = [w for w in users if _gpu_pod(w)]
+    if not gpu:
+        return []
+    selector = {k: v for w in gpu for k, v in (_pod(w).get("nodeSelector") or {}).items()}
+    taints = sorted({t.get("key") for w in gpu for t in _pod(w).get("tolerations") or [] if t.get("key")})
+    problems = []
+    for w in users:
+        chosen, tolerated = _pod(w).get("nodeSelector") or {}, {t.get("key") for t in _pod(w).get("tolerations") or []}
+        if any(chosen.get(k) != v for k, v in selector.items()) or not set(taints) <= tolerated:
+            problems.append((w["metadata"]["name"], selector, taints))
+    return problems
+
+
+def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
+    """The workloads mounting one ReadWriteOnce claim must share a node: a required podAffinity on
+    kubernetes.io/hostname that selects all of them, else a pod placed elsewhere never starts."""
+    users = _rwo_users(claim, every)
     together = [
         any(
             t.get("topologyKey") == "kubernetes.io/hostname"
@@ -233,6 +264,11 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
     (
         ": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
         lambda r, _, __, every: _rwo_users_apart(r, every),
+    ),
+    (
+        ": ReadWriteOnce, shared with GPU pods: {0} must select their node {1} and tolerate taints {2}, else the "
+        "first pod scheduled can pin the GPU pods where they cannot run",
+        lambda r, _, __, every: _rwo_users_off_gpu(r, every),
     ),
     (
         ": container {0}: AERIE_REGENERATE_URLS names {1}: {2}: point it at a plain SGLang server (radix cache on, no "

@@ -285,6 +285,14 @@ K8S_BREAKS = [
             batch="b",
         ),
         Break(
+            "a models-claim pod that may land off the GPU node",
+            "components/models-rwo/models-affinity.yaml",
+            '      nodeSelector:\n        nvidia.com/gpu.present: "true"\n',
+            "",
+            "PersistentVolumeClaim/aerie-models: ReadWriteOnce, shared with GPU pods: extractor must select their node",
+            batch="c",
+        ),
+        Break(
             "a probe pinging a solo-pool worker",
             "base/trainer.yaml",
             'command: ["sh", "-c", "test $(( $(date +%s) - $(stat -c %Y /tmp/aerie-alive) )) -lt 60"]',

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import yaml
@@ -22,7 +23,12 @@ from .docs import documented_secrets
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-PROTECTED = {"inference", "generate"}  # components only some pods may reach (a NetworkPolicy must select them)
+PROTECTED = {
+    "inference",
+    "generate",
+    "redis",
+    "minio",
+}  # components only some pods may reach (a NetworkPolicy must select them)
 GENERATING_PATHS = {"/health", "/health_generate"}  # SGLang generates a token there: readiness, not liveness
 # field -> (kind it names, its name field, its key field): wherever it appears in a resource
 REFERENCES = {
@@ -158,6 +164,52 @@ def _rwo_users_apart(claim: dict, every: list[dict]) -> list[str]:
     return [", ".join(w["metadata"]["name"] for w in users)] if len(users) > 1 and not all(together) else []
 
 
+def _unadmitted_services(r: dict, every: list[dict]) -> list[tuple[str, str]]:
+    """(container, Service) for each Service a container names (in its env, its command, or a store or
+    broker address of its envFrom ConfigMaps) whose pods NetworkPolicies guard, none of which admits
+    this pod: its connections would be dropped."""
+    services = {o["metadata"]["name"]: o for o in every if o["kind"] == "Service"}
+    policies = [o for o in every if o["kind"] == "NetworkPolicy"]
+    found = []
+    for c in _pod(r).get("containers") or []:
+        maps = {o["metadata"]["name"]: o.get("data") or {} for o in every if o["kind"] == "ConfigMap"}
+        values = [e.get("value") for e in c.get("env") or []]
+        values += [
+            maps.get(ref.get("name"), {}).get(ref.get("key"))
+            for e in c.get("env") or []
+            if (ref := dig(e, "valueFrom", "configMapKeyRef"))
+        ]
+        # a shared ConfigMap (envFrom) names every server; a pod opens only the store and the broker of it
+        values += [
+            v
+            for f in c.get("envFrom") or []
+            for k, v in maps.get(dig(f, "configMapRef", "name"), {}).items()
+            if k in ("AERIE_STORE", "AERIE_BROKER", "AERIE_RESULT_BACKEND")
+        ]
+        values += [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+        text = " ".join(str(v or "") for v in values)
+        for name in sorted(set(re.findall(r"(?://|@)([a-z0-9-]+)(?:[:./]|$)", text)) & services.keys()):
+            targets = [
+                w
+                for w in every
+                if w["kind"] in WORKLOADS and _matches(services[name]["spec"].get("selector"), _labels(w))
+            ]
+            guards = [
+                p
+                for p in policies
+                if any(_matches(dig(p, "spec", "podSelector", "matchLabels"), _labels(w)) for w in targets)
+            ]
+            admitted = any(
+                _matches(dig(f, "podSelector", "matchLabels"), _labels(r))
+                for p in guards
+                for rule in dig(p, "spec", "ingress") or []
+                for f in rule.get("from") or []
+            )
+            if guards and not admitted and r not in targets:
+                found.append((c["name"], name))
+    return found
+
+
 def _regeneration_servers(r: dict, objects: dict, every: list[dict]) -> list[tuple[str, str, str]]:
     """(container, url, why) for each AERIE_REGENERATE_URLS entry of a workload's containers naming no
     Service of the render, or one selecting an SGLang in capture mode."""
@@ -264,6 +316,10 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
     (
         ": ReadWriteOnce, mounted by {0} without a podAffinity holding them on one node",
         lambda r, _, __, every: _rwo_users_apart(r, every),
+    ),
+    (
+        ": container {0} connects to Service {1}, whose NetworkPolicy does not admit this pod: add it to the policy",
+        lambda r, _, __, every: _unadmitted_services(r, every),
     ),
     (
         ": ReadWriteOnce, shared with GPU pods: {0} must select their node {1} and tolerate taints {2}, else the "

@@ -293,6 +293,22 @@ K8S_BREAKS = [
             batch="c",
         ),
         Break(
+            "a store client the MinIO policy does not admit",
+            "base/network-policy.yaml",
+            "        - podSelector:\n            matchLabels:\n              app.kubernetes.io/component: minio-init\n",
+            "",
+            "Job/minio-init: container minio-init connects to Service minio, whose NetworkPolicy does not admit this pod",
+            batch="c",
+        ),
+        Break(
+            "Redis's worker policy selecting no pod (KEDA's alone then shuts the workers out)",
+            "base/network-policy.yaml",
+            "  name: redis\nspec:\n  podSelector:\n    matchLabels:\n      app.kubernetes.io/component: redis",
+            "  name: redis\nspec:\n  podSelector:\n    matchLabels:\n      app.kubernetes.io/component: nobody",
+            "Deployment/trainer: container worker connects to Service redis, whose NetworkPolicy does not admit this pod",
+            batch="b",
+        ),
+        Break(
             "a probe pinging a solo-pool worker",
             "base/trainer.yaml",
             'command: ["sh", "-c", "test $(( $(date +%s) - $(stat -c %Y /tmp/aerie-alive) )) -lt 60"]',

@@ -19,7 +19,7 @@ from tests.deploy.breaks import Break, with_batches
 from tests.services import REPO
 
 
-def test_k8s_overlays_render_the_whole_system():
+def test_k8s_overlays_render_the_whole_system(compose_services):
     for overlay in overlays():
         kinds = {(r["kind"], r["metadata"]["name"]) for r in kustomize_build(overlay)}
         for expected in [
@@ -60,6 +60,15 @@ def test_k8s_overlays_render_the_whole_system():
         assert {"AERIE_SGLANG_BINARY", "AERIE_STORE", "AERIE_BUCKET", "AERIE_S3_ACCESS_KEY", "AERIE_S3_SECRET_KEY"} <= {
             e["name"] for e in sglang["env"]
         }
+        # every setting of aerie's SGLang plugin that compose gives the capture server, k8s gives it
+        # the same (the sink's folder aside: compose's sink is shm, k8s's s3)
+        plugin = {
+            k: v
+            for k, v in compose_services["inference-capture"]["environment"].items()
+            if k.startswith("AERIE_") and k != "AERIE_CAPTURE_DIR"
+        }
+        given = {e["name"]: e.get("value") for e in sglang["env"]}
+        assert {k: given.get(k) for k in plugin} == plugin, f"{overlay.name}: plugin settings differ from compose's"
         assert "--enable-metrics" in sglang["command"][2]
         inference = next(r for r in rendered if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")
         assert inference["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"

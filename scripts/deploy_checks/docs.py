@@ -133,6 +133,7 @@ def check_docs(doc_path: Path = REPO / "docs" / "deploy.md", project: Project | 
     known = (
         {("service", s) for s in services}
         | {("profile", p) for s in services.values() for p in s.get("profiles") or []}
+        | {("profile", "*")}  # Compose's every profile at once
         | {("Celery app", app) for s in services.values() for app in celery_apps(s.get("command"))}
         | {
             (d.get("kind"), dig(d, "metadata", "name"))

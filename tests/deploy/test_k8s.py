@@ -106,6 +106,18 @@ def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
     assert "aerie pull" in pod["initContainers"][0]["command"][2]
     assert "--speculative-draft-model-path /drafters/current" in pod["containers"][0]["command"][2]
     assert not any(e["name"] == "AERIE_SGLANG_BINARY" for e in pod["containers"][0].get("env") or [])
+    # clients reach the served model: a policy on inference admits labelled pods of any namespace
+    labels = next(r for r in serve if r["kind"] == "Deployment" and r["metadata"]["name"] == "inference")
+    labels = labels["spec"]["template"]["metadata"]["labels"]
+    assert any(
+        r["kind"] == "NetworkPolicy"
+        and all(labels.get(k) == v for k, v in r["spec"]["podSelector"]["matchLabels"].items())
+        and f.get("namespaceSelector") == {}
+        and f["podSelector"]["matchLabels"] == {"aerie.dev/sglang-client": "true"}
+        for r in serve
+        for rule in (r.get("spec") or {}).get("ingress") or []
+        for f in rule.get("from") or []
+    ), "serving admits no client"
 
     hpa = kustomize_build(_component_overlay(tmp_path / "hpa", ["hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
     assert check_rendered(hpa, "hpa") == []

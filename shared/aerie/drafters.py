@@ -69,6 +69,7 @@ def published_result(store: ObjectStore, request: TrainRequest) -> TrainResult |
     done = published_lineage(store, request.drafter, request.version)
     if done is None:
         return None
+    point_latest(store, request.drafter, request.version, done)  # a crash between lineage and latest
     return TrainResult.of(
         request.drafter,
         request.version,
@@ -78,6 +79,24 @@ def published_result(store: ObjectStore, request: TrainRequest) -> TrainResult |
         key=layout.drafter_prefix(request.drafter, request.version),
         layer_ids=done.exported_layer_ids,
     )
+
+
+def point_latest(store: ObjectStore, name: str, version: str, lineage: DrafterLineage) -> bool:
+    """Complete the last step of publishing `version` (its lineage written): point `latest` at it
+    unless `latest` already names it or a version published after it (or in the same second). Idempotent, so a rerun of a
+    publish that died between `aerie.json` and `latest` finishes it; True when `latest` was written."""
+    try:
+        current = store.get_bytes(layout.drafter_latest(name)).decode().strip()
+    except NotFound:
+        current = None
+    if current == version:
+        return False
+    if current is not None and _NAME_RE.fullmatch(current):
+        other = published_lineage(store, name, current)
+        if other is not None and other.created_at >= lineage.created_at:
+            return False
+    store.put_bytes(layout.drafter_latest(name), version.encode())
+    return True
 
 
 def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:
@@ -93,7 +112,7 @@ def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> Dra
     files = {f: store.put_file(layout.drafter_file(name, version, f), folder / f) for f in layout.DRAFTER_FILES}
     record = DrafterLineage(**lineage, files=files)
     store.put_json(layout.drafter_lineage(name, version), record)
-    store.put_bytes(layout.drafter_latest(name), version.encode())
+    store.put_bytes(layout.drafter_latest(name), version.encode())  # last: published_result redoes it
     return record
 
 

@@ -27,7 +27,7 @@ TARGET = TargetSpec(
 )
 
 
-def publish(store, tmp_path, name="smol", version="v1"):
+def publish(store, tmp_path, name="smol", version="v1", **more):
     folder = tmp_path / f"export-{version}"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
@@ -47,6 +47,7 @@ def publish(store, tmp_path, name="smol", version="v1"):
             draft_vocab_size=4,
             config=TrainConfig(),
             metrics={"acceptance": 1.5},
+            **more,
         ),
     )
 
@@ -120,3 +121,23 @@ def test_aerie_pull_needs_only_the_shared_package(s3_store, tmp_path):
 def test_a_name_with_a_trailing_newline_is_refused():
     with pytest.raises(drafters.DrafterError, match="not a valid name"):
         drafters.parse_ref("smol:v1\n")
+
+
+def test_a_rerun_completes_a_latest_that_a_crash_left_unwritten(s3_store, tmp_path):
+    """Finding 4 of issue 35: a crash between `aerie.json` and `latest` left `latest` missing (or
+    naming the older version) for good, the rerun saying already_published; now the rerun's
+    published_result completes it, and never moves `latest` back from a later version."""
+    from aerie.contracts import TrainRequest
+
+    v1 = publish(s3_store, tmp_path, version="v1", created_at="2026-01-01T00:00:00+00:00")
+    request = TrainRequest(runs=["r1"], drafter="smol", model="m", train_id="v2")
+    v2 = publish(s3_store, tmp_path, version="v2")
+    s3_store.put_bytes(layout.drafter_latest("smol"), b"v1")  # as if it died before moving `latest`
+    assert drafters.published_result(s3_store, request).already_published
+    assert drafters.resolve(s3_store, "smol") == ("smol", "v2")
+    s3_store.delete(layout.drafter_latest("smol"))  # as if the first version died before `latest`
+    assert drafters.published_result(s3_store, request) is not None
+    assert drafters.resolve(s3_store, "smol") == ("smol", "v2")
+    older = TrainRequest(runs=["r1"], drafter="smol", model="m", train_id="v1")
+    assert drafters.published_result(s3_store, older) is not None and v1.created_at < v2.created_at
+    assert drafters.resolve(s3_store, "smol") == ("smol", "v2")  # a rerun of v1 leaves the later one

@@ -8,14 +8,18 @@ written in that order, then `drafters/<name>/latest` naming the version. Its lin
 means "completely published".
 
 Pulling trusts nothing the bucket says about where to write: only the fixed file names above are
-fetched, each into a temporary file inside DEST, checked against the lineage's sha256, then moved
-into place; a lineage naming any other file is refused before anything is written.
+fetched, into a fresh temporary folder beside DEST, each checked against the lineage's sha256; only
+then does that folder replace DEST whole (renames), so DEST is the old drafter or the new one, never
+a mix, and nothing planted in DEST (a symlink) is followed. A lineage naming any other file is
+refused before anything is written.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from aerie import layout
@@ -69,6 +73,7 @@ def published_result(store: ObjectStore, request: TrainRequest) -> TrainResult |
     done = published_lineage(store, request.drafter, request.version)
     if done is None:
         return None
+    point_latest(store, request.drafter, request.version, done)  # a crash between lineage and latest
     return TrainResult.of(
         request.drafter,
         request.version,
@@ -78,6 +83,24 @@ def published_result(store: ObjectStore, request: TrainRequest) -> TrainResult |
         key=layout.drafter_prefix(request.drafter, request.version),
         layer_ids=done.exported_layer_ids,
     )
+
+
+def point_latest(store: ObjectStore, name: str, version: str, lineage: DrafterLineage) -> bool:
+    """Complete the last step of publishing `version` (its lineage written): point `latest` at it
+    unless `latest` already names it or a version published after it (or in the same second). Idempotent, so a rerun of a
+    publish that died between `aerie.json` and `latest` finishes it; True when `latest` was written."""
+    try:
+        current = store.get_bytes(layout.drafter_latest(name)).decode().strip()
+    except NotFound:
+        current = None
+    if current == version:
+        return False
+    if current is not None and _NAME_RE.fullmatch(current):
+        other = published_lineage(store, name, current)
+        if other is not None and other.created_at >= lineage.created_at:
+            return False
+    store.put_bytes(layout.drafter_latest(name), version.encode())
+    return True
 
 
 def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:
@@ -93,7 +116,7 @@ def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> Dra
     files = {f: store.put_file(layout.drafter_file(name, version, f), folder / f) for f in layout.DRAFTER_FILES}
     record = DrafterLineage(**lineage, files=files)
     store.put_json(layout.drafter_lineage(name, version), record)
-    store.put_bytes(layout.drafter_latest(name), version.encode())
+    store.put_bytes(layout.drafter_latest(name), version.encode())  # last: published_result redoes it
     return record
 
 
@@ -110,18 +133,60 @@ def pull(store: ObjectStore, ref: str, dest: str | os.PathLike) -> Path:
             f"{layout.drafter_lineage(name, version)} lists files {sorted(lineage.files)}; a drafter is exactly "
             f"{list(layout.DRAFTER_FILES)}: refused, nothing written"
         )
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for filename in layout.DRAFTER_FILES:  # fixed names: nothing from the bucket becomes a path
-        final = dest / filename
-        part = dest / f".{filename}.part"
-        got = store.download(layout.drafter_file(name, version, filename), part)
-        if got != lineage.files[filename]:
-            part.unlink(missing_ok=True)
-            raise DrafterError(
-                f"{layout.drafter_file(name, version, filename)}: sha256 {got[:12]}… differs from aerie.json's "
-                f"{lineage.files[filename][:12]}…: corrupted or replaced upload; nothing moved into {dest}"
-            )
-        os.replace(part, final)
-    (dest / layout.LINEAGE_FILE).write_bytes(lineage.to_json())
+    dest = Path(os.path.abspath(dest))
+    _check_replaceable(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DrafterError(
+            f"cannot make {dest.parent} ({type(e).__name__}: {e.strerror}): pull into a folder"
+        ) from None
+    fresh = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))  # new: no planted links
+    try:
+        os.chmod(fresh, 0o755)
+        for filename in layout.DRAFTER_FILES:  # fixed names: nothing from the bucket becomes a path
+            got = store.download(layout.drafter_file(name, version, filename), fresh / filename)
+            if got != lineage.files[filename]:
+                raise DrafterError(
+                    f"{layout.drafter_file(name, version, filename)}: sha256 {got[:12]}… differs from aerie.json's "
+                    f"{lineage.files[filename][:12]}…: corrupted or replaced upload; {dest} left as it was"
+                )
+        (fresh / layout.LINEAGE_FILE).write_bytes(lineage.to_json())
+        _swap_in(fresh, dest)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # gone after the swap; a failed pull's leftovers
     return dest
+
+
+def _check_replaceable(dest: Path) -> None:
+    """DEST may be absent, or a real folder holding nothing but a pulled drafter's files (a pull
+    replaces it whole); anything else is refused before anything is fetched."""
+    if dest.is_symlink():
+        raise DrafterError(f"{dest} is a symbolic link: refused (pull into a real folder), nothing written")
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise DrafterError(f"{dest} exists and is not a folder: pull into a new or a pulled drafter's folder")
+    theirs = sorted(e.name for e in os.scandir(dest) if e.name not in (*layout.DRAFTER_FILES, layout.LINEAGE_FILE))
+    if theirs:
+        raise DrafterError(
+            f"{dest} holds files that are not a drafter's ({', '.join(theirs[:5])}): a pull replaces the folder "
+            "whole, so it refuses this one; pull into a new folder"
+        )
+
+
+def _swap_in(fresh: Path, dest: Path) -> None:
+    """Replace DEST by the verified folder FRESH whole: the old folder is renamed aside, FRESH renamed
+    to DEST, then the old one removed (renames within one folder; links inside DEST are never
+    followed, only removed with it)."""
+    if not dest.exists():
+        os.rename(fresh, dest)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.rename(dest, old / "d")
+    try:
+        os.rename(fresh, dest)
+    except OSError:
+        os.rename(old / "d", dest)  # put the old one back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -116,14 +116,48 @@ def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = N
         return digest
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files a target's weights are loaded from, as transformers loads them with
+    `use_safetensors=True` (what every loader of aerie passes): the files `model.safetensors.index.json`
+    maps tensors to, else `model.safetensors`. A folder with neither is refused by name: pickled
+    `.bin` weights beside them are never loaded, and the content pin (describe) covers exactly
+    these files, so a dummy safetensors file beside real weights cannot stand in for them."""
+    folder = Path(folder)
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise TargetError(f"{index}: not a safetensors index ({type(e).__name__}): no weight_map") from None
+        bad = [
+            n
+            for n in names
+            if not isinstance(n, str) or "/" in n or n.startswith(".") or not n.endswith(".safetensors")
+        ]
+        if bad or not names:
+            raise TargetError(f"{index}: weight_map names {bad[:3] or 'no file'}; expected *.safetensors in {folder}")
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise TargetError(f"{folder}: {SAFETENSORS_INDEX} names missing files {missing[:3]}")
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise TargetError(
+        f"{folder}: no model.safetensors (nor {SAFETENSORS_INDEX}): aerie loads target weights from safetensors "
+        "only, never pickled .bin files"
+    )
+
+
 def describe(
     folder: str | os.PathLike, name: str | None = None, revision: str | None = None, cache_dir: Path | None = None
 ) -> TargetSpec:
     folder = Path(folder)
     cfg = load_config(folder)
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        raise TargetError(f"{folder}: no *.safetensors weights (aerie never loads pickled .bin weights)")
+    weights = weight_files(folder)
     weights_sha = weights_sha256(folder, weights, cache_dir)
     th = hashlib.sha256()
     found = False

@@ -130,3 +130,61 @@ def test_fp8_runs_batch_as_the_dequantized_states(store, small_run):
         DataError, match=r"differ in storage \(dtype, scale block\) \(\(None, None\) vs \('float8_e4m3fn', 64\)\)"
     ):
         load_runs(store, ["r1", "r8"])
+
+
+def test_corrupt_shards_are_refused_by_name_before_training(fs_store, small_run):
+    """Issue 35 finding 2: one NaN, a value of 3e38, two swapped shards or a header dtype changed
+    all trained silently. Now every shard is checked as it is opened: its record's sha256, the
+    dtype and shape the run spec says, finite values within STATE_BOUND; a truncated shard is one
+    line too (finding 10). Each case rewrites the record's sha256, so the value checks are reached."""
+    import hashlib
+
+    import ml_dtypes
+
+    from aerie.contracts import ShardRecord
+    from aerie_trainer.data import DataError
+
+    def first_batch():  # opens every shard as training does
+        from aerie_trainer.data import ShardCache
+
+        data = make_data(fs_store, ["r1"], holdout_fraction=0.0)
+        cache = ShardCache(fs_store, data.expect)
+        try:
+            for s in data.shards:
+                cache.get(s.key)
+        finally:
+            cache.close()
+
+    def rewrite(key, data: bytes):
+        fs_store.put_bytes(key, data)
+        rec_key = layout.shard_record("r1", "hidden", key.rsplit("/", 1)[-1].removesuffix(".safetensors"))
+        rec = fs_store.get_json(rec_key, ShardRecord)
+        fs_store.put_json(rec_key, rec.model_copy(update={"sha256": hashlib.sha256(data).hexdigest()}))
+
+    upload_run(fs_store, small_run, "r1")
+    keys = [s.key for s in make_data(fs_store, ["r1"], holdout_fraction=0.0).shards]
+    originals = {k: fs_store.get_bytes(k) for k in keys}
+    first_batch()  # intact: trains
+
+    a, b = keys[0], keys[1]
+    fs_store.put_bytes(a, originals[b])
+    fs_store.put_bytes(b, originals[a])
+    with pytest.raises(DataError, match="sha256.*differs from its record"):
+        first_batch()
+    for k in keys:
+        fs_store.put_bytes(k, originals[k])
+
+    shard = Shard.from_buffer(originals[a])
+    for value, why in ((np.nan, "nan"), (3e38, r"3\.00\d*e\+38|inf")):
+        aux = np.array(shard.aux)
+        aux[5, 0, 7] = value
+        rewrite(a, Shard(**{**shard.__dict__, "aux": aux.astype(shard.aux.dtype)}).to_bytes())
+        with pytest.raises(DataError, match=f"{a}: aux at token 5 is ({why})"):
+            first_batch()
+    rewrite(a, Shard(**{**shard.__dict__, "aux": np.asarray(shard.aux).astype(np.float32)}).to_bytes())
+    with pytest.raises(DataError, match="'aux' is float32.*the run spec says BF16"):
+        first_batch()
+    assert shard.aux.dtype == ml_dtypes.bfloat16
+    rewrite(a, originals[a][: len(originals[a]) // 2])
+    with pytest.raises(DataError, match=f"hidden shard {a}: not a readable shard"):
+        first_batch()

@@ -282,7 +282,7 @@ class HFChat:
         self.torch, self.options, self.device = torch, options, device
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16
+            model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16, use_safetensors=True
         )
         self.model.to(device).eval()
         self.lock = threading.Lock()

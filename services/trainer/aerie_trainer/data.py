@@ -36,14 +36,16 @@ import torch
 
 from aerie import layout
 from aerie.contracts import RunSpec, ShardRecord
+from aerie.datasets import file_sha256
+from aerie.errors import ExpectedError
 from aerie.runs import shard_names
-from aerie.shard import Shard, dequantize_tensors, read_safetensors, scale_name
+from aerie.shard import _DTYPES, Shard, ShardError, dequantize_tensors, read_safetensors, scale_name
 from aerie.store import NotFound, ObjectStore
 
 SHUFFLE_WINDOW = 4  # shards whose sequences are shuffled together
 
 
-class DataError(ValueError):
+class DataError(ExpectedError, ValueError):
     """Runs or shards that cannot be trained on together."""
 
 
@@ -54,6 +56,7 @@ class ShardRef:
     key: str
     sequences: int
     tokens: int
+    sha256: str | None = None  # the record's: the bytes read must hash to it
 
 
 @dataclass
@@ -105,7 +108,7 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
         for name in shard_names(store, spec.run, "hidden"):
             rec = store.get_json(layout.shard_record(spec.run, "hidden", name), ShardRecord)
             if rec.kind == "hidden" and store.exists(rec.key):
-                shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens))
+                shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens, rec.sha256))
         if not any(s.run == spec.run for s in shards):
             raise DataError(f"run {spec.run!r} has no hidden shards in {store.url}: run its extraction first")
     return RunSet(specs, shards)
@@ -134,16 +137,84 @@ def read_tensors(store: ObjectStore, key: str, names: list[str]) -> dict[str, np
     return dequantize_tensors(out, header.get("__metadata__") or {})
 
 
+def check_shard(key: str, shard: Shard, spec: RunSpec) -> None:
+    """Refuse (DataError naming the shard) states of another dtype or shape than `spec` says, or
+    non-finite or beyond STATE_BOUND."""
+    hidden = spec.target.hidden_size
+    points = len(spec.capture_points)
+    tokens = shard.num_tokens
+    want = "F8_E4M3" if spec.storage_dtype else _STATES_DTYPE[spec.dtype]
+    for name, arr, shape in (("aux", shard.aux, (tokens, points, hidden)), ("final", shard.final, (tokens, hidden))):
+        if arr is None:
+            if name == "aux" or spec.target_signal == "final":
+                raise DataError(f"hidden shard {key}: no {name!r} tensor: re-extract the run")
+            continue
+        if arr.dtype != _DTYPES[want] or tuple(arr.shape) != shape:
+            raise DataError(
+                f"hidden shard {key}: {name!r} is {arr.dtype} {tuple(arr.shape)}, the run spec says {want} {shape}: "
+                "corrupted or from another run; re-extract the run"
+            )
+    arrays = [("aux", shard.aux, 1.0), ("final", shard.final, 1.0)]
+    if shard.quantized:
+        arrays = [
+            ("aux", shard.aux, None),
+            ("final", shard.final, None),
+            ("aux scale", shard.aux_scale, _FP8_MAX),
+            ("final scale", shard.final_scale, _FP8_MAX),
+        ]
+    if shard.topk_logprobs is not None:
+        arrays.append(("topk_logprobs", shard.topk_logprobs, "nan"))
+    for name, arr, factor in arrays:
+        if arr is None:
+            continue
+        for start in range(0, arr.shape[0], _CHECK_ROWS):
+            part = np.asarray(arr[start : start + _CHECK_ROWS]).astype(np.float32)
+            if factor == "nan":
+                bad = np.isnan(part)
+            elif factor is None:
+                bad = ~np.isfinite(part)
+            else:
+                bad = ~np.isfinite(part) | (np.abs(part) * factor > STATE_BOUND)
+            if bad.any():
+                row = start + int(np.argwhere(bad)[0][0])
+                value = part.reshape(part.shape[0], -1)[row - start][bad.reshape(part.shape[0], -1)[row - start]][0]
+                raise DataError(
+                    f"hidden shard {key}: {name} at token {row} is {value} (non-finite or beyond "
+                    f"{STATE_BOUND:g}, STATE_BOUND): corrupted states are never trained on; re-extract the run"
+                )
+
+
+def _offsets(store: ObjectStore, key: str) -> np.ndarray:
+    try:
+        return read_tensors(store, key, ["offsets"])["offsets"]
+    except (ShardError, ValueError, KeyError) as e:
+        raise DataError(f"hidden shard {key}: not a readable shard ({e}): re-extract the run") from None
+
+
 def _one_tensor_file(name: str, spec: dict, raw: bytes) -> bytes:
     head = json.dumps({name: {**spec, "data_offsets": [0, len(raw)]}}).encode()
     return struct.pack("<Q", len(head)) + head + raw
 
 
-class ShardCache:
-    """Opens shards: memory-mapped in place on a filesystem store, else downloaded to a temp dir."""
+# A hidden state's magnitude above this is corruption, not a model's state: fp16's largest finite
+# value, so every state trained on can also be served in fp16 (and bf16), while the "massive
+# activations" of LLMs stay orders of magnitude below it.
+STATE_BOUND = 65504.0
+_FP8_MAX = 448.0  # e4m3fn's largest finite value: a state is q * scale with |q| <= this
+_STATES_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_CHECK_ROWS = 4096  # rows converted to float32 at a time when checking values (bounded memory)
 
-    def __init__(self, store: ObjectStore):
-        self.store = store
+
+class ShardCache:
+    """Opens shards: memory-mapped in place on a filesystem store, else downloaded to a temp dir.
+
+    With `expect` (key -> (ShardRef, RunSpec)), every shard is checked before it is trained on: its
+    bytes hash to the record's sha256 (hashed while downloading, not read twice), its header holds
+    the dtype and shape the run spec says, and its states are finite and within STATE_BOUND.
+    A shard that fails is a DataError naming it: corrupt data is never trained on."""
+
+    def __init__(self, store: ObjectStore, expect: dict[str, tuple[ShardRef, RunSpec]] | None = None):
+        self.store, self.expect = store, expect or {}
         self.dir = Path(tempfile.mkdtemp(prefix="aerie-shards-"))
         self.open_shards: dict[str, Shard] = {}
 
@@ -152,8 +223,26 @@ class ShardCache:
             local = self.store.local_path(key)
             if local is None:
                 local = self.dir / key.replace("/", "__")
-                self.store.download(key, local)
-            self.open_shards[key] = Shard.open(local)
+                got = self.store.download(key, local)
+            elif key in self.expect:
+                got = file_sha256(local)
+            expected = self.expect.get(key)
+            if expected is not None and expected[0].sha256 is not None and got != expected[0].sha256:
+                raise DataError(
+                    f"hidden shard {key}: sha256 {got[:12]}… differs from its record's {expected[0].sha256[:12]}…: "
+                    "corrupted or replaced; re-extract the run"
+                )
+            try:
+                shard = Shard.open(local)
+            except ShardError as e:
+                raise DataError(f"hidden shard {key}: not a readable shard ({e}): re-extract the run") from None
+            if expected is not None:
+                try:
+                    shard.validate(check_finite=False)  # structure; values below, in bounded parts
+                except ShardError as e:
+                    raise DataError(f"hidden shard {key}: {e}: re-extract the run") from None
+                check_shard(key, shard, expected[1])
+            self.open_shards[key] = shard
         return self.open_shards[key]
 
     def keep_only(self, keys: set[str]) -> None:
@@ -298,8 +387,10 @@ class HiddenData:
         self.batch_tokens, self.max_seq_tokens, self.ttt_steps = batch_tokens, max_seq_tokens, ttt_steps
         self.seed, self.prefetch, self.rank, self.world_size = seed, prefetch, rank, world_size
         self.shards = runset.shards
+        specs = {spec.run: spec for spec in runset.specs}
+        self.expect = {s.key: (s, specs[s.run]) for s in self.shards}
         # sequence lengths from the offsets alone (a few bytes per shard, fetched by range)
-        self.lengths = [np.diff(read_tensors(store, s.key, ["offsets"])["offsets"]) for s in self.shards]
+        self.lengths = [np.diff(_offsets(store, s.key)) for s in self.shards]
         self.train_items, self.holdout_items = self._split(holdout_fraction)
         self.wait_s = 0.0
         if not self.train_items:
@@ -362,7 +453,7 @@ class HiddenData:
         """Endless batches from data position (epoch, index); yields ((epoch, next index), Batch)."""
 
         def produce() -> Iterator:
-            cache = ShardCache(self.store)
+            cache = ShardCache(self.store, self.expect)
             try:
                 e, i = epoch, index
                 while True:
@@ -381,7 +472,7 @@ class HiddenData:
         return [self.shards[s].key for b in plan[j + 1 : j + 1 + self.prefetch] for s, _ in b]
 
     def holdout_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
-        cache = ShardCache(self.store)
+        cache = ShardCache(self.store, self.expect)
         try:
             for n, batch in enumerate(self._pack(self.holdout_items)):
                 if max_batches is not None and n >= max_batches:

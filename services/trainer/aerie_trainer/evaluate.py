@@ -67,7 +67,7 @@ def load_target(model_dir: str | os.PathLike, device: str | torch.device = "cpu"
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True).to(device)
     model.eval()
     return model
 

@@ -23,6 +23,7 @@ from safetensors.torch import save as st_save
 from aerie import drafters, layout
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
+from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
 from aerie.queue import held
 from aerie.settings import Settings
 from aerie.store import ObjectStore
@@ -31,12 +32,23 @@ from aerie_trainer.evaluate import Evaluator
 from aerie_trainer.trainer import Progress, Trainer, setup_dist
 
 
-def eval_prompts(store: ObjectStore, request: TrainRequest) -> str | None:
-    """The eval prompts file's text (a local file, else a store key), when the request names one."""
-    if not request.eval_prompts_file:
+def eval_prompts(store: ObjectStore, request: TrainRequest, local_dirs: list[Path] | None = None) -> str | None:
+    """The eval prompts file's text, when the request names one: a store key, or a local file
+    inside `local_dirs` (AERIE_INGEST_LOCAL_DIRS, the folders a dataset may be read from). A
+    message names it, so a local path anywhere else is refused before anything is opened (no file
+    outside those folders is read, nor its existence revealed): DatasetRefused naming the setting."""
+    name = request.eval_prompts_file
+    if not name:
         return None
-    local = Path(request.eval_prompts_file)
-    return local.read_text() if local.is_file() else store.get_bytes(request.eval_prompts_file).decode()
+    allowed = list(local_dirs or [])
+    path = allowed_local_path(name, allowed)
+    if path is not None:
+        if not path.is_file():
+            raise DatasetRefused(f"eval_prompts_file {name!r}: no such file")
+        return path.read_text()
+    if is_local_form(name):
+        raise DatasetRefused(str(refusal(name, allowed)).replace("dataset", "eval_prompts_file", 1))
+    return store.get_bytes(name).decode()
 
 
 def run_train(
@@ -74,6 +86,7 @@ def _published(request: TrainRequest, progress: Progress, store: ObjectStore) ->
 def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, progress: Progress) -> TrainResult:
     """This process's part: the whole job, or one rank of it."""
     dist = setup_dist(settings.device)
+    prompts = eval_prompts(store, request, settings.ingest_local_dirs) if dist.main else None  # refused before any work
     train_id, version = request.resolved_train_id, request.version
     sharding, why = sharding_for(store, settings, request, dist.world_size)
     trainer = Trainer(store, request, dist, progress, sharding=sharding, trackers=settings.train_trackers)
@@ -93,7 +106,7 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             trainer.runset.capture_points,
             request.config,
             dist.device,
-            eval_prompts(store, request),
+            prompts,
             server=settings.eval_server,
             max_target_params=settings.eval_max_target_params,
             layer_ids=layer_ids,

@@ -437,9 +437,12 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, across a sharded checkpoint."""
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise DrafterError(f"{model_dir}: no *.safetensors weights (pickled .bin weights are never loaded)")
+    from aerie.target import TargetError, weight_files
+
+    try:
+        files = weight_files(model_dir)
+    except TargetError as e:
+        raise DrafterError(str(e)) from None
     index = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:

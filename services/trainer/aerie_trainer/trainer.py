@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from aerie.contracts import ProgressEvent, TrainRequest
+from aerie.errors import ExpectedError
 from aerie.store import ObjectStore
 from aerie.target import describe
 from aerie_trainer.checkpoint import Checkpointer, TrainerState
@@ -52,6 +53,11 @@ def lr_at(step: int, lr: float, steps: int, warmup: int) -> float:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+class TrainingDiverged(ExpectedError, RuntimeError):
+    """The loss turned non-finite: the job stops before the step is checkpointed or anything is
+    published (the weights it would publish are NaN)."""
 
 
 class Trainer:
@@ -203,6 +209,11 @@ class Trainer:
                 loss, step_loss, correct, valid = read_stats(stats, cfg.ttt_steps, cfg.grad_accum)
                 st.step += 1
                 st.losses.append(self.dist.mean(loss))
+                if not math.isfinite(st.losses[-1]):  # the same mean on every rank: all stop here
+                    raise TrainingDiverged(
+                        f"training {self.request.resolved_train_id}: loss turned {st.losses[-1]} at step {st.step} "
+                        f"(last checkpoint kept, nothing published): check the data and the learning rate (lr={cfg.lr})"
+                    )
                 st.tokens += round(self.dist.mean(tokens) * self.dist.world_size)
                 now = time.perf_counter()
                 st.train_seconds += now - t0

@@ -144,7 +144,9 @@ class HFEngine(Engine):
         self.indices = hf_hidden_state_indices(run_spec.capture_points, run_spec.target.num_layers)
         started = time.monotonic()
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.compute_dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.compute_dtype, use_safetensors=True
+            )
         except (OSError, ValueError) as e:
             raise EngineMismatch(f"hf engine cannot load the target from {self.model_path}: {e}") from e
         self.model = model.to(self.device).eval()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from aerie import drafters, layout
+from aerie import drafters, layout, sglang_client
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
 from aerie.queue import held
@@ -93,6 +93,7 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             dist.device,
             eval_prompts(store, request),
             server=settings.eval_server,
+            api_key=sglang_client.api_key_for(settings, settings.eval_server) if settings.eval_server else None,
             max_target_params=settings.eval_max_target_params,
             layer_ids=layer_ids,
             architecture=spec.target.architecture,

@@ -147,7 +147,7 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
 def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0, api_key: str | None = None) -> dict:
     """One JSON request; `api_key`: the server's --api-key, sent as a bearer token (AERIE_ENGINE_API_KEY)."""
     try:
-        return sglang_client.call(url, "", payload, api_key=api_key, timeout_s=timeout_s, setting="--server")
+        return sglang_client.call(url, "", payload, api_key=api_key, timeout_s=timeout_s, setting="--url")
     except sglang_client.SGLangError as e:
         raise BenchError(str(e)) from None
 
@@ -170,7 +170,7 @@ class Server:
             raise BenchError(f"{url}/v1/models lists no model")
         try:
             with httpx.Client(timeout=timeout_s, headers=sglang_client.auth_headers(api_key)) as client:
-                info = sglang_client.server_info(client, url, setting="--server")
+                info = sglang_client.server_info(client, url, setting="--url")
         except sglang_client.SGLangError as e:
             raise BenchError(str(e)) from None
         return cls(

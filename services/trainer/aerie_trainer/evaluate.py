@@ -254,7 +254,9 @@ class SGLangTarget:
         hidden_size: int,
         architecture: str | None = None,
         timeout_s: float = 600.0,
+        api_key: str | None = None,
     ):
+        self.api_key = api_key  # the server's --api-key (AERIE_ENGINE_API_KEY)
         self.url, self.layer_ids, self.K, self.H, self.timeout_s = (
             url.rstrip("/"),
             list(layer_ids),
@@ -288,22 +290,18 @@ class SGLangTarget:
                 )
 
     def _call(self, path: str, payload: dict | None, fallback: str | None = None) -> dict:
-        import urllib.error
-        import urllib.request
+        from aerie import sglang_client
 
-        import orjson
-
-        data = None if payload is None else orjson.dumps(payload)
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return orjson.loads(response.read())
-        except urllib.error.HTTPError as e:
-            if e.code == 404 and fallback:
+            return sglang_client.call(
+                self.url, path, payload, api_key=self.api_key, timeout_s=self.timeout_s, setting="AERIE_EVAL_SERVER"
+            )
+        except sglang_client.SGLangUnauthorized:
+            raise
+        except sglang_client.SGLangError as e:
+            if fallback and "HTTP 404" in str(e):
                 return self._call(fallback, payload)
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            raise EvalError(f"AERIE_EVAL_SERVER {self.url}: no answer ({e}): is the capture server up?") from None
+            raise EvalError(f"AERIE_EVAL_SERVER {self.url}{path}: {e}") from None
 
     def forward(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
         """-> aux (1, T, K*H) float32, greedy (T,)."""
@@ -438,6 +436,7 @@ class Evaluator:
         max_target_params: float = float("inf"),
         layer_ids: list[int] | None = None,
         architecture: str | None = None,
+        api_key: str | None = None,
     ):
         """prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations."""
         from aerie_trainer.sizing import target_parameters_of
@@ -454,6 +453,7 @@ class Evaluator:
         self._prompts: list[list[int]] | None = None
         self.target_params = target_parameters_of(model_dir)
         self.server, self.layer_ids, self.architecture = server, layer_ids, architecture
+        self.api_key = api_key
         if server:
             self.mode = "sglang"
             self.note = f"target forward by the SGLang server {server}"
@@ -486,6 +486,7 @@ class Evaluator:
                     len(self.capture_points),
                     self.drafter.config.target_hidden_size,
                     self.architecture,
+                    api_key=self.api_key,
                 )
             else:
                 self._target_model = load_target(self.model_dir, self.device)

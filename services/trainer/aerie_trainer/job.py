@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors.torch import save as st_save
 
-from aerie import drafters, layout
+from aerie import drafters, layout, sglang_client
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
 from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
@@ -108,6 +108,7 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             dist.device,
             prompts,
             server=settings.eval_server,
+            api_key=sglang_client.api_key_for(settings, settings.eval_server) if settings.eval_server else None,
             max_target_params=settings.eval_max_target_params,
             layer_ids=layer_ids,
             architecture=spec.target.architecture,

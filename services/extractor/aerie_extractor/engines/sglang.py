@@ -71,6 +71,7 @@ import httpx
 import numpy as np
 import orjson
 
+from aerie import sglang_client
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import EngineSpec, RunSpec, TargetSpec
 from aerie.settings import Settings
@@ -101,9 +102,9 @@ class _Fatal(EngineError):
 
 
 def auth_headers(settings: Settings) -> dict[str, str]:
-    """The bearer token of SGLang's `--api-key` (AERIE_ENGINE_API_KEY), for every request."""
+    """The bearer token of SGLang's `--api-key` (AERIE_ENGINE_API_KEY): every URL here is configured."""
     key = settings.engine_api_key
-    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+    return sglang_client.auth_headers(key.get_secret_value() if key is not None else None)
 
 
 def http_client(settings: Settings, timeout: float) -> httpx.Client:
@@ -111,41 +112,27 @@ def http_client(settings: Settings, timeout: float) -> httpx.Client:
 
 
 def _unauthorized(url: str, r: httpx.Response) -> EngineMismatch:
-    return EngineMismatch(
-        f"SGLang server {url} refused the request (HTTP {r.status_code}): it runs with --api-key; "
-        "set AERIE_ENGINE_API_KEY to that key"
-    )
+    return EngineMismatch(sglang_client.unauthorized(url, r.status_code))
 
 
 def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
-    """GET the first of `paths` the server knows (0.5.23 names; older servers only the get_ ones)."""
-    last = None
-    for path in paths:
-        try:
-            r = client.get(url + path)
-        except httpx.HTTPError as e:
-            raise EngineError(
-                f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? (AERIE_ENGINE_URLS)"
-            ) from e
-        if r.status_code in (401, 403):
-            raise _unauthorized(url, r)
-        if r.status_code == 404:
-            last = r
-            continue
-        if r.status_code != 200:
-            raise EngineError(f"SGLang server {url}{path} answered HTTP {r.status_code}: {r.text[:300]}")
-        return orjson.loads(r.content)
-    raise EngineMismatch(
-        f"SGLang server {url} has none of {', '.join(paths)} (HTTP {last.status_code}): not an SGLang server?"
-    )
+    """GET the first of `paths` the server knows, as the engine's errors."""
+    try:
+        return sglang_client.get_first(client, url, paths)
+    except sglang_client.SGLangUnauthorized as e:
+        raise EngineMismatch(str(e)) from None
+    except sglang_client.SGLangError as e:
+        if "not an SGLang server" in str(e):
+            raise EngineMismatch(str(e)) from None
+        raise EngineError(str(e)) from e.__cause__
 
 
 def server_info(client: httpx.Client, url: str) -> dict:
-    return _get(client, url, ("/server_info", "/get_server_info"))
+    return _get(client, url, sglang_client.SERVER_INFO)
 
 
 def model_info(client: httpx.Client, url: str) -> dict:
-    return _get(client, url, ("/model_info", "/get_model_info"))
+    return _get(client, url, sglang_client.MODEL_INFO)
 
 
 def topk_rows(meta: dict, T: int, k: int) -> tuple[np.ndarray, np.ndarray]:

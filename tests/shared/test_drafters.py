@@ -104,7 +104,7 @@ def test_aerie_pull_needs_only_the_shared_package(s3_store, tmp_path):
     blocked = ["torch", "transformers", "aerie_trainer", "aerie_extractor", "aerie_sglang"]
     code = (
         f"import sys\nfor m in {blocked!r}: sys.modules[m] = None  # import of any of them raises\n"
-        "from aerie.cli import main\nmain()"
+        "from aerie.app.cli import main\nmain()"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, "pull", "smol", str(tmp_path / "out")],

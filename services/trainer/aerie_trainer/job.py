@@ -1,7 +1,7 @@
 """The `train` stage: hidden shards -> a trained, evaluated, exported and published drafter.
 
     aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target   # AERIE_TRAIN_RANKS ranks
-    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
+    torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
     celery -A aerie_trainer.worker call aerie.train --kwargs '{"runs": ["sharegpt"], "drafter": "NAME", "model": "M"}'
 
 All three call `run_train` (registered as the stage `train` in `aerie.stages` for the shared

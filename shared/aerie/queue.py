@@ -45,7 +45,7 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from pydantic import BaseModel, ValidationError
 
 from aerie.contracts import ProgressEvent
-from aerie.settings import Settings
+from aerie.settings import Settings, redact
 from aerie.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
@@ -438,9 +438,34 @@ def check_broker(app: Celery) -> None:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=5)
     except Exception as e:  # kombu raises OperationalError (or the transport's own) after the retries
+        where = redact(settings.broker)
+        if _is_auth_failure(e):
+            raise QueueError(
+                f"broker {where} refused the credentials ({_auth_cause(e)}): check the password in AERIE_BROKER"
+            ) from None
         raise QueueError(
-            f"broker {settings.broker} is unreachable ({type(e).__name__}): is Redis running? check AERIE_BROKER"
+            f"broker {where} is unreachable ({type(e).__name__}): is Redis running? check AERIE_BROKER"
         ) from None
+
+
+def _auth_cause(e: BaseException) -> str:
+    return type(_auth_error(e) or e).__name__
+
+
+def _auth_error(e: BaseException | None) -> BaseException | None:
+    """The Redis authentication error behind `e` (kombu wraps it in OperationalError), or None."""
+    import redis
+
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, redis.AuthenticationError) or "WRONGPASS" in str(e) or "NOAUTH" in str(e):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _is_auth_failure(e: BaseException) -> bool:
+    return _auth_error(e) is not None
 
 
 def enqueue(app: Celery, name: str, kwargs: dict):

@@ -20,6 +20,28 @@ ENV_PREFIX = "AERIE_"
 RESERVED_PREFIXES = ("AERIE_TEST_", "AERIE_REQUIRE_", "AERIE_CAPTURE_", "AERIE_SGLANG_")
 
 
+def redact(url: str) -> str:
+    """`url` with any password (and a user name that may be a token) replaced by `***`: every URL the
+    project prints (broker, result backend, store endpoint) goes through here, so a credential given
+    inside a URL never reaches a log line, an error message or a terminal."""
+    import urllib.parse
+
+    try:
+        u = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if u.password is None and u.username is None:
+        return url
+    host = u.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    try:
+        port = f":{u.port}" if u.port is not None else ""
+    except ValueError:
+        port = ""
+    return urllib.parse.urlunsplit(u._replace(netloc=f"***@{host}{port}"))
+
+
 class SettingsError(ValueError):
     """A setting that is unknown, missing or malformed; the message names the variable."""
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from aerie.settings import Settings
+from aerie.settings import Settings, redact
 
 CHUNK = 8 << 20  # streaming granularity
 PART_SIZE = 16 << 20  # multipart part size for S3 uploads
@@ -318,7 +318,7 @@ class S3Store(ObjectStore):
         if u.scheme not in ("http", "https") or not u.netloc:
             raise StoreError(f"AERIE_STORE={endpoint!r} is not an http(s)://host:port S3 endpoint")
         self.endpoint, self.bucket = endpoint, bucket
-        self.url = f"{endpoint.rstrip('/')}/{bucket}"
+        self.url = f"{redact(endpoint).rstrip('/')}/{bucket}"
         self.client = Minio(
             u.netloc, access_key=access_key, secret_key=secret_key, secure=u.scheme == "https", region=region
         )
@@ -326,13 +326,13 @@ class S3Store(ObjectStore):
     def _explain(self, e: Exception, key: str | None = None) -> StoreError:
         from minio.error import S3Error
 
-        where = f"S3 endpoint {self.endpoint} (AERIE_STORE), bucket {self.bucket!r} (AERIE_BUCKET)"
+        where = f"S3 endpoint {redact(self.endpoint)} (AERIE_STORE), bucket {self.bucket!r} (AERIE_BUCKET)"
         if isinstance(e, S3Error):
             if e.code in ("NoSuchKey", "NoSuchObject") or (e.code == "ResourceNotFound" and key):
                 return NotFound(f"{key}: no such object in {self.url}")
             if e.code == "NoSuchBucket":
                 return StoreError(
-                    f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
+                    f"bucket {self.bucket!r} does not exist at {redact(self.endpoint)}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
                 )
             if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
                 return StoreError(
@@ -359,7 +359,7 @@ class S3Store(ObjectStore):
         """Fail early with the clear error when the bucket cannot be reached."""
         if not self._call(self.client.bucket_exists, self.bucket):
             raise StoreError(
-                f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
+                f"bucket {self.bucket!r} does not exist at {redact(self.endpoint)}: create it (`aerie prepare-store`), or set AERIE_BUCKET"
             )
 
     def put_stream(self, key: str, stream: BinaryIO, length: int = -1) -> str:

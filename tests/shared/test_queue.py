@@ -83,3 +83,24 @@ def test_a_refused_key_is_not_retried_but_store_errors_are():
         _check_key("../etc/passwd")
     assert not retryable(refused.value)
     assert retryable(StoreError("unreachable"))
+
+
+def test_broker_password_never_printed_and_wrong_password_is_an_auth_failure(private_redis):
+    """issue 35 finding 6: check_broker printed the broker URL's password and called a wrong
+    password "unreachable"; now the URL is redacted and the cause is the credentials."""
+    import redis
+
+    from aerie.queue import QueueError, check_broker, make_app
+    from aerie.settings import redact
+
+    redis.Redis.from_url(private_redis).config_set("requirepass", "right-pw-1234")
+    bad = private_redis.replace("redis://", "redis://:wrong-pw-5678@")
+    with pytest.raises(QueueError) as refused:
+        check_broker(make_app(Settings(broker=bad)))
+    line = str(refused.value)
+    assert "wrong-pw-5678" not in line and "***@" in line
+    assert "refused the credentials" in line and "unreachable" not in line
+    assert redact("redis://user:pw@h:1/0") == "redis://***@h:1/0"
+    assert redact("redis://:pw@[::1]:6379/2") == "redis://***@[::1]:6379/2"
+    assert redact("memory://") == "memory://"
+    assert redact("http://h:9000") == "http://h:9000"

@@ -54,7 +54,7 @@ from aerie.contracts import (
     TrainResult,
 )
 from aerie.controller import RunState, Step
-from aerie.settings import Settings
+from aerie.settings import Settings, redact
 from aerie.store import ObjectStore, open_store
 from aerie.training import logs_hint
 
@@ -331,7 +331,7 @@ def run_on_workers(
     st = controller.start(store, settings, plan, [training], dispatcher)
     sent = ", ".join(task for _, task, _ in dispatcher.results) or "nothing new (planned earlier)"
     console.print(
-        f"run {plan.run} ({st.phase}): enqueued {sent} on {settings.broker}; waiting for the workers "
+        f"run {plan.run} ({st.phase}): enqueued {sent} on {redact(settings.broker)}; waiting for the workers "
         "(queues ingest, extract, train)"
     )
     return _watch(store, st, training, watch, time.monotonic() + timeout_s)

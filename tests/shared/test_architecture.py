@@ -47,6 +47,14 @@ def test_the_core_rule_catches_what_it_is_for(tmp_path):
     assert "aerie.presets (core) imports click: the core runs without the app's libraries" in found, found
 
 
+def test_one_train_id_property():
+    """A training's id is `TrainRequest.resolved_train_id` everywhere, never recomputed by a caller."""
+    for path in [*(REPO / "shared").rglob("*.py"), *(REPO / "services").rglob("*.py")]:
+        if ".venv" not in path.parts:
+            text = path.read_text()
+            assert not re.search(r"\btrain_id or\b|default_train_id\(", text), path.relative_to(REPO)
+
+
 def test_the_trainer_does_not_depend_on_the_extractor():
     deps = tomllib.loads((REPO / "services/trainer/pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps if d.startswith("aerie-extractor")], deps

@@ -25,7 +25,7 @@ from aerie.queue import held
 from aerie.settings import Settings
 from aerie.store import ObjectStore
 from aerie_trainer import export
-from aerie_trainer.evaluate import Evaluator
+from aerie_trainer.evaluate import EvalConfig, Evaluator
 from aerie_trainer.trainer import Progress, Trainer, setup_dist
 
 
@@ -83,20 +83,18 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         layer_ids = to_engine_ids(
             trainer.runset.capture_points, convention_for("sglang", spec.target.architecture), spec.target.num_layers
         )
-        evaluator = Evaluator(
-            trainer.full_drafter,
-            trainer.target,
-            trainer.data,
-            request.model,
-            trainer.runset.capture_points,
-            request.config,
-            dist.device,
-            eval_prompts(store, request),
+        setup = EvalConfig(
+            model_dir=request.model,
+            capture_points=trainer.runset.capture_points,
+            config=request.config,
+            device=dist.device,
+            prompts_jsonl=eval_prompts(store, request),
             server=settings.eval_server,
             max_target_params=settings.eval_max_target_params,
             layer_ids=layer_ids,
             architecture=spec.target.architecture,
         )
+        evaluator = Evaluator(trainer.full_drafter, trainer.target, trainer.data, setup)
         st.metrics.update(sharding=sharding, ranks=dist.world_size, sharding_reason=why)
         tracking.progress(
             stage="train",

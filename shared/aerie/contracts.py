@@ -307,6 +307,15 @@ class TrainConfig(Contract):
     eval_prompts: int = Field(8, ge=0)
     eval_new_tokens: int = Field(64, ge=1)
     eval_draft_tokens: int = Field(3, ge=1, description="chain length in the spec-decoding eval")
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="measure acceptance every N steps and at each checkpoint (the trained-drafter evaluation); "
+        "unset: before and after training only",
+    )
+    publish_checkpoint: Literal["last", "best"] = Field(
+        "last", description="publish the last step's drafter, or the measured step with the best acceptance"
+    )
     prefetch: int = Field(4, ge=1)
     draft_vocab_from: Literal["target", "data"] = Field(
         "target",
@@ -319,6 +328,12 @@ class TrainConfig(Contract):
     preset: str | None = Field(
         None, description="the preset these values came from (recorded in the lineage, not read)"
     )
+
+    @model_validator(mode="after")
+    def _best_is_measured(self) -> TrainConfig:
+        if self.publish_checkpoint == "best" and self.eval_every is None:
+            raise ValueError("publish_checkpoint 'best' needs eval_every: the steps whose acceptance is measured")
+        return self
 
 
 class TrainRequest(Contract):

@@ -314,6 +314,12 @@ def checkpoint_latest(train_id: str) -> str:
     return f"checkpoints/{train_id}/latest.json"
 
 
+def checkpoint_best(train_id: str) -> str:
+    """The drafter weights of the measured step that accepted best (`publish_checkpoint: best`);
+    outside the `step-<n>/` folders, so pruning keeps it."""
+    return f"checkpoints/{train_id}/best/model.safetensors"
+
+
 def checkpoint_steps(train_id: str, keys: list[str]) -> list[int]:
     """The steps that have objects under `checkpoints/<train_id>/step-<n>/` among `keys`, sorted."""
     root = checkpoints_prefix(train_id)

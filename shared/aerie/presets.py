@@ -110,6 +110,8 @@ FIELDS = {
     "seq_len": "max_seq_tokens",
     "ttt_steps": "ttt_steps",
     "draft_vocab": "draft_vocab_size",
+    "eval_every": "eval_every",
+    "publish_checkpoint": "publish_checkpoint",
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import aerie_trainer.trainer
-from aerie import layout
+from aerie import drafters, layout
 from aerie.contracts import DrafterLineage, TrainConfig, TrainRequest
 from aerie.settings import Settings
 from aerie.stages import train as run_train
@@ -113,3 +113,41 @@ def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_pat
     assert resumed.resumed_from == 6
     assert len(resumed.losses) == 12
     assert resumed.losses == pytest.approx(straight.losses, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.timeout(900)
+def test_publish_best_publishes_the_measured_best_step(fs_store, sharegpt_run, smollm2_path):
+    """eval_every=1 measures acceptance (1 prompt, 8 tokens through the project's loop) after each
+    of 4 steps; `publish_checkpoint: best` publishes the step that accepted best: its weights are
+    the best file's, the lineage names its step and figure, and the final evaluation of the
+    published drafter reproduces that figure."""
+    from safetensors.torch import load as st_load
+
+    upload_run(fs_store, sharegpt_run, "sharegpt")
+    cfg = TrainConfig(
+        draft_vocab_size=2048,
+        ttt_steps=2,
+        steps=4,
+        batch_tokens=64,
+        max_seq_tokens=64,
+        lr=3e-3,
+        warmup_steps=0,
+        eval_every=1,
+        checkpoint_every=2,
+        eval_prompts=1,
+        eval_new_tokens=8,
+        holdout_fraction=0.1,
+        publish_checkpoint="best",
+    )
+    request = TrainRequest(runs=["sharegpt"], drafter="best", model=str(smollm2_path), config=cfg, train_id="best")
+    result = run_train(fs_store, settings_for(fs_store), request)
+    lineage = drafters.published_lineage(fs_store, "best", result.version)
+    m = lineage.metrics
+    assert m["acceptance_curve_steps"] == [1, 2, 3, 4] and m["acceptance_curve_of"] == "acceptance"
+    best = max(m["acceptance_curve"])
+    best_step = m["acceptance_curve_steps"][m["acceptance_curve"].index(best)]  # equal figures: the earliest
+    assert (m["published_step"], m["published_acceptance"]) == (best_step, best)
+    assert m["acceptance"] == pytest.approx(best)
+    published = st_load(fs_store.get_bytes(layout.drafter_prefix("best", result.version) + "model.safetensors"))
+    saved = st_load(fs_store.get_bytes(layout.checkpoint_best("best")))
+    assert published["fc.weight"].equal(saved["fc.weight"].to(published["fc.weight"].dtype))  # exported in bf16

@@ -1,6 +1,7 @@
 """The trainer's user command, registered in `aerie` through the `aerie.commands` entry point.
 
 aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
+aerie train ... --eval-every 100 --publish best   # measure acceptance every 100 steps, publish the best step
 AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
 torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
@@ -22,7 +23,17 @@ import click
 @click.option("--config", "config_json", default="{}", help="TrainConfig fields as JSON, e.g. '{\"steps\": 300}'")
 @click.option("--train-id", default=None, help="checkpoint namespace (default: derived from the request)")
 @click.option("--no-publish", is_flag=True, help="train and evaluate only")
-def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
+@click.option(
+    "--eval-every", type=click.IntRange(min=1), default=None, help="measure acceptance every N steps and checkpoint"
+)
+@click.option(
+    "--publish",
+    "publish_checkpoint",
+    type=click.Choice(["last", "best"]),
+    default=None,
+    help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
+)
+def train(runs, drafter, model, config_json, train_id, no_publish, eval_every, publish_checkpoint) -> None:
     """Train, evaluate and publish a drafter in this process (or one torchrun rank)."""
     import torch
 
@@ -35,7 +46,13 @@ def train(runs, drafter, model, config_json, train_id, no_publish) -> None:
         runs=list(runs),
         drafter=drafter,
         model=model,
-        config=TrainConfig.model_validate_json(config_json),
+        config=TrainConfig.model_validate(
+            {
+                **json.loads(config_json),
+                **({"eval_every": eval_every} if eval_every else {}),
+                **({"publish_checkpoint": publish_checkpoint} if publish_checkpoint else {}),
+            }
+        ),
         train_id=train_id,
         publish=not no_publish,
     )

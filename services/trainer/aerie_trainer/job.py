@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from safetensors.torch import save as st_save
+
 from aerie import drafters, layout
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
@@ -111,11 +113,14 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k != "evaluation_note"})
             _log_eval(tracking, untrained, 0)
             tracking.progress(stage="train", message="")
-        trainer.train()
+        trainer.train(lambda state: _measure(trainer, evaluator, state))
         result = TrainResult(
             drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from
         )
         full = trainer.sync_full_drafter()  # every rank: FSDP gathers the weights to rank 0
+        last = None
+        if evaluator is not None and request.config.publish_checkpoint == "best":
+            last = _load_best(store, train_id, full, st.metrics)
         if evaluator is not None:
             progress(ProgressEvent(stage="evaluate", message=f"trained drafter ({evaluator.note})"))
             tracking.progress(stage="evaluate", message="trained drafter")
@@ -139,6 +144,8 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
                 lineage = export.publish(store, full, trainer.runset, request, version, st.metrics)
                 result.key = layout.drafter_prefix(request.drafter, version)
                 result.layer_ids = lineage.exported_layer_ids
+        if last is not None:  # the checkpoint keeps the last step's weights, whatever was published
+            full.load_state_dict(last, strict=False)
         trainer.save()  # every rank (FSDP gathers); the final metrics are kept too
         if dist.main:
             store.delete(layout.train_failure(train_id))
@@ -157,6 +164,44 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
     return TrainResult.of(
         request.drafter, version, st.metrics, **result.model_dump(exclude={"drafter", "version"}, exclude_none=True)
     )
+
+
+def _measure(trainer: Trainer, evaluator: Evaluator | None, state) -> None:
+    """Every rank (FSDP gathers): rank 0 evaluates the current drafter, appends the step to
+    `acceptance_curve_steps` and its acceptance to `acceptance_curve` (served acceptance when prompts are evaluated, else the simulated one)
+    and, when it is the best so far, writes its weights to `checkpoints/<id>/best/`."""
+    full = trainer.sync_full_drafter()
+    if evaluator is not None:
+        trainer.tracking.progress(stage="evaluate", message=f"step {state.step}")
+        measured = evaluator.run()
+        figure = measured.get("acceptance", measured.get("simulated_acceptance"))
+        metrics = state.metrics
+        metrics.setdefault("acceptance_curve_steps", []).append(state.step)
+        metrics.setdefault("acceptance_curve", []).append(figure)
+        metrics["acceptance_curve_of"] = "acceptance" if "acceptance" in measured else "simulated_acceptance"
+        _log_eval(trainer.tracking, measured, state.step)
+        if figure is not None and figure > metrics.get("best_acceptance", float("-inf")):
+            weights = {k: v.detach().cpu().contiguous() for k, v in full.state_dict().items() if _kept(k)}
+            trainer.store.put_bytes(layout.checkpoint_best(trainer.train_id), st_save(weights))
+            metrics.update(best_step=state.step, best_acceptance=figure)
+        trainer.tracking.progress(stage="train", message="")
+    trainer.dist.barrier()
+
+
+def _kept(name: str) -> bool:
+    return not name.startswith("embed_tokens.")  # the frozen target embedding is never saved
+
+
+def _load_best(store: ObjectStore, train_id: str, full, metrics: dict) -> dict:
+    """Load the best measured step's weights into `full` (rank 0) -> the last step's, to put back;
+    `published_step`/`published_acceptance` go to the metrics (and so to the lineage)."""
+    from safetensors.torch import load as st_load
+
+    last = {k: v.detach().cpu().clone() for k, v in full.state_dict().items() if _kept(k)}
+    best = st_load(store.get_bytes(layout.checkpoint_best(train_id)))
+    full.load_state_dict(best, strict=False)  # copied into the parameters, on their device
+    metrics.update(published_step=metrics["best_step"], published_acceptance=metrics["best_acceptance"])
+    return last
 
 
 def _log_eval(tracking, metrics: dict, step: int) -> None:

@@ -181,7 +181,10 @@ class Trainer:
             (out.loss / self.cfg.grad_accum).backward()
         return pack_stats(out)
 
-    def train(self) -> TrainerState:
+    def train(self, measure: Callable[[TrainerState], None] | None = None) -> TrainerState:
+        """Steps until `self.steps`, checkpointing every `checkpoint_every`. `measure(state)`: called
+        on every rank every `eval_every` steps and at each checkpoint, before the checkpoint is
+        written (what it records in `state.metrics` is resumed with it)."""
         cfg, st = self.cfg, self.state
         batches = self.data.batches(st.epoch, st.batch)
         wait0 = self.data.wait_s
@@ -214,7 +217,11 @@ class Trainer:
                         stage="train", step=st.step, steps=self.steps, loss=st.losses[-1], tokens=st.tokens, eta_s=eta
                     )
                 )
-                if st.step % cfg.checkpoint_every == 0 or st.step == self.steps:
+                checkpoint = st.step % cfg.checkpoint_every == 0 or st.step == self.steps
+                if measure is not None and cfg.eval_every and (checkpoint or st.step % cfg.eval_every == 0):
+                    measure(st)
+                    t0 = time.perf_counter()  # the measurement is not training time
+                if checkpoint:
                     self.save()
         finally:
             batches.close()

@@ -48,6 +48,18 @@ OPTIONS = {
     "drafter_shape": click.option(
         "--drafter-shape", default=None, help="the drafter layer's shape as JSON, e.g. '{\"num_key_value_heads\": 8}'"
     ),
+    "eval_every": click.option(
+        "--eval-every",
+        type=click.IntRange(min=1),
+        default=None,
+        help="measure acceptance every N steps and at each checkpoint (default: before and after only)",
+    ),
+    "publish_checkpoint": click.option(
+        "--publish-checkpoint",
+        type=click.Choice(["last", "best"]),
+        default=None,
+        help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
+    ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
     ),

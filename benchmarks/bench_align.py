@@ -50,8 +50,8 @@ def main() -> None:
 
 def measure(work: Path, args) -> dict[str, dict]:
     from aerie import layout, stages
+    from aerie.app.pipeline import SIZES
     from aerie.contracts import AlignRequest
-    from aerie.pipeline import SIZES
     from aerie.settings import Settings
     from aerie.store import FsStore
     from aerie.target import smollm2

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from aerie import layout, runs, stages
+from aerie.app.pipeline import SIZES, sharegpt_path
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, ShardRecord, TrainRequest
-from aerie.pipeline import SIZES, sharegpt_path
 from aerie.settings import Settings
 from aerie.shard import Shard, dequantize_e4m3, quantize_e4m3
 from aerie.store import FsStore

@@ -31,8 +31,8 @@ from pathlib import Path
 from gpu_drafter import part_record
 
 from aerie import stages
+from aerie.app.pipeline import SIZES, sharegpt_path
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainRequest
-from aerie.pipeline import SIZES, sharegpt_path
 from aerie.settings import Settings
 from aerie.store import FsStore
 from aerie.target import default_cache_dir, smollm2

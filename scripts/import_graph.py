@@ -6,7 +6,9 @@
 Every `import` counts, at module level or inside a function. The checks (DESIGN.md, Boundaries):
 - no import cycle between aerie's modules;
 - a service imports no other service's package (the store is the only interface between them);
-- the shared library imports no service package (services plug in through entry points).
+- the shared library imports no service package (services plug in through entry points);
+- the core (`aerie` outside `aerie.app`) imports neither the app nor the app's libraries (click,
+  rich, subprocess): worker images run the core, the operator's commands are the app.
 """
 
 from __future__ import annotations
@@ -62,6 +64,37 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                         out.add(candidate)
                     break
     return out
+
+
+CORE_FORBIDDEN = ("click", "rich", "subprocess")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in `path` (at module level or in a function)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def is_core(module: str) -> bool:
+    return module.split(".")[0] == "aerie" and module != "aerie.app" and not module.startswith("aerie.app.")
+
+
+def core_problems(mods: dict[str, Path] | None = None, g: dict[str, set[str]] | None = None) -> list[str]:
+    """The core's imports of the app (`aerie.app`) or of the app's libraries (CORE_FORBIDDEN)."""
+    mods = modules() if mods is None else mods
+    g = graph() if g is None else g
+    found = []
+    for module in sorted(m for m in g if is_core(m)):
+        for dep in sorted(d for d in g[module] if not is_core(d) and owner(d) == "shared"):
+            found.append(f"{module} (core) imports {dep} (app): the core runs without the app")
+        for name in sorted(top_level_imports(mods[module]) & set(CORE_FORBIDDEN)):
+            found.append(f"{module} (core) imports {name}: the core runs without the app's libraries")
+    return found
 
 
 def graph() -> dict[str, set[str]]:
@@ -125,7 +158,7 @@ def main() -> int:
         for module in sorted(g):
             print(f"{module} -> {', '.join(sorted(g[module])) or '-'}")
         print()
-    found = problems(g)
+    found = problems(g) + core_problems(g=g)
     for p in found:
         print(p)
     print(f"{len(g)} modules, {sum(map(len, g.values()))} imports, {len(found)} problem(s)")

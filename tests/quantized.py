@@ -112,8 +112,8 @@ def trained_on_quantized(
     serving target. No speculative-decoding evaluation in training (the test serves it instead).
     Cached like the shared one, keyed by the run, the config and the trainer's and library's source."""
     from aerie import stages
+    from aerie.app.pipeline import SIZES
     from aerie.contracts import TrainRequest
-    from aerie.pipeline import SIZES
     from aerie.settings import Settings
     from aerie.store import FsStore
     from tests.runs import hidden_run_folder, upload_run

@@ -24,11 +24,11 @@ from tests.services import REPO
 SOURCES = [REPO / "shared" / "aerie", REPO / "services" / "trainer" / "aerie_trainer"]
 DRAFTER = "smol-eagle3"
 RUN = "sharegpt"
-SIZE = "default"  # `aerie run`'s default size (aerie.pipeline.SIZES): the same data and training
+SIZE = "default"  # `aerie run`'s default size (aerie.app.pipeline.SIZES): the same data and training
 
 
 def train_config():
-    from aerie.pipeline import SIZES
+    from aerie.app.pipeline import SIZES
 
     return SIZES[SIZE].train_config()
 
@@ -54,7 +54,7 @@ def source_digest() -> str:
 
 
 def trained_drafter(cache_dir: Path, smollm2_path: Path) -> Trained:
-    from aerie.pipeline import SIZES
+    from aerie.app.pipeline import SIZES
     from tests.runs import hidden_run_folder
 
     size = SIZES[SIZE]

@@ -3,7 +3,7 @@
 A service mixes `ExpectedError` into its error classes for bad input, a refused name, a server
 that refuses or cannot be reached (`class IngestError(ExpectedError, ValueError)`). `aerie`'s
 commands and the Celery sub-commands print such a failure as one line naming the cause and the
-setting (`aerie.cli.expected_errors`) without importing the service; any other exception is a
+setting (`aerie.app.cli.expected_errors`) without importing the service; any other exception is a
 bug, and its traceback is printed.
 """
 

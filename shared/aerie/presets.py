@@ -8,11 +8,12 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
 - `load(name)`: the preset, checked by the contract; an unknown name lists the known ones.
 - `check_model(preset, config)`: a preset applied to another model (architecture, hidden size,
   layers, vocab) is refused by name, before anything is enqueued.
-- `train_options` (a click decorator) and `train_config(...)`: the training settings every command
+- `train_config(...)`: the training settings every command
   that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
   `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
   `--drafter-shape`, and `--train-config` (any TrainConfig field as JSON). Precedence: an explicit
-  option, then `--train-config`, then the preset, then the command's own defaults.
+  option, then `--train-config`, then the preset, then the command's own defaults. The click
+  options themselves are the app's (`aerie.app.options`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 from importlib.resources import files
 
-import click
 from pydantic import ValidationError
 
 from aerie.contracts import DrafterShape, Preset, TrainConfig
@@ -30,6 +30,10 @@ RECIPES = "recipes"
 
 class PresetError(ValueError):
     """An unknown preset, or one that does not fit the model; the message names both."""
+
+
+class SettingError(ValueError):
+    """A training setting that is not valid (the command line reports it as a bad parameter)."""
 
 
 def names() -> list[str]:
@@ -96,64 +100,8 @@ def preset_config(preset: Preset) -> dict:
 
 
 # --------------------------------------------------------------------------------------
-# The commands' options
+# The commands' settings (their click options: aerie.app.options)
 # --------------------------------------------------------------------------------------
-OPTIONS = {
-    "preset": click.option(
-        "--preset",
-        default=None,
-        help="training recipe: "
-        + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)",
-    ),
-    "epochs": click.option(
-        "--epochs",
-        type=click.FloatRange(min=0, min_open=True),
-        default=None,
-        help="passes over the data (default 10; ignored with --steps)",
-    ),
-    "steps": click.option(
-        "--steps",
-        type=click.IntRange(min=1),
-        default=None,
-        help="optimizer steps (default: from --epochs and the data size)",
-    ),
-    "lr": click.option(
-        "--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="peak learning rate (default 1e-4)"
-    ),
-    "batch_tokens": click.option(
-        "--batch-tokens",
-        type=click.IntRange(min=16),
-        default=None,
-        help="tokens per micro-batch and rank (default 4096)",
-    ),
-    "seq_len": click.option(
-        "--seq-len", type=click.IntRange(min=16), default=None, help="tokens of a sequence trained on (default 2048)"
-    ),
-    "ttt_steps": click.option(
-        "--ttt-steps", type=click.IntRange(min=1), default=None, help="training-time-test steps (default 7)"
-    ),
-    "draft_vocab": click.option(
-        "--draft-vocab", type=click.IntRange(min=2), default=None, help="draft vocabulary size (default 32000)"
-    ),
-    "drafter_shape": click.option(
-        "--drafter-shape", default=None, help="the drafter layer's shape as JSON, e.g. '{\"num_key_value_heads\": 8}'"
-    ),
-    "eval_every": click.option(
-        "--eval-every",
-        type=click.IntRange(min=1),
-        default=None,
-        help="measure acceptance every N steps and at each checkpoint (default: before and after only)",
-    ),
-    "publish_checkpoint": click.option(
-        "--publish-checkpoint",
-        type=click.Choice(["last", "best"]),
-        default=None,
-        help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
-    ),
-    "train_config": click.option(
-        "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
-    ),
-}
 FIELDS = {
     "epochs": "epochs",
     "steps": "steps",
@@ -165,18 +113,6 @@ FIELDS = {
     "eval_every": "eval_every",
     "publish_checkpoint": "publish_checkpoint",
 }
-
-
-def train_options(skip: tuple[str, ...] = ()):
-    """Add the training options (all but `skip`, which the command already has) to a click command."""
-
-    def decorate(command):
-        for name in reversed(list(OPTIONS)):
-            if name not in skip:
-                command = OPTIONS[name](command)
-        return command
-
-    return decorate
 
 
 def train_config(
@@ -194,7 +130,7 @@ def train_config(
         try:
             fields.update(json.loads(options["train_config"]))
         except (json.JSONDecodeError, TypeError) as e:
-            raise click.BadParameter(f"--train-config {options['train_config']!r}: not a JSON object ({e})") from None
+            raise SettingError(f"--train-config {options['train_config']!r}: not a JSON object ({e})") from None
     for option, field in FIELDS.items():
         if options.get(option) is not None:
             fields[field] = options[option]
@@ -202,12 +138,12 @@ def train_config(
         try:
             fields["drafter"] = DrafterShape.model_validate_json(options["drafter_shape"])
         except ValidationError as e:
-            raise click.BadParameter(f"--drafter-shape: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+            raise SettingError(f"--drafter-shape: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
     try:
         return TrainConfig(**fields)
     except ValidationError as e:
         first = e.errors()[0]
-        raise click.BadParameter(
+        raise SettingError(
             f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}"
         ) from None
 

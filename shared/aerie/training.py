@@ -4,7 +4,7 @@
   (`runs/<run>/training/<train-id>.json`, written by the job's rank 0), newest first.
 - `mark_failed(store, train_id, runs, error)`: a job that gave up says so in its records.
 - `logs_hint(store_url, prefix)`: where a job's TensorBoard files are and how to look at them.
-- `progress_table(records)`: the records as a rich table (`progress --run`, `aerie run`).
+- the records as a table: `aerie.app.views.progress_table`.
 """
 
 from __future__ import annotations
@@ -45,37 +45,3 @@ def logs_hint(store_url: str, prefix: str | None) -> str:
         f"TensorBoard files: {store_url}/{prefix}\n"
         f"  mc cp --recursive aerie/<bucket>/{prefix} ./tb && tensorboard --logdir ./tb"
     )
-
-
-def progress_table(records: list[TrainProgress]):
-    from rich.table import Table
-
-    table = Table(title="training")
-    for col in ("train id", "drafter", "stage", "step", "loss", "tokens/s", "ETA", "ranks", "checkpoint", "updated"):
-        table.add_column(
-            col,
-            justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left",
-            overflow="fold",
-        )
-    for r in records:
-        step = f"{r.step}/{r.steps}" if r.steps else str(r.step)
-        eta = (
-            "-"
-            if r.eta_s is None or r.stage != "train"
-            else f"{r.eta_s / 60:.0f} min"
-            if r.eta_s >= 60
-            else f"{r.eta_s:.0f} s"
-        )
-        table.add_row(
-            r.train_id,
-            r.drafter + (f":{r.version}" if r.version else ""),
-            r.stage,
-            step,
-            "-" if r.loss is None else f"{r.loss:.3f}",
-            "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}",
-            eta,
-            f"{r.ranks} {r.sharding}",
-            "-" if r.checkpoint_step is None else str(r.checkpoint_step),
-            r.updated_at,
-        )
-    return table

@@ -95,7 +95,7 @@ def _registered_celery_commands() -> dict[str, str | None]:
 def _registered_aerie_commands() -> dict[str, str]:
     from importlib.metadata import entry_points
 
-    from aerie.cli import main
+    from aerie.app.cli import main
 
     plugins = {ep.name: ep.dist.name for ep in entry_points(group="aerie.commands")}
     builtin = {name: "aerie" for name in main.commands}
@@ -106,7 +106,7 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
     """`aerie SUB` / `celery -A APP SUB` in docs/deploy.md: the sub-command is registered, by a
     package the image of the container it runs in installs, and accepts the guide's options and
     arguments; `celery call` names a task aerie routes, with kwargs its contract accepts."""
-    from aerie.cli import main as aerie_main
+    from aerie.app.cli import main as aerie_main
     from aerie.contracts import ExtractRequest, IngestRequest, TrainRequest
     from aerie.queue import EXTRACT_TASK, INGEST_TASK, ROUTES, TRAIN_TASK
 
@@ -124,7 +124,9 @@ def test_every_command_the_guide_runs_in_a_container_exists_in_that_image():
             sub = argv[1]
             dist = aerie_cmds.get(sub)
             if dist is None:
-                missing.append(f"`aerie {sub}` is not a command (aerie.cli or an `aerie.commands` entry point): {line}")
+                missing.append(
+                    f"`aerie {sub}` is not a command (aerie.app.cli or an `aerie.commands` entry point): {line}"
+                )
             elif dist not in have:
                 missing.append(f"`aerie {sub}` comes from {dist}, which the {where} image does not install: {line}")
             elif why := _parse_error(aerie_main.get_command(None, sub), argv[2:]):

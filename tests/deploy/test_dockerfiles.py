@@ -7,7 +7,8 @@ import tomllib
 
 import pytest
 
-from scripts.deploy_checks.dockerfiles import check_dockerfiles, dockerfile_args
+from scripts import import_graph
+from scripts.deploy_checks.dockerfiles import check_dockerfiles, dockerfile_args, dockerignored
 from tests.deploy.breaks import Break, with_batches
 from tests.deploy.images import image_packages
 from tests.services import REPO
@@ -155,3 +156,26 @@ def test_dockerfile_check_reports_a_missing_dockerignore_and_a_service_without_a
     problems = check_dockerfiles(deploy_copy.root)
     assert any(".dockerignore: missing" in p for p in problems), problems
     assert any("services/extractor: a service without a Dockerfile" in p for p in problems), problems
+
+
+def test_the_inference_image_leaves_the_cpu_harness_out():
+    """The CPU test harness (aerie_sglang.cpu) stays out of the build context, and nothing the image
+    ships imports it."""
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert dockerignored("services/inference/aerie_sglang/cpu/launch.py", patterns)
+    assert dockerignored("services/inference/aerie_sglang/cpu/shim/sgl_kernel/__init__.py", patterns)
+    assert not dockerignored("services/inference/aerie_sglang/plugin/__init__.py", patterns)
+    assert not dockerignored("services/inference/pyproject.toml", patterns)
+    shipped = {m: deps for m, deps in import_graph.graph().items() if m.startswith("aerie_sglang")}
+    assert "aerie_sglang.plugin" in shipped
+    assert not [
+        (m, d)
+        for m, deps in shipped.items()
+        if not m.startswith("aerie_sglang.cpu")
+        for d in deps
+        if d.startswith("aerie_sglang.cpu")
+    ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aerie import layout
-from aerie.ops import smoke_dataset
+from aerie.app.ops import smoke_dataset
 from aerie.runs import failures, shard_names
 from aerie.store import S3Store
 from tests.deploy.servers import linked_copy

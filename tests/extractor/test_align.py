@@ -56,7 +56,7 @@ NEIGHBOUR = 0.98  # a neighbouring layer stays under this
 @pytest.fixture(scope="module")
 def run_folder(cache_dir, smollm2_path) -> Path:
     """The default-size ShareGPT run (the shared trained drafter's, tests/trained.py): cached."""
-    from aerie.pipeline import SIZES
+    from aerie.app.pipeline import SIZES
 
     size = SIZES["default"]
     return hidden_run_folder(

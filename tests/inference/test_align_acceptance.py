@@ -63,7 +63,7 @@ def chat_ids(model, texts: list[str]) -> list[list[int]]:
 def test_on_a_quantized_target_the_drafter_trained_on_its_states_accepts_more(
     cache_dir, smollm2_path, trained_smol, tmp_path
 ):
-    from aerie.bench import load_prompts
+    from aerie.app.bench import load_prompts
     from tests.quantized import PER_CHANNEL, smollm2_quantized, trained_on_quantized
 
     started = time.monotonic()

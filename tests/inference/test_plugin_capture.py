@@ -162,7 +162,7 @@ def stock(smollm2_path, plugin_starting, tmp_path_factory) -> dict:
 def _with_and_without_the_key(server, run: RunSpec, keyed: Settings, tmp: Path) -> dict:
     """The engine and `aerie bench` against a server with --api-key: a capture and a chat with the
     key, the refusal (naming AERIE_ENGINE_API_KEY) without it."""
-    from aerie import bench
+    from aerie.app import bench
 
     got: dict = {"unauthenticated_status": httpx.get(server.url + "/server_info", timeout=30).status_code}
     (captured,) = SGLangEngine(keyed, run).capture([np.asarray(PROMPTS[0], dtype=np.int32)])

@@ -220,7 +220,7 @@ def test_trained_drafter_accepts_more_and_agrees_with_the_projects_evaluation(
 
     # the acceptance command measures it: chat requests (template applied by the server), greedy,
     # against the drafter's server and the plain one
-    from aerie.bench import bench
+    from aerie.app.bench import bench
 
     with serve_server(
         smollm2_path, folder, num_steps=VERIFY_STEPS, num_draft_tokens=NUM_DRAFT_TOKENS, log_dir=tmp_path, env=EAGLE_ENV

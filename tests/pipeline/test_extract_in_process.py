@@ -1,4 +1,4 @@
-"""The embedded run's extract stage (`aerie.pipeline.extract_in_process`): shards in flight on
+"""The embedded run's extract stage (`aerie.app.pipeline.extract_in_process`): shards in flight on
 one engine, as a threads-pool worker runs them, storing what one shard at a time stores."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from aerie import layout
+from aerie.app.pipeline import extract_in_process, shards_in_flight
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest
-from aerie.pipeline import extract_in_process, shards_in_flight
 from aerie.settings import Settings
 from aerie_extractor.extract import ExtractError, run_extract
 from aerie_extractor.ingest import run_ingest

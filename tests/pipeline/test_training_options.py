@@ -8,7 +8,7 @@ import json
 import click
 import pytest
 
-from aerie.pipeline import SIZES, training_config
+from aerie.app.pipeline import SIZES, training_config
 from tests.runs import DATA
 
 

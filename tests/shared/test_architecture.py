@@ -30,6 +30,31 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     assert any("aerie_trainer.job (trainer) imports aerie_extractor.extract" in p for p in found), found
 
 
+def test_the_core_does_not_import_the_app():
+    """`aerie` outside `aerie.app` imports neither the app nor click, rich or subprocess."""
+    assert import_graph.core_problems() == []
+    assert {"aerie.app.cli", "aerie.app.pipeline", "aerie.app.ops", "aerie.app.bench"} <= set(import_graph.graph())
+
+
+def test_the_core_rule_catches_what_it_is_for(tmp_path):
+    """An app import and a click import, planted in the core, are reported."""
+    mods, g = import_graph.modules(), import_graph.graph()
+    g["aerie.layout"].add("aerie.app.cli")
+    planted = tmp_path / "presets.py"
+    planted.write_text(mods["aerie.presets"].read_text() + "\n\ndef f():\n    import click.types\n")
+    found = import_graph.core_problems({**mods, "aerie.presets": planted}, g)
+    assert "aerie.layout (core) imports aerie.app.cli (app): the core runs without the app" in found, found
+    assert "aerie.presets (core) imports click: the core runs without the app's libraries" in found, found
+
+
+def test_one_train_id_property():
+    """A training's id is `TrainRequest.resolved_train_id` everywhere, never recomputed by a caller."""
+    for path in [*(REPO / "shared").rglob("*.py"), *(REPO / "services").rglob("*.py")]:
+        if ".venv" not in path.parts:
+            text = path.read_text()
+            assert not re.search(r"\btrain_id or\b|default_train_id\(", text), path.relative_to(REPO)
+
+
 def test_the_trainer_does_not_depend_on_the_extractor():
     deps = tomllib.loads((REPO / "services/trainer/pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps if d.startswith("aerie-extractor")], deps
@@ -51,7 +76,7 @@ def test_each_stage_is_defined_once_and_composed_through_the_registry_only_outsi
         assert len(defined) == 1, (stage, defined)
     for path in (
         "shared/aerie/controller.py",
-        "shared/aerie/pipeline.py",
+        "shared/aerie/app/pipeline.py",
         "benchmarks/gpu_pipeline.py",
         "tests/trained.py",
         "tests/runs.py",

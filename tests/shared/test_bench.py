@@ -12,8 +12,8 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-from aerie import bench
-from aerie.bench import BenchError, Completion, Server, load_prompts, summarize
+from aerie.app import bench
+from aerie.app.bench import BenchError, Completion, Server, load_prompts, summarize
 
 
 def test_default_prompt_set_is_mt_bench_found_without_importing_it():
@@ -124,7 +124,7 @@ def test_the_table_shows_both_columns():
 
 
 def test_registered_in_the_aerie_command_line():
-    from aerie.cli import main
+    from aerie.app.cli import main
 
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0, result.output

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from aerie.app.pipeline import run_name_for
 from aerie.contracts import IngestRequest
-from aerie.pipeline import run_name_for
 from tests.services import clean_env, free_port, store_env
 
 AERIE = str(Path(sys.executable).with_name("aerie"))

@@ -105,7 +105,7 @@ def test_aerie_pull_needs_only_the_shared_package(s3_store, tmp_path):
     blocked = ["torch", "transformers", "aerie_trainer", "aerie_extractor", "aerie_sglang"]
     code = (
         f"import sys\nfor m in {blocked!r}: sys.modules[m] = None  # import of any of them raises\n"
-        "from aerie.cli import main\nmain()"
+        "from aerie.app.cli import main\nmain()"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, "pull", "smol", str(tmp_path / "out")],
@@ -185,7 +185,7 @@ def test_pull_refuses_a_file_a_link_or_a_foreign_folder_as_dest(fs_store, tmp_pa
             drafters.pull(fs_store, "smol", tmp_path / dest)
     assert (tmp_path / "a-file").read_text() == "x" and (tmp_path / "home" / "notes.txt").exists()
     r = subprocess.run(
-        [sys.executable, "-m", "aerie.cli", "pull", "smol", str(tmp_path / "a-file" / "sub")],
+        [sys.executable, "-m", "aerie.app.cli", "pull", "smol", str(tmp_path / "a-file" / "sub")],
         env=clean_env(**store_env(fs_store)),
         capture_output=True,
         text=True,

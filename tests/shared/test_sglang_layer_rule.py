@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from aerie.app.cli import main as aerie_cli
 from aerie.capture import SGLANG_DEEPSEEK_ARCHS, convention_for, from_engine_ids, to_engine_ids
-from aerie.cli import main as aerie_cli
 from aerie.target import load_config
 from tests.sglang_server import SGLANG_VENV, sglang_python
 

@@ -40,7 +40,7 @@ def test_two_ranks_equal_one_process_with_accumulation_under_ddp_and_fsdp(fs_sto
         args = [
             sys.executable,
             "-m",
-            "aerie.cli",
+            "aerie.app.cli",
             "train",
             "--runs",
             "r1",

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+import aerie_trainer.trainer
 from aerie import drafters, layout
 from aerie.contracts import DrafterLineage, TrainConfig, TrainRequest
 from aerie.settings import Settings
 from aerie.stages import train as run_train
 from aerie_trainer.export import check_sglang_loadable
+from aerie_trainer.model import load_target_lm_head
 from tests.runs import hidden_run_folder, upload_run
 from tests.trained import DRAFTER
 
@@ -59,10 +61,17 @@ def test_trained_drafter_beats_the_untrained_one(trained_smol):
 
 
 @pytest.mark.slow
-def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_path):
+def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_path, monkeypatch):
     """Train 12 steps straight; train again, crash at step 9 (checkpoint at 6), resume to 12:
-    the same loss curve, step for step."""
+    the same loss curve, step for step. Each run reads the target's lm_head once."""
     upload_run(fs_store, sharegpt_run, "sharegpt")
+    heads_read = []
+
+    def reading(model_dir):
+        heads_read.append(model_dir)
+        return load_target_lm_head(model_dir)
+
+    monkeypatch.setattr(aerie_trainer.trainer, "load_target_lm_head", reading)
     cfg = TrainConfig(
         draft_vocab_size=2048,
         ttt_steps=2,
@@ -83,6 +92,7 @@ def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_pat
             runs=["sharegpt"], drafter="a", model=str(smollm2_path), config=cfg, train_id="straight", publish=False
         ),
     )
+    assert heads_read == [str(smollm2_path)]  # a fresh run: its vocabulary and its loss share one read
 
     class Crash(Exception):
         pass
@@ -97,7 +107,9 @@ def test_resume_matches_an_uninterrupted_run(fs_store, sharegpt_run, smollm2_pat
     with pytest.raises(Crash):
         run_train(fs_store, settings, request, progress=crash_at_9)
     assert json.loads(fs_store.get_bytes(layout.checkpoint_latest("crashy")))["step"] == 6
+    heads_read.clear()
     resumed = run_train(fs_store, settings, request)
+    assert heads_read == [str(smollm2_path)]
     assert resumed.resumed_from == 6
     assert len(resumed.losses) == 12
     assert resumed.losses == pytest.approx(straight.losses, rel=1e-6, abs=1e-7)

@@ -198,7 +198,7 @@ def test_two_rank_job_survives_a_killed_worker_and_a_killed_rank_and_publishes_o
         [
             sys.executable,
             "-m",
-            "aerie.cli",
+            "aerie.app.cli",
             "train",
             "--runs",
             "sharegpt",

@@ -51,7 +51,7 @@ import numpy as np
 import orjson
 
 from aerie import layout, sglang_client
-from aerie.alignment import print_report
+from aerie.app.views import print_report
 from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engine_ids
 from aerie.contracts import (
     AlignmentReport,

@@ -30,9 +30,10 @@ import click
 from celery.bin.base import CeleryCommand
 
 from aerie import controller, datasets, layout
-from aerie.cli import one_line_failures
+from aerie.app import options as app_options
+from aerie.app.cli import one_line_failures
+from aerie.app.options import train_options
 from aerie.contracts import AlignGate, IngestOptions, IngestRequest, PlannedTraining, RunStatus, TrainRequest
-from aerie.presets import train_options
 
 
 def _app_settings(ctx: click.Context):
@@ -183,7 +184,7 @@ def enqueue(
         )
     app, settings = _app_settings(ctx)
     try:  # the training settings (and a preset's capture points) are checked before anything is sent
-        config = presets.train_config(model_config=_model_config(model), **training)
+        config = app_options.train_config(model_config=_model_config(model), **training)
         capture_points = capture_points or (
             ",".join(map(str, presets.capture_points(training["preset"]) or [])) or None
         )
@@ -344,7 +345,8 @@ def progress(ctx, run_name, watch, timeout, as_json):
                 time.sleep(2)
                 status = run_status(store, run_name)
                 bar.update(task, total=max(status.shards_total, 1), completed=status.hidden_done)
-    from aerie.training import logs_hint, progress_table, trainings
+    from aerie.app.views import progress_table
+    from aerie.training import logs_hint, trainings
 
     jobs = trainings(store, run_name)  # the training jobs on this run (their rank 0's records)
     if as_json:

@@ -3,7 +3,7 @@
 aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
 aerie train ... --eval-every 100 --publish best   # measure acceptance every 100 steps, publish the best step
 AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
-torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
+torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
 
 from __future__ import annotations

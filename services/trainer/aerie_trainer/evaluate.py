@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -407,9 +408,31 @@ def prompts_from_file(path_or_text: str, model_dir: str | os.PathLike) -> list[l
 # --------------------------------------------------------------------------------------
 # What the trainer runs before and after training
 # --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvalConfig:
+    """What an Evaluator measures against, besides the drafter, the target head and the data.
+
+    model_dir: the target's folder (config.json, tokenizer; the weights only in `transformers` mode).
+    capture_points: the run's; layer_ids: the same points as the SGLang server numbers them, and
+    architecture: the target's (both for `sglang` mode's capture request).
+    prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations.
+    server / max_target_params: AERIE_EVAL_SERVER / AERIE_EVAL_MAX_TARGET_PARAMS, which choose the mode."""
+
+    model_dir: str | os.PathLike
+    capture_points: list[int]
+    config: TrainConfig
+    device: torch.device
+    prompts_jsonl: str | None = None
+    server: str | None = None
+    max_target_params: float = float("inf")
+    layer_ids: list[int] | None = None
+    architecture: str | None = None
+    api_key: str | None = None  # sent to `server` only (the configured AERIE_EVAL_SERVER)
+
+
 class Evaluator:
     """Held-out metrics and the speculative-decoding loop for one drafter, before and after
-    training. It gets what it uses: the drafter, the target head, the data, the model folder.
+    training. It gets what it uses: the drafter, the target head, the data and an EvalConfig.
 
     How acceptance is measured (`mode`, recorded in the metrics as `evaluated_with`):
     - `sglang`: `server` (AERIE_EVAL_SERVER) does the target's forward (SGLangTarget); the
@@ -421,39 +444,24 @@ class Evaluator:
 
     HOLDOUT_BATCHES = 16
 
-    def __init__(
-        self,
-        drafter: Eagle3Drafter,
-        target: TargetHead,
-        data: HiddenData,
-        model_dir: str | os.PathLike,
-        capture_points: list[int],
-        config: TrainConfig,
-        device: torch.device,
-        prompts_jsonl: str | None = None,
-        *,
-        server: str | None = None,
-        max_target_params: float = float("inf"),
-        layer_ids: list[int] | None = None,
-        architecture: str | None = None,
-        api_key: str | None = None,
-    ):
-        """prompts_jsonl: eval prompts (JSONL text, see prompts_from_file); default: held-out conversations."""
+    def __init__(self, drafter: Eagle3Drafter, target: TargetHead, data: HiddenData, setup: EvalConfig):
         from aerie_trainer.sizing import target_parameters_of
 
-        self.drafter, self.target, self.data, self.model_dir = drafter, target, data, str(model_dir)
-        self.capture_points, self.cfg, self.device, self.prompts_jsonl = (
-            list(capture_points),
-            config,
-            device,
-            prompts_jsonl,
+        self.drafter, self.target, self.data, self.setup = drafter, target, data, setup
+        self.model_dir, self.capture_points, self.cfg = str(setup.model_dir), list(setup.capture_points), setup.config
+        self.device, self.prompts_jsonl = setup.device, setup.prompts_jsonl
+        config, model_dir, server, max_target_params = (
+            setup.config,
+            setup.model_dir,
+            setup.server,
+            setup.max_target_params,
         )
         self.ttt = TTT(drafter, config.ttt_steps, config.step_decay)
         self._target_model = None
         self._prompts: list[list[int]] | None = None
         self.target_params = target_parameters_of(model_dir)
-        self.server, self.layer_ids, self.architecture = server, layer_ids, architecture
-        self.api_key = api_key
+        self.server, self.layer_ids, self.architecture = server, setup.layer_ids, setup.architecture
+        self.api_key = setup.api_key
         if server:
             self.mode = "sglang"
             self.note = f"target forward by the SGLang server {server}"

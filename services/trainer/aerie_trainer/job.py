@@ -1,7 +1,7 @@
 """The `train` stage: hidden shards -> a trained, evaluated, exported and published drafter.
 
     aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target   # AERIE_TRAIN_RANKS ranks
-    torchrun --nproc_per_node 8 -m aerie.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
+    torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
     celery -A aerie_trainer.worker call aerie.train --kwargs '{"runs": ["sharegpt"], "drafter": "NAME", "model": "M"}'
 
 All three call `run_train` (registered as the stage `train` in `aerie.stages` for the shared
@@ -28,7 +28,7 @@ from aerie.queue import held
 from aerie.settings import Settings
 from aerie.store import ObjectStore
 from aerie_trainer import export
-from aerie_trainer.evaluate import Evaluator
+from aerie_trainer.evaluate import EvalConfig, Evaluator
 from aerie_trainer.trainer import Progress, Trainer, setup_dist
 
 
@@ -98,21 +98,19 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         layer_ids = to_engine_ids(
             trainer.runset.capture_points, convention_for("sglang", spec.target.architecture), spec.target.num_layers
         )
-        evaluator = Evaluator(
-            trainer.full_drafter,
-            trainer.target,
-            trainer.data,
-            request.model,
-            trainer.runset.capture_points,
-            request.config,
-            dist.device,
-            prompts,
+        setup = EvalConfig(
+            model_dir=request.model,
+            capture_points=trainer.runset.capture_points,
+            config=request.config,
+            device=dist.device,
+            prompts_jsonl=prompts,
             server=settings.eval_server,
             api_key=sglang_client.api_key_for(settings, settings.eval_server) if settings.eval_server else None,
             max_target_params=settings.eval_max_target_params,
             layer_ids=layer_ids,
             architecture=spec.target.architecture,
         )
+        evaluator = Evaluator(trainer.full_drafter, trainer.target, trainer.data, setup)
         st.metrics.update(sharding=sharding, ranks=dist.world_size, sharding_reason=why)
         tracking.progress(
             stage="train",

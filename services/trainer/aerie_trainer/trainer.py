@@ -106,10 +106,12 @@ class Trainer:
         saved = self.checkpointer.load()
         self.state = saved[2] if saved else TrainerState()
         self.resumed_from = self.state.step if self.state.step else None
+        # the target's head (gigabytes at a large vocabulary), read once: the vocabulary choice of a
+        # fresh run and the loss's target both use it
+        head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
         if saved:  # the full weights (and the vocabulary in d2t/t2d) before any sharding
             drafter.load_state_dict(saved[0], strict=False)
         else:  # a fresh run builds its vocabulary; a resumed one loaded it
-            head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
             draft_ids, covered, of = choose_draft_vocab(
                 self.data,
                 drafter.config.draft_vocab_size,
@@ -131,7 +133,6 @@ class Trainer:
         # what rank 0 evaluates and exports: the drafter itself, or under FSDP a full copy that
         # shares the frozen embedding and takes the gathered weights (sync_full_drafter)
         self.full_drafter = drafter if sharding != "fsdp" or not dist.main else self._full_copy(drafter)
-        head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
         self.target = TargetHead(
             None if head is None else head.to(dist.device), drafter.t2d, drafter.d2t, dtype or torch.float32
         )

@@ -37,6 +37,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from aerie import controller, datasets, drafters, layout, presets, runs, stages
+from aerie.app import options as app_options
+from aerie.app.options import train_options
 from aerie.contracts import (
     AlignGate,
     AlignmentReport,
@@ -52,7 +54,6 @@ from aerie.contracts import (
     TrainResult,
 )
 from aerie.controller import RunState, Step
-from aerie.presets import train_options
 from aerie.settings import Settings, redact
 from aerie.store import ObjectStore, open_store
 from aerie.training import logs_hint
@@ -239,7 +240,7 @@ class StepsHere:
 
     def _align(self, steps: list[Step]) -> None:
         """`--server`: the run against the serving server before training (a failed check stops the run)."""
-        from aerie.alignment import print_report
+        from aerie.app.views import print_report
 
         self.watch.start("align")
         for step in steps:
@@ -344,7 +345,7 @@ def _watch(
 ) -> TrainResult:
     """Follow the run through the store (the controller's state) until its training is published;
     a failure stops it with the reason, and the deadline (--timeout) names the queue it waited on."""
-    from aerie.alignment import print_report
+    from aerie.app.views import print_report
 
     request, gate_shown, reused = training.train, False, None
     watch.start("ingest + extract")
@@ -443,7 +444,7 @@ def training_config(
         base.pop("steps")
         base.pop("warmup_steps")
     try:
-        return presets.train_config(
+        return app_options.train_config(
             base=base,
             model_config=json.loads((Path(model_dir) / "config.json").read_text()),
             steps=steps,

@@ -11,14 +11,16 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
 - `train_options` (a click decorator) and `train_config(...)`: the training settings every command
   that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
   `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
-  `--drafter-shape`, and `--train-config` (any TrainConfig field as JSON). Precedence: an explicit
-  option, then `--train-config`, then the preset, then the command's own defaults.
+  `--drafter-shape`, `--eval-every`, `--publish-checkpoint`, `--init-from` (warm start), and
+  `--train-config` (any TrainConfig field as JSON). Precedence: an explicit option, then
+  `--train-config`, then the preset, then the command's own defaults.
 """
 
 from __future__ import annotations
 
 import json
 from importlib.resources import files
+from pathlib import Path
 
 import click
 from pydantic import ValidationError
@@ -150,6 +152,12 @@ OPTIONS = {
         default=None,
         help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
     ),
+    "init_from": click.option(
+        "--init-from",
+        default=None,
+        help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export: config.json + "
+        "*.safetensors) or a published drafter NAME[:VERSION]",
+    ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
     ),
@@ -164,6 +172,7 @@ FIELDS = {
     "draft_vocab": "draft_vocab_size",
     "eval_every": "eval_every",
     "publish_checkpoint": "publish_checkpoint",
+    "init_from": "init_from",
 }
 
 
@@ -198,6 +207,8 @@ def train_config(
     for option, field in FIELDS.items():
         if options.get(option) is not None:
             fields[field] = options[option]
+    if fields.get("init_from"):
+        fields["init_from"] = init_source(fields["init_from"])
     if options.get("drafter_shape"):
         try:
             fields["drafter"] = DrafterShape.model_validate_json(options["drafter_shape"])
@@ -210,6 +221,13 @@ def train_config(
         raise click.BadParameter(
             f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}"
         ) from None
+
+
+def init_source(ref: str) -> str:
+    """`--init-from`: a folder here becomes its absolute path (the trainer may run elsewhere in this
+    filesystem); anything else is a published drafter NAME[:VERSION], resolved by the trainer."""
+    folder = Path(ref).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else ref
 
 
 def capture_points(preset: str | None) -> list[int] | None:

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from aerie import drafters
 from aerie.capture import CaptureError, convention_for, default_capture_points, from_engine_ids
 from aerie.contracts import InitOrigin
+from aerie.errors import ExpectedError
 from aerie.store import NotFound, ObjectStore
 from aerie_trainer.model import Eagle3Drafter
 
@@ -53,7 +54,7 @@ FIX = {  # what sets each tensor's shape, for the refusal's fix
 }
 
 
-class WarmStartError(ValueError):
+class WarmStartError(ExpectedError, ValueError):
     """A source drafter the run's drafter cannot start from; the message names the tensor or setting."""
 
 

@@ -316,6 +316,12 @@ class TrainConfig(Contract):
     publish_checkpoint: Literal["last", "best"] = Field(
         "last", description="publish the last step's drafter, or the measured step with the best acceptance"
     )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description="warm start: a drafter folder (aerie's, or an EAGLE-3 export as SpecForge writes it) or a "
+        "published drafter NAME[:VERSION] whose weights and draft vocabulary training starts from",
+    )
     prefetch: int = Field(4, ge=1)
     draft_vocab_from: Literal["target", "data"] = Field(
         "target",
@@ -754,6 +760,17 @@ class LineageAlignment(Contract):
 # --------------------------------------------------------------------------------------
 # The drafter's lineage, `drafters/<name>/<version>/aerie.json`
 # --------------------------------------------------------------------------------------
+class InitOrigin(Contract):
+    """Where a warm-started drafter's first weights came from (`TrainConfig.init_from`)."""
+
+    source: str = Field(description="init_from as given: a folder, or a published drafter NAME[:VERSION]")
+    drafter: str | None = Field(None, description="the published drafter NAME:VERSION it named")
+    format: Literal["aerie", "eagle3"] = Field(
+        description="an aerie drafter (with aerie.json), or another EAGLE-3 export"
+    )
+    files: dict[str, str] = Field(description="file name -> sha256 of every file read")
+
+
 class DrafterLineage(Contract):
     schema_version: int = SCHEMA_VERSION
     name: str
@@ -771,6 +788,7 @@ class DrafterLineage(Contract):
     alignment: LineageAlignment | None = Field(
         None, description="the alignment checks of its runs (None: published before they were recorded)"
     )
+    init_from: InitOrigin | None = Field(None, description="the drafter training started from (None: from scratch)")
     created_at: str = Field(default_factory=utcnow)
 
 

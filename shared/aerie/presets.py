@@ -11,15 +11,16 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
 - `train_config(...)`: the training settings every command
   that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
   `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
-  `--drafter-shape`, and `--train-config` (any TrainConfig field as JSON). Precedence: an explicit
-  option, then `--train-config`, then the preset, then the command's own defaults. The click
-  options themselves are the app's (`aerie.app.options`).
+  `--drafter-shape`, `--eval-every`, `--publish-checkpoint`, `--init-from` (warm start), and
+  `--train-config` (any TrainConfig field as JSON). Precedence: an explicit option, then
+  `--train-config`, then the preset, then the command's own defaults. The click options themselves are the app's (`aerie.app.options`).
 """
 
 from __future__ import annotations
 
 import json
 from importlib.resources import files
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -112,6 +113,7 @@ FIELDS = {
     "draft_vocab": "draft_vocab_size",
     "eval_every": "eval_every",
     "publish_checkpoint": "publish_checkpoint",
+    "init_from": "init_from",
 }
 
 
@@ -134,6 +136,8 @@ def train_config(
     for option, field in FIELDS.items():
         if options.get(option) is not None:
             fields[field] = options[option]
+    if fields.get("init_from"):
+        fields["init_from"] = init_source(fields["init_from"])
     if options.get("drafter_shape"):
         try:
             fields["drafter"] = DrafterShape.model_validate_json(options["drafter_shape"])
@@ -146,6 +150,13 @@ def train_config(
         raise SettingError(
             f"training setting {'.'.join(map(str, first['loc']))}={first.get('input')!r}: {first['msg']}"
         ) from None
+
+
+def init_source(ref: str) -> str:
+    """`--init-from`: a folder here becomes its absolute path (the trainer may run elsewhere in this
+    filesystem); anything else is a published drafter NAME[:VERSION], resolved by the trainer."""
+    folder = Path(ref).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else ref
 
 
 def capture_points(preset: str | None) -> list[int] | None:

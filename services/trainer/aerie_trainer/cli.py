@@ -2,6 +2,7 @@
 
 aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
 aerie train ... --eval-every 100 --publish best   # measure acceptance every 100 steps, publish the best step
+aerie train ... --init-from smol-eagle3:v1        # warm start from a drafter (aerie_trainer.warm_start)
 AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
 torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
@@ -33,11 +34,17 @@ import click
     default=None,
     help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
 )
-def train(runs, drafter, model, config_json, train_id, no_publish, eval_every, publish_checkpoint) -> None:
+@click.option(
+    "--init-from",
+    default=None,
+    help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export) or a published NAME[:VERSION]",
+)
+def train(runs, drafter, model, config_json, train_id, no_publish, eval_every, publish_checkpoint, init_from) -> None:
     """Train, evaluate and publish a drafter in this process (or one torchrun rank)."""
     import torch
 
     from aerie.contracts import ProgressEvent, TrainConfig, TrainRequest
+    from aerie.presets import init_source
     from aerie.settings import Settings
     from aerie.store import open_store
     from aerie_trainer.job import run_train
@@ -51,6 +58,7 @@ def train(runs, drafter, model, config_json, train_id, no_publish, eval_every, p
                 **json.loads(config_json),
                 **({"eval_every": eval_every} if eval_every else {}),
                 **({"publish_checkpoint": publish_checkpoint} if publish_checkpoint else {}),
+                **({"init_from": init_source(init_from)} if init_from else {}),
             }
         ),
         train_id=train_id,

@@ -383,5 +383,6 @@ def publish(
                 draft_vocab_size=drafter.config.draft_vocab_size,
                 config=request.config,
                 metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list)) or v is None},
+                init_from=metrics.get("init_from"),
             ),
         )

@@ -121,8 +121,9 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
         )
     try:
         if evaluator is not None and "evaluated_with_untrained" not in st.metrics:  # once, not again on resume
-            progress(ProgressEvent(stage="evaluate", message=f"untrained drafter ({evaluator.note})"))
-            tracking.progress(stage="evaluate", message="untrained drafter")
+            start = f"drafter from {request.config.init_from}" if request.config.init_from else "untrained drafter"
+            progress(ProgressEvent(stage="evaluate", message=f"{start} ({evaluator.note})"))
+            tracking.progress(stage="evaluate", message=start)
             untrained = evaluator.run()
             st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k != "evaluation_note"})
             _log_eval(tracking, untrained, 0)

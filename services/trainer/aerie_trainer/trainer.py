@@ -2,7 +2,8 @@
 
 One process (CPU or one GPU), or one rank of a `torch.distributed` job: DDP or FSDP2
 (aerie_trainer.parallel; rank 0 checkpoints, tracks and evaluates). A trainer built again with the
-same request resumes from its last checkpoint: the learning rate is a pure function of the step,
+same request resumes from its last checkpoint (a warm start, `init_from`, loads its source only when
+there is none: aerie_trainer.warm_start): the learning rate is a pure function of the step,
 the data position is (epoch, batch), and the optimizer state, RNG and loss curve come back from
 the store (aerie_trainer.checkpoint) — the same files whatever the sharding.
 
@@ -30,6 +31,7 @@ from aerie_trainer.precision import compute_dtype
 from aerie_trainer.tracking import Tracking
 from aerie_trainer.ttt import TTT, TargetHead, ttt_forward
 from aerie_trainer.vocab import choose_draft_vocab, draft_vocab_size
+from aerie_trainer.warm_start import load_into
 
 Progress = Callable[[ProgressEvent], None]
 WARMUP_FRACTION = 0.015  # SpecForge's reference warmup ratio
@@ -109,8 +111,13 @@ class Trainer:
         # the target's head (gigabytes at a large vocabulary), read once: the vocabulary choice of a
         # fresh run and the loss's target both use it
         head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
-        if saved:  # the full weights (and the vocabulary in d2t/t2d) before any sharding
+        if saved:  # the full weights (and the vocabulary in d2t/t2d) before any sharding; never init_from again
             drafter.load_state_dict(saved[0], strict=False)
+        elif cfg.init_from:  # a warm start: the source's weights and vocabulary
+            origin = load_into(
+                drafter, store, cfg.init_from, self.runset.capture_points, target.architecture, target.num_layers
+            )
+            self.state.metrics["init_from"] = origin.model_dump(mode="json")
         else:  # a fresh run builds its vocabulary; a resumed one loaded it
             draft_ids, covered, of = choose_draft_vocab(
                 self.data,

@@ -60,6 +60,12 @@ OPTIONS = {
         default=None,
         help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
     ),
+    "init_from": click.option(
+        "--init-from",
+        default=None,
+        help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export: config.json + "
+        "*.safetensors) or a published drafter NAME[:VERSION]",
+    ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
     ),

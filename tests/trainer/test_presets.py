@@ -25,6 +25,7 @@ CONFIGS = {  # preset -> (config.json in tests/data, published parameter count i
     "qwen3-30b-a3b": ("qwen3_30b_a3b_config.json", 30.5),
     "deepseek-v3": ("deepseek_v3_config.json", 671.0),
     "kimi-k2.5": ("kimi_k25_config.json", 1026.4),  # the language model (Moonshot: "1 T"), vision tower not counted
+    "smollm2-135m": ("smollm2_135m_instruct_config.json", 0.135),  # `aerie model prepare smollm2-135m`'s config.json
 }
 
 

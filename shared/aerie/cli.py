@@ -156,7 +156,6 @@ def pull(ref: str, dest: str) -> None:
     click.echo(f"drafter {name}:{version} -> {path}")
 
 
-
 @main.group("model")
 def model() -> None:
     """The packaged target models."""
@@ -172,6 +171,7 @@ def model_prepare(name: str) -> None:
     if name not in PACKAGED:
         raise TargetError(f"no packaged model {name!r}: the packaged ones are {', '.join(PACKAGED)}")
     click.echo(PACKAGED[name](default_cache_dir()))
+
 
 if __name__ == "__main__":
     main()

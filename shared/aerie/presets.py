@@ -9,7 +9,8 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
 - `check_model(preset, config)`: a preset applied to another model (architecture, hidden size,
   layers, vocab) is refused by name, before anything is enqueued.
 - `train_options` (a click decorator) and `train_config(...)`: the training settings every command
-  that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
+  that starts a training takes, under the same names (`enqueue --train-drafter`, `aerie run`,
+  `aerie train`): `--preset`, `--epochs`,
   `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
   `--drafter-shape`, and `--train-config` (any TrainConfig field as JSON). Precedence: an explicit
   option, then `--train-config`, then the preset, then the command's own defaults.
@@ -102,8 +103,7 @@ OPTIONS = {
     "preset": click.option(
         "--preset",
         default=None,
-        help="training recipe: "
-        + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)",
+        help="training recipe: a file of aerie/recipes (" + ", ".join(names()) + ")",
     ),
     "epochs": click.option(
         "--epochs",

@@ -49,7 +49,7 @@ def test_two_ranks_equal_one_process_with_accumulation_under_ddp_and_fsdp(fs_sto
             "ddp",
             "--model",
             str(smollm2_path),
-            "--config",
+            "--train-config",
             cfg.model_dump_json(),
             "--train-id",
             train_id,

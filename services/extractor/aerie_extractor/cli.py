@@ -238,8 +238,9 @@ def enqueue(
     check_broker(app)  # before anything is written: a broker that is down leaves no orphan upload
     store = open_store(settings)
     if sha is not None:
+        stored = store.exists(dataset)  # the same content uploaded before: not sent again
         datasets.upload(store, local, sha)
-        ctx.obj.echo(f"uploaded {local} -> {dataset}")
+        ctx.obj.echo(f"{local} -> {dataset}: " + ("in the store already (same sha256)" if stored else "uploaded"))
     elif (
         upload
         and not datasets.is_local_form(dataset)

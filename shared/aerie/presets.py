@@ -3,7 +3,7 @@
 Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Preset`
 (capture points, drafter shape, draft vocab, sequence length, lr, epochs, GPUs needed):
 
-    llama-3.1-8b  qwen3-8b  qwen3-30b-a3b  deepseek-v3  kimi-k2.5
+    llama-3.1-8b  qwen3-8b  qwen3-30b-a3b  deepseek-v3  kimi-k2.5  smollm2-135m
 
 - `load(name)`: the preset, checked by the contract; an unknown name lists the known ones.
 - `check_model(preset, config)`: a preset applied to another model (architecture, hidden size,

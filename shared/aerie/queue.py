@@ -132,7 +132,7 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
 
 def add_alive_options(app: Celery) -> None:
     """`celery worker --alive-file PATH` on this app: the `Alive` step, off unless the option is given."""
-    from click import Option
+    from celery.bin.base import CeleryOption as Option  # celery's own click option: the worker's CLI is celery's
 
     app.user_options["worker"].add(
         Option(

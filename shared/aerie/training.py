@@ -45,3 +45,8 @@ def logs_hint(store_url: str, prefix: str | None) -> str:
         f"TensorBoard files: {store_url}/{prefix}\n"
         f"  mc cp --recursive aerie/<bucket>/{prefix} ./tb && tensorboard --logdir ./tb"
     )
+
+
+def published_lines(published: list[tuple[str, str]]) -> list[str]:
+    """For each published (drafter, version): the command that fetches it."""
+    return [f"published {name}:{version}: aerie pull {name}:{version} DEST" for name, version in published]

@@ -108,6 +108,7 @@ def test_command_surface():
         "align",
         "bench",
         "capture-ids",
+        "model",
         "prepare-store",
         "pull",
         "retry-failed",

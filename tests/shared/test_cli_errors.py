@@ -87,3 +87,11 @@ def test_cli_failures_are_one_line_aerie_pull(s3_store, tmp_path):
     one_line(aerie(gone, "pull", "smol", str(tmp_path / "d")), "unreachable", "AERIE_STORE")
     out = aerie(gone, "--debug", "pull", "smol", str(tmp_path / "d"))
     assert out.returncode != 0 and "Traceback" in out.stderr and "AERIE_STORE" in out.stderr
+
+
+def test_model_prepare_prints_the_packaged_models_folder(smollm2_path):
+    """`aerie model prepare smollm2-135m` prints the folder to pass to --model; an unknown name is refused."""
+    env = clean_env(AERIE_CACHE_DIR=str(smollm2_path.parent))
+    out = aerie(env, "model", "prepare", "smollm2-135m")
+    assert out.returncode == 0 and out.stdout == f"{smollm2_path}\n", out.stderr
+    one_line(aerie(env, "model", "prepare", "gpt2"), "'gpt2'", "smollm2-135m")

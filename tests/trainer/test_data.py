@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,39 @@ def test_epoch_plans_are_reproducible_and_cover_the_training_split(fs_store, sma
     resumed.close()
     for (p1, b1), (p2, b2) in zip(straight[2:], again):
         assert p1 == p2 and b1.input_ids.tolist() == b2.input_ids.tolist()
+
+
+def test_ranks_share_every_epochs_batches_exactly(fs_store, small_run):
+    """W ranks take, round by round, the batches one process takes in order (rank r the r-th of
+    each W), across epochs whose batch count W does not divide: none is dropped or repeated, and
+    every rank reports the same data position, the one one process reports after as many batches."""
+    from aerie_trainer.data import HiddenData, load_runs
+
+    upload_run(fs_store, small_run, "r1")
+    runs = load_runs(fs_store, ["r1"])
+
+    def data(rank: int, world_size: int) -> HiddenData:
+        args = dict(batch_tokens=384, max_seq_tokens=96, ttt_steps=3, seed=0, holdout_fraction=0.2)
+        return HiddenData(fs_store, runs, rank=rank, world_size=world_size, **args)
+
+    one = data(0, 1)
+    sizes = [len(one.epoch_plan(e)) for e in range(4)]
+    assert any(n % 2 for n in sizes) and any(n % 3 for n in sizes)  # epochs that 2 and 3 ranks do not divide
+    total = sum(sizes[:3])
+    stream = list(itertools.islice(one.rank_plan(), total))
+    assert [b for _, b in stream] == [b for e in range(3) for b in one.epoch_plan(e)]
+    for world_size in (1, 2, 3):
+        rounds = total // world_size
+        ranks = [list(itertools.islice(data(r, world_size).rank_plan(), rounds)) for r in range(world_size)]
+        for k in range(rounds):
+            group = stream[k * world_size : (k + 1) * world_size]
+            assert [ranks[r][k][1] for r in range(world_size)] == [b for _, b in group]
+            assert {ranks[r][k][0] for r in range(world_size)} == {group[-1][0]}
+        # resuming every rank at a round's position continues where it left off
+        pos = ranks[0][rounds // 2][0]
+        for r in range(world_size):
+            again = list(itertools.islice(data(r, world_size).rank_plan(*pos), rounds - rounds // 2 - 1))
+            assert again == ranks[r][rounds // 2 + 1 :]
 
 
 def test_mixed_runs_are_refused(fs_store, small_run):

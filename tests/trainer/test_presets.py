@@ -25,6 +25,7 @@ CONFIGS = {  # preset -> (config.json in tests/data, published parameter count i
     "qwen3-30b-a3b": ("qwen3_30b_a3b_config.json", 30.5),
     "deepseek-v3": ("deepseek_v3_config.json", 671.0),
     "kimi-k2.5": ("kimi_k25_config.json", 1026.4),  # the language model (Moonshot: "1 T"), vision tower not counted
+    "smollm2-135m": ("smollm2_135m_instruct_config.json", 0.135),  # `aerie model prepare smollm2-135m`'s config.json
 }
 
 
@@ -111,7 +112,9 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
     out = subprocess.run(
         [*base, "--preset", "llama-3.1-8b", "--epochs", "3"], env=env, capture_output=True, text=True, timeout=120
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 0 and f"{dataset} -> " in out.stdout and ": uploaded" in out.stdout, (
+        out.stdout + out.stderr
+    )
     client = redis.Redis.from_url(private_redis)
     message = json.loads(client.lpop("ingest"))
     request = IngestRequest.model_validate(json.loads(base64.b64decode(message["body"]))[1])
@@ -130,3 +133,23 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
     wrong = subprocess.run([*base, "--preset", "qwen3-8b"], env=env, capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "preset qwen3-8b is for Qwen/Qwen3-8B" in wrong.stderr, wrong.stderr
     assert client.llen("ingest") == 0  # nothing sent
+    # the same file for another run: the store has it, and says so
+    again = subprocess.run(
+        [*base[:7], "llama-run-2", *base[8:], "--preset", "llama-3.1-8b"], env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0 and "in the store already" in again.stdout, again.stdout + again.stderr
+    assert "uploaded" not in again.stdout
+
+
+def test_every_command_that_trains_takes_the_training_options_under_one_name():
+    """`aerie train`, `enqueue --train-drafter` and `aerie run` take the same training options."""
+    from aerie.pipeline import run
+    from aerie_extractor.cli import enqueue
+    from aerie_trainer.cli import train
+
+    every = {opt for option in presets.OPTIONS.values() for opt in option(lambda: None).__click_params__[0].opts}
+    assert "--train-config" in every and "--preset" in every
+    for command in (train, enqueue, run):
+        flags = {opt for param in command.params for opt in param.opts}
+        assert every <= flags, (command.name, every - flags)
+    assert "--config" not in {opt for param in train.params for opt in param.opts}

@@ -206,7 +206,7 @@ def test_two_rank_job_survives_a_killed_worker_and_a_killed_rank_and_publishes_o
             "killed",
             "--model",
             str(smollm2_path),
-            "--config",
+            "--train-config",
             cfg.model_dump_json(),
         ],
         env=env,

@@ -239,8 +239,9 @@ def enqueue(
     check_broker(app)  # before anything is written: a broker that is down leaves no orphan upload
     store = open_store(settings)
     if sha is not None:
+        stored = store.exists(dataset)  # the same content uploaded before: not sent again
         datasets.upload(store, local, sha)
-        ctx.obj.echo(f"uploaded {local} -> {dataset}")
+        ctx.obj.echo(f"{local} -> {dataset}: " + ("in the store already (same sha256)" if stored else "uploaded"))
     elif (
         upload
         and not datasets.is_local_form(dataset)
@@ -285,9 +286,10 @@ def _model_config(model: str) -> dict | None:
 
 
 def status_table(status: RunStatus):
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"run {status.run}")
+    table = Table(title=f"run {status.run}", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     regen = status.regenerate_total > 0
     for col in (
         "shards",
@@ -315,51 +317,90 @@ def status_table(status: RunStatus):
     return table
 
 
+WATCH_POLL_S = 1.0
+
+
+def _run_state(store, run: str) -> controller.RunState | None:
+    """The run controller's view of a run with a plan (enqueue, `aerie run`); None without one."""
+    try:
+        return controller.state(store, run)
+    except controller.NoPlan:
+        return None
+
+
 @click.command(cls=CeleryCommand)
 @click.option("--run", "run_name", required=True)
-@click.option("--watch", is_flag=True, help="follow the run with a progress bar until it completes")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="follow the run until it is done (its drafter published) or failed; exit 1 unless done",
+)
 @click.option("--timeout", type=float, default=3600.0, help="seconds --watch waits")
 @click.option("--json", "as_json", is_flag=True, help="print the RunStatus record as JSON")
 @one_line_failures
 @click.pass_context
 def progress(ctx, run_name, watch, timeout, as_json):
-    """Show a run's progress: shards tokenized / extracted / failed, tokens, rejects."""
+    """Show a run's progress: shards tokenized / extracted / failed, tokens, rejects, its trainings."""
     from rich.console import Console
 
+    from aerie.app.views import progress_table
     from aerie.runs import run_status
     from aerie.store import open_store
+    from aerie.training import logs_hint, published_lines, trainings
 
     _, settings = _app_settings(ctx)
     store = open_store(settings)
     console = Console()
-    status = run_status(store, run_name)
-    if watch and not status.complete:
+    status, state, jobs = run_status(store, run_name), _run_state(store, run_name), trainings(store, run_name)
+    if state is None and not jobs and not status.tokens_done and not store.exists(layout.run_spec(run_name)):
+        raise click.ClickException(
+            f"no run {run_name!r} in {store.url} (AERIE_STORE): enqueue it first, or name a run that store holds"
+        )
+
+    def finished() -> bool:  # a planned run: done or failed, its trainings included; else extracted
+        return state.done if state is not None else status.complete or status.failed > 0
+
+    if watch and not finished():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         deadline = time.monotonic() + timeout
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
         ) as bar:
-            task = bar.add_task(f"run {run_name}: shards extracted", total=max(status.shards_total, 1))
-            while not status.complete and status.failed == 0 and time.monotonic() < deadline:
-                time.sleep(2)
-                status = run_status(store, run_name)
-                bar.update(task, total=max(status.shards_total, 1), completed=status.hidden_done)
-    from aerie.app.views import progress_table
-    from aerie.training import logs_hint, trainings
-
-    jobs = trainings(store, run_name)  # the training jobs on this run (their rank 0's records)
+            extracted = bar.add_task(
+                f"run {run_name}: shards extracted", total=max(status.shards_total, 1), completed=status.hidden_done
+            )
+            trained = None
+            while not finished() and time.monotonic() < deadline:
+                time.sleep(WATCH_POLL_S)
+                status, state, jobs = (
+                    run_status(store, run_name),
+                    _run_state(store, run_name),
+                    trainings(store, run_name),
+                )
+                bar.update(extracted, total=max(status.shards_total, 1), completed=status.hidden_done)
+                if jobs:  # the newest training job: its steps
+                    job = jobs[0]
+                    what = f"training {job.drafter}: {job.stage}"
+                    if trained is None:
+                        trained = bar.add_task(what, total=job.steps)
+                    bar.update(trained, description=what, total=job.steps, completed=job.step)
     if as_json:
         click.echo(status.model_dump_json())
     else:
         console.print(status_table(status))
+        # published: what the jobs' records say, and what the controller found (a lineage in the
+        # store; the job's record says "done" a moment later)
+        published = {(r.drafter, r.version) for r in jobs if r.version}
+        if state is not None:
+            requests = [t.planned.train for t in state.trainings if t.phase == "done"]
+            published |= {(r.drafter, r.version) for r in requests if r.publish}
         if jobs:
             console.print(progress_table(jobs))
             console.print(logs_hint(settings.store, jobs[0].logs))
-        try:  # where the run controller has it (a run with a plan)
-            state = controller.state(store, run_name)
+        for line in published_lines(sorted(published)):
+            console.print(line)
+        if state is not None:
             console.print(f"run {run_name}: {state.phase}" + (f": {state.failure}" if state.failure else ""))
-        except controller.NoPlan:
-            pass
-    if watch and not status.complete:
+    if watch and not (state.phase == "done" if state is not None else status.complete):
         raise SystemExit(1)

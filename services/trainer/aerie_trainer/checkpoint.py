@@ -32,7 +32,7 @@ KEEP = 2  # complete checkpoints kept per train id
 @dataclass
 class TrainerState:
     step: int = 0  # optimizer steps done
-    epoch: int = 0  # data position: next batch is epoch_plan(epoch)[batch]
+    epoch: int = 0  # the ranks' data position: the group's next batch is epoch_plan(epoch)[batch]
     batch: int = 0
     tokens: int = 0
     losses: list[float] = field(default_factory=list)  # one per optimizer step

@@ -1,8 +1,9 @@
 """The trainer's user command, registered in `aerie` through the `aerie.commands` entry point.
 
-aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--config '{"steps": 300}']
-aerie train ... --eval-every 100 --publish best   # measure acceptance every 100 steps, publish the best step
-aerie train ... --init-from smol-eagle3:v1        # warm start from a drafter (aerie_trainer.warm_start)
+aerie train --runs sharegpt --drafter smollm2-eagle3 --model /path/to/target [--steps 300] [--train-config '{...}']
+aerie train ... --eval-every 100 --publish-checkpoint best   # measure acceptance every 100 steps, publish the best
+
+The training options are the ones `enqueue --train-drafter` and `aerie run` take (aerie.presets).
 AERIE_TRAIN_RANKS=8 aerie train ...                                   # launches 8 ranks itself
 torchrun --nproc_per_node 8 -m aerie.app.cli train --runs sharegpt --drafter NAME --model M   # ranks by hand
 """
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import click
+
+from aerie.app.options import train_config, train_options
 
 
 @click.command("train")
@@ -21,46 +25,25 @@ import click
 )
 @click.option("--drafter", required=True, help="drafter name (published under drafters/<name>/)")
 @click.option("--model", required=True, help="target model folder (embeddings, lm_head, config)")
-@click.option("--config", "config_json", default="{}", help="TrainConfig fields as JSON, e.g. '{\"steps\": 300}'")
 @click.option("--train-id", default=None, help="checkpoint namespace (default: derived from the request)")
 @click.option("--no-publish", is_flag=True, help="train and evaluate only")
-@click.option(
-    "--eval-every", type=click.IntRange(min=1), default=None, help="measure acceptance every N steps and checkpoint"
-)
-@click.option(
-    "--publish",
-    "publish_checkpoint",
-    type=click.Choice(["last", "best"]),
-    default=None,
-    help="publish the last step (default) or the measured step that accepted best (needs --eval-every)",
-)
-@click.option(
-    "--init-from",
-    default=None,
-    help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export) or a published NAME[:VERSION]",
-)
-def train(runs, drafter, model, config_json, train_id, no_publish, eval_every, publish_checkpoint, init_from) -> None:
+@train_options()
+def train(runs, drafter, model, train_id, no_publish, **training) -> None:
     """Train, evaluate and publish a drafter in this process (or one torchrun rank)."""
     import torch
 
-    from aerie.contracts import ProgressEvent, TrainConfig, TrainRequest
-    from aerie.presets import init_source
+    from aerie.contracts import ProgressEvent, TrainRequest
     from aerie.settings import Settings
     from aerie.store import open_store
+    from aerie.target import load_config
     from aerie_trainer.job import run_train
 
+    readable = (Path(model) / "config.json").is_file()  # the preset is checked against it where it is here
     request = TrainRequest(
         runs=list(runs),
         drafter=drafter,
         model=model,
-        config=TrainConfig.model_validate(
-            {
-                **json.loads(config_json),
-                **({"eval_every": eval_every} if eval_every else {}),
-                **({"publish_checkpoint": publish_checkpoint} if publish_checkpoint else {}),
-                **({"init_from": init_source(init_from)} if init_from else {}),
-            }
-        ),
+        config=train_config(model_config=load_config(model) if readable else None, **training),
         train_id=train_id,
         publish=not no_publish,
     )

@@ -20,6 +20,7 @@ trained when loss_mask[t+2+k]. Slot t's first hidden is fc(aux[t]).
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import shutil
@@ -27,6 +28,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,7 +427,7 @@ class HiddenData:
         return batches
 
     def epoch_plan(self, epoch: int) -> list[list[Item]]:
-        """This rank's batches of an epoch, in order (the same on every call)."""
+        """The group's batches of an epoch (every rank's), in order (the same on every call)."""
         rng = np.random.default_rng([self.seed, epoch])
         by_shard: dict[int, list[Item]] = {}
         for it in self.train_items:
@@ -435,10 +437,30 @@ class HiddenData:
         for w in range(0, len(order), SHUFFLE_WINDOW):
             items = [it for i in order[w : w + SHUFFLE_WINDOW] for it in by_shard[i]]
             plan += self._pack([items[j] for j in rng.permutation(len(items))])
-        per_rank = len(plan) // self.world_size
-        if per_rank == 0:
-            raise DataError(f"{len(plan)} batch(es) per epoch cannot feed {self.world_size} ranks: lower batch_tokens")
-        return [plan[i * self.world_size + self.rank] for i in range(per_rank)]
+        return plan
+
+    def rank_plan(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], list[Item]]]:
+        """This rank's batches, endless, from the group's data position (epoch, index): the group
+        takes the epochs' batches in order, rank r the r-th of each `world_size`, across epoch ends
+        (no batch dropped, so W ranks with accumulation A take exactly the batches one process takes
+        with W*A). Yields (the group's position after this round, the batch); the position is the
+        same on every rank, so rank 0's checkpoint resumes all of them."""
+        plans: dict[int, list[list[Item]]] = {}
+
+        def advance(e: int, i: int, k: int) -> tuple[int, int]:
+            i += k
+            while i >= len(plans.get(e) or plans.setdefault(e, self.epoch_plan(e))):
+                i, e = i - len(plans[e]), e + 1
+            return e, i
+
+        e, i = advance(epoch, index, 0)
+        while True:
+            be, bi = advance(e, i, self.rank)
+            batch = plans[be][bi]
+            e, i = advance(e, i, self.world_size)
+            for old in [k for k in plans if k < e]:
+                del plans[old]
+            yield (e, i), batch
 
     def load(self, cache: ShardCache, batch: list[Item]) -> Batch:
         seqs = []
@@ -450,26 +472,24 @@ class HiddenData:
 
     # --- iteration ----------------------------------------------------------------------
     def batches(self, epoch: int = 0, index: int = 0) -> Prefetcher:
-        """Endless batches from data position (epoch, index); yields ((epoch, next index), Batch)."""
+        """This rank's endless batches from the group's data position (epoch, index) (rank_plan);
+        yields (the position after them, Batch)."""
 
         def produce() -> Iterator:
             cache = ShardCache(self.store, self.expect)
             try:
-                e, i = epoch, index
+                plan = self.rank_plan(epoch, index)
+                ahead = deque(itertools.islice(plan, self.prefetch + 1))
                 while True:
-                    plan = self.epoch_plan(e)
-                    for j in range(i, len(plan)):
-                        cache.keep_only({self.shards[s].key for s, _ in plan[j]} | set(self._window_keys(plan, j)))
-                        yield (e, j + 1), self.load(cache, plan[j])
-                    e, i = e + 1, 0
+                    pos, items = ahead.popleft()
+                    ahead.append(next(plan))
+                    # the next few batches' shards stay open instead of being downloaded again
+                    cache.keep_only({self.shards[s].key for b in [items, *(b for _, b in ahead)] for s, _ in b})
+                    yield pos, self.load(cache, items)
             finally:
                 cache.close()
 
         return Prefetcher(produce, self.prefetch, self)
-
-    def _window_keys(self, plan: list[list[Item]], j: int) -> list[str]:
-        """Keys the next few batches need (kept open instead of re-downloaded)."""
-        return [self.shards[s].key for b in plan[j + 1 : j + 1 + self.prefetch] for s, _ in b]
 
     def holdout_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
         cache = ShardCache(self.store, self.expect)

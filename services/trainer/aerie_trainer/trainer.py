@@ -7,8 +7,8 @@ there is none: aerie_trainer.warm_start): the learning rate is a pure function o
 the data position is (epoch, batch), and the optimizer state, RNG and loss curve come back from
 the store (aerie_trainer.checkpoint) — the same files whatever the sharding.
 
-Steps: `TrainConfig.steps`, else `epochs` passes over this rank's batches (divided by
-`grad_accum`); warmup: `warmup_steps`, else 1.5% of the steps.
+Steps: `TrainConfig.steps`, else `epochs` passes over the batches (divided by `grad_accum` times
+the ranks, which share every epoch's batches: HiddenData.rank_plan); warmup: `warmup_steps`, else 1.5% of the steps.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class Trainer:
             rank=dist.rank,
             world_size=dist.world_size,
         )
-        self.steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(self.data.epoch_plan(0)) / cfg.grad_accum))
+        per_step = cfg.grad_accum * dist.world_size  # batches the group takes a step
+        self.steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(self.data.epoch_plan(0)) / per_step))
         self.warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(WARMUP_FRACTION * self.steps)
         torch.manual_seed(cfg.seed)
         target = self.runset.spec.target

@@ -156,5 +156,22 @@ def pull(ref: str, dest: str) -> None:
     click.echo(f"drafter {name}:{version} -> {path}")
 
 
+@main.group("model")
+def model() -> None:
+    """The packaged target models."""
+
+
+@model.command("prepare")
+@click.argument("name", metavar="NAME")
+def model_prepare(name: str) -> None:
+    """Prepare the packaged model NAME (smollm2-135m) in AERIE_CACHE_DIR, once, and print its
+    folder: the one to pass to --model (its training preset has the same name)."""
+    from aerie.target import PACKAGED, TargetError, default_cache_dir
+
+    if name not in PACKAGED:
+        raise TargetError(f"no packaged model {name!r}: the packaged ones are {', '.join(PACKAGED)}")
+    click.echo(PACKAGED[name](default_cache_dir()))
+
+
 if __name__ == "__main__":
     main()

@@ -12,8 +12,7 @@ OPTIONS = {
     "preset": click.option(
         "--preset",
         default=None,
-        help="training recipe: "
-        + "the files in aerie/recipes (llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, deepseek-v3, kimi-k2.5)",
+        help="training recipe: a file of aerie/recipes (" + ", ".join(presets.names()) + ")",
     ),
     "epochs": click.option(
         "--epochs",

@@ -54,15 +54,15 @@ def print_report(report: AlignmentReport, console=None) -> None:
 
 
 def progress_table(records: list[TrainProgress]):
+    """One row a job, readable in 80 columns: the train id folds, every other cell stays whole
+    (the drafter is named where the train id does not start with it; `updated` is UTC)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="training")
-    for col in ("train id", "drafter", "stage", "step", "loss", "tokens/s", "ETA", "ranks", "checkpoint", "updated"):
-        table.add_column(
-            col,
-            justify="right" if col in ("step", "loss", "tokens/s", "ETA", "checkpoint") else "left",
-            overflow="fold",
-        )
+    table = Table(title="training", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table.add_column("train id", overflow="fold", min_width=12)
+    for col in ("stage", "step", "loss", "tok/s", "ETA", "ranks", "ckpt", "updated"):
+        table.add_column(col, justify="left" if col in ("stage", "ranks") else "right", no_wrap=True)
     for r in records:
         step = f"{r.step}/{r.steps}" if r.steps else str(r.step)
         eta = (
@@ -73,15 +73,14 @@ def progress_table(records: list[TrainProgress]):
             else f"{r.eta_s:.0f} s"
         )
         table.add_row(
-            r.train_id,
-            r.drafter + (f":{r.version}" if r.version else ""),
+            r.train_id if r.train_id.startswith(r.drafter) else f"{r.train_id} ({r.drafter})",
             r.stage,
             step,
             "-" if r.loss is None else f"{r.loss:.3f}",
             "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}",
             eta,
-            f"{r.ranks} {r.sharding}",
+            f"{r.ranks} {r.sharding}" if r.sharding != "single" else str(r.ranks),
             "-" if r.checkpoint_step is None else str(r.checkpoint_step),
-            r.updated_at,
+            r.updated_at[11:19],
         )
     return table

@@ -143,8 +143,8 @@ def test_enqueue_with_a_preset_sends_its_recipe(private_redis, s3_store, tmp_pat
 
 def test_every_command_that_trains_takes_the_training_options_under_one_name():
     """`aerie train`, `enqueue --train-drafter` and `aerie run` take the same training options."""
-    from aerie.app.pipeline import run
     from aerie.app.options import OPTIONS
+    from aerie.app.pipeline import run
     from aerie_extractor.cli import enqueue
     from aerie_trainer.cli import train
 

@@ -166,6 +166,26 @@ def test_fp8_runs_batch_as_the_dequantized_states(store, small_run):
         load_runs(store, ["r1", "r8"])
 
 
+def test_a_shard_is_checked_once_however_often_it_is_reopened(store, small_run, monkeypatch):
+    """Shards are closed and reopened as the shuffle window moves, each epoch and each held-out
+    evaluation; their values are checked the first time only (HiddenData.verified)."""
+    import aerie_trainer.data as data_mod
+
+    checked = []
+    real = data_mod.check_shard
+    monkeypatch.setattr(data_mod, "check_shard", lambda key, *a: (checked.append(key), real(key, *a)))
+    upload_run(store, small_run, "r1")
+    data = make_data(store, ["r1"], holdout_fraction=0.0)
+    for _ in range(2):  # two caches, as two epochs' producers or an evaluation open them
+        cache = data_mod.ShardCache(store, data.expect, data.verified)
+        try:
+            for s in data.shards:
+                cache.get(s.key)
+        finally:
+            cache.close()
+    assert sorted(checked) == sorted(s.key for s in data.shards)
+
+
 def test_corrupt_shards_are_refused_by_name_before_training(fs_store, small_run):
     """Issue 35 finding 2: one NaN, a value of 3e38, two swapped shards or a header dtype changed
     all trained silently. Now every shard is checked as it is opened: its record's sha256, the

@@ -210,26 +210,35 @@ _CHECK_ROWS = 4096  # rows converted to float32 at a time when checking values (
 class ShardCache:
     """Opens shards: memory-mapped in place on a filesystem store, else downloaded to a temp dir.
 
-    With `expect` (key -> (ShardRef, RunSpec)), every shard is checked before it is trained on: its
-    bytes hash to the record's sha256 (hashed while downloading, not read twice), its header holds
-    the dtype and shape the run spec says, and its states are finite and within STATE_BOUND.
-    A shard that fails is a DataError naming it: corrupt data is never trained on."""
+    With `expect` (key -> (ShardRef, RunSpec)), every shard is checked before it is first trained on:
+    its bytes hash to the record's sha256, its header holds the dtype and shape the run spec says,
+    and its states are finite and within STATE_BOUND. A shard that fails is a DataError naming it:
+    corrupt data is never trained on. `verified` (shared by the caches of one HiddenData) holds the
+    keys already checked: a shard reopened (each epoch, each held-out evaluation) is not read again
+    to be checked; a downloaded one is still compared with its record, as hashing it is free there."""
 
-    def __init__(self, store: ObjectStore, expect: dict[str, tuple[ShardRef, RunSpec]] | None = None):
+    def __init__(
+        self,
+        store: ObjectStore,
+        expect: dict[str, tuple[ShardRef, RunSpec]] | None = None,
+        verified: set[str] | None = None,
+    ):
         self.store, self.expect = store, expect or {}
+        self.verified = set() if verified is None else verified
         self.dir = Path(tempfile.mkdtemp(prefix="aerie-shards-"))
         self.open_shards: dict[str, Shard] = {}
 
     def get(self, key: str) -> Shard:
         if key not in self.open_shards:
-            local = self.store.local_path(key)
+            expected = self.expect.get(key)
+            checked = expected is None or key in self.verified
+            local, got = self.store.local_path(key), None
             if local is None:
                 local = self.dir / key.replace("/", "__")
-                got = self.store.download(key, local)
-            elif key in self.expect:
+                got = self.store.download(key, local)  # hashed while downloading
+            elif not checked:
                 got = file_sha256(local)
-            expected = self.expect.get(key)
-            if expected is not None and expected[0].sha256 is not None and got != expected[0].sha256:
+            if expected is not None and expected[0].sha256 is not None and got not in (None, expected[0].sha256):
                 raise DataError(
                     f"hidden shard {key}: sha256 {got[:12]}… differs from its record's {expected[0].sha256[:12]}…: "
                     "corrupted or replaced; re-extract the run"
@@ -238,12 +247,13 @@ class ShardCache:
                 shard = Shard.open(local)
             except ShardError as e:
                 raise DataError(f"hidden shard {key}: not a readable shard ({e}): re-extract the run") from None
-            if expected is not None:
+            if not checked:
                 try:
                     shard.validate(check_finite=False)  # structure; values below, in bounded parts
                 except ShardError as e:
                     raise DataError(f"hidden shard {key}: {e}: re-extract the run") from None
                 check_shard(key, shard, expected[1])
+                self.verified.add(key)
             self.open_shards[key] = shard
         return self.open_shards[key]
 
@@ -391,6 +401,7 @@ class HiddenData:
         self.shards = runset.shards
         specs = {spec.run: spec for spec in runset.specs}
         self.expect = {s.key: (s, specs[s.run]) for s in self.shards}
+        self.verified: set[str] = set()  # shards checked once (ShardCache), not again on each reopening
         # sequence lengths from the offsets alone (a few bytes per shard, fetched by range)
         self.lengths = [np.diff(_offsets(store, s.key)) for s in self.shards]
         self.train_items, self.holdout_items = self._split(holdout_fraction)
@@ -476,7 +487,7 @@ class HiddenData:
         yields (the position after them, Batch)."""
 
         def produce() -> Iterator:
-            cache = ShardCache(self.store, self.expect)
+            cache = ShardCache(self.store, self.expect, self.verified)
             try:
                 plan = self.rank_plan(epoch, index)
                 ahead = deque(itertools.islice(plan, self.prefetch + 1))
@@ -492,7 +503,7 @@ class HiddenData:
         return Prefetcher(produce, self.prefetch, self)
 
     def holdout_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
-        cache = ShardCache(self.store, self.expect)
+        cache = ShardCache(self.store, self.expect, self.verified)
         try:
             for n, batch in enumerate(self._pack(self.holdout_items)):
                 if max_batches is not None and n >= max_batches:

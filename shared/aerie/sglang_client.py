@@ -25,11 +25,20 @@ MODEL_INFO = ("/model_info", "/get_model_info")
 
 
 class SGLangError(ExpectedError, RuntimeError):
-    """An SGLang server that cannot be reached, refuses the request, or is not an SGLang server."""
+    """An SGLang server that cannot be reached, refuses the request, or is not an SGLang server.
+    `status`: the HTTP status it answered, None when it did not answer."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class SGLangUnauthorized(SGLangError):
     """HTTP 401/403: the server runs with --api-key and the request carried another key or none."""
+
+
+class NotSGLang(SGLangError):
+    """The server answers, but none of the paths an SGLang server serves."""
 
 
 def _norm(url: str) -> str:
@@ -79,15 +88,17 @@ def get_first(client: httpx.Client, url: str, paths: tuple[str, ...], setting: s
                 f"SGLang server {url} unreachable ({type(e).__name__}: {e}): is it up? ({setting})"
             ) from e
         if r.status_code in (401, 403):
-            raise SGLangUnauthorized(unauthorized(url, r.status_code))
+            raise SGLangUnauthorized(unauthorized(url, r.status_code), r.status_code)
         if r.status_code == 404:
             last = r
             continue
         if r.status_code != 200:
-            raise SGLangError(f"SGLang server {url}{path} answered HTTP {r.status_code}: {r.text[:300]}")
+            raise SGLangError(f"SGLang server {url}{path} answered HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return orjson.loads(r.content)
-    status = last.status_code if last is not None else "none"
-    raise SGLangError(f"SGLang server {url} has none of {', '.join(paths)} (HTTP {status}): not an SGLang server?")
+    status = last.status_code if last is not None else None
+    raise NotSGLang(
+        f"SGLang server {url} has none of {', '.join(paths)} (HTTP {status}): not an SGLang server?", status
+    )
 
 
 def server_info(client: httpx.Client, url: str, setting: str = "AERIE_ENGINE_URLS") -> dict:
@@ -118,9 +129,9 @@ def call(
     except httpx.HTTPError as e:
         raise SGLangError(f"SGLang server {url}: no answer ({type(e).__name__}: {e}): is it up? ({setting})") from None
     if r.status_code in (401, 403):
-        raise SGLangUnauthorized(unauthorized(url, r.status_code))
+        raise SGLangUnauthorized(unauthorized(url, r.status_code), r.status_code)
     if r.status_code != 200:
-        raise SGLangError(f"SGLang server {url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        raise SGLangError(f"SGLang server {url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
     return orjson.loads(r.content)
 
 

@@ -24,7 +24,7 @@ def server():
         def _answer(self) -> None:
             auth = self.headers.get("Authorization")
             seen.append((self.path, auth))
-            if self.path == "/server_info":  # an older SGLang: only the get_ names
+            if self.path == "/server_info" or self.path.startswith("/gone/"):  # an older SGLang: only get_ names
                 code, body = 404, {"detail": "Not Found"}
             elif self.path == "/health":
                 code, body = 200, {}
@@ -80,3 +80,24 @@ def test_call_answers_refuses_and_names_the_setting(server):
         sglang_client.call("http://127.0.0.1:9", "/x", api_key=KEY, timeout_s=2, setting="AERIE_EVAL_SERVER")
     assert sglang_client.healthy(url) and not sglang_client.healthy("http://127.0.0.1:9", timeout_s=2)
     assert isinstance(sglang_client.http_client(Settings(), url, 1), httpx.Client)
+
+
+def test_errors_carry_their_kind_and_status(server):
+    """Callers choose by class and status, never by message text: a 404 (the fallback of an older
+    server's names), a server without SGLang's paths (the engine's mismatch), an unreachable one."""
+    from aerie_extractor.engines.sglang import EngineMismatch
+    from aerie_extractor.engines.sglang import server_info as engine_server_info
+
+    url, _ = server
+    with pytest.raises(sglang_client.SGLangError) as e:
+        sglang_client.call(url, "/server_info", api_key=KEY)
+    assert e.value.status == 404 and not isinstance(e.value, sglang_client.NotSGLang)
+    with httpx.Client(headers=sglang_client.auth_headers(KEY)) as client:
+        with pytest.raises(sglang_client.NotSGLang, match="not an SGLang server") as e:
+            sglang_client.server_info(client, url + "/gone")
+        assert e.value.status == 404
+        with pytest.raises(EngineMismatch, match="not an SGLang server"):
+            engine_server_info(client, url + "/gone")
+    with pytest.raises(sglang_client.SGLangError) as e:
+        sglang_client.call("http://127.0.0.1:9", "/x", timeout_s=2)
+    assert e.value.status is None

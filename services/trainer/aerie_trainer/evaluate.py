@@ -300,7 +300,7 @@ class SGLangTarget:
         except sglang_client.SGLangUnauthorized:
             raise
         except sglang_client.SGLangError as e:
-            if fallback and "HTTP 404" in str(e):
+            if fallback and e.status == 404:
                 return self._call(fallback, payload)
             raise EvalError(f"AERIE_EVAL_SERVER {self.url}{path}: {e}") from None
 

@@ -119,11 +119,9 @@ def _get(client: httpx.Client, url: str, paths: tuple[str, ...]) -> dict:
     """GET the first of `paths` the server knows, as the engine's errors."""
     try:
         return sglang_client.get_first(client, url, paths)
-    except sglang_client.SGLangUnauthorized as e:
+    except (sglang_client.SGLangUnauthorized, sglang_client.NotSGLang) as e:
         raise EngineMismatch(str(e)) from None
     except sglang_client.SGLangError as e:
-        if "not an SGLang server" in str(e):
-            raise EngineMismatch(str(e)) from None
         raise EngineError(str(e)) from e.__cause__
 
 

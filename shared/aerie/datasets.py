@@ -48,9 +48,10 @@ def allowed_local_path(dataset: str, allowed: list[Path]) -> Path | None:
     return real
 
 
-def refusal(dataset: str, allowed: list[Path]) -> DatasetRefused:
+def refusal(dataset: str, allowed: list[Path], what: str = "dataset") -> DatasetRefused:
+    """A local path outside the allowed folders; `what` names the field the path came in."""
     return DatasetRefused(
-        f"dataset {dataset!r} is a local path outside the folders this worker may read "
+        f"{what} {dataset!r} is a local path outside the folders this worker may read "
         f"(AERIE_INGEST_LOCAL_DIRS={[str(d) for d in allowed]}): upload it to the store (`enqueue` and `aerie run` do) "
         "and name its key, or add its folder to AERIE_INGEST_LOCAL_DIRS"
     )

@@ -47,7 +47,7 @@ def eval_prompts(store: ObjectStore, request: TrainRequest, local_dirs: list[Pat
             raise DatasetRefused(f"eval_prompts_file {name!r}: no such file")
         return path.read_text()
     if is_local_form(name):
-        raise DatasetRefused(str(refusal(name, allowed)).replace("dataset", "eval_prompts_file", 1))
+        raise refusal(name, allowed, "eval_prompts_file")
     return store.get_bytes(name).decode()
 
 

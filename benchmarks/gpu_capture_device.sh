@@ -13,7 +13,8 @@
 #   stream, extract_shards and the task path with each pass's clean-up outside its timing)
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
-#   (or, first, `... verify`: the plugin's values against HF, plugin_on_device.py; then `sglang` with no carry)
+#   (or, first, `... verify`: the plugin's values against HF, plugin_on_device.py; then `sglang` with no carry;
+#    `... final-rows`: the final rows kept under a prefill CUDA graph, final_rows_on_device.py, then verify)
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
 #    carry .devtools/pyspy (py-spy's wheel, from `pip download py-spy`) for stacks of a hung server;
@@ -224,6 +225,14 @@ verify)
     --server plugin=services/inference --budget-s "${BUDGET_S:-300}" 2>&1 | tail -20
   python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps({n: s.get('verdict', s.get('error')) for n, s in r['servers'].items()}))" \
     "$OUT/verify/results.json"
+  ;;
+final-rows)
+  # issue 40 item 6: the final rows the plugin keeps under a prefill CUDA graph are its own copy.
+  # First 0.5.23's order (the graph's output view, the next replay before the rows are taken) around
+  # a real CUDA graph with this checkout's hooks (torch only, no SGLang: final_rows_on_device.py);
+  # then, when SGLang 0.5.17 is on the machine (the carries of `verify`), the whole plugin on it.
+  python3 benchmarks/final_rows_on_device.py --out "$OUT/final-rows.json" | tail -1
+  if [ -f /tmp/sgsite/.installed_chunk1 ]; then bash "$0" verify; else echo "no SGLang 0.5.17 here: run the verify carries for the end-to-end check"; fi
   ;;
 sglang-writers)
   # session 12's question: how much of the plugin's time on SGLang's scheduler thread is waiting for

@@ -398,6 +398,53 @@ def test_the_final_rows_kept_on_0_5_17_are_a_copy_of_the_forwards_output(tmp_pat
     assert "KEPT True" in out
 
 
+def test_the_final_rows_kept_on_0_5_23_under_a_prefill_cuda_graph_are_the_plugins_own(tmp_path):
+    """0.5.23 keeps the final rows as `last_hidden_states`, the logits processor's input itself;
+    under a prefill CUDA graph SGLang's own `_trim_logits_output` returns a view of the graph's
+    output buffer, and with overlap scheduling the next batch's replay overwrites that buffer
+    before this batch's rows are taken. Here the buffer is overwritten between the two, as there:
+    the captures must hold the first batch's rows. SGLang's real `_trim_logits_output` and
+    `LogitsProcessorOutput`; the runner is a stand-in holding the replay's sizes (no GPU here;
+    benchmarks/final_rows_on_device.py runs the same hooks around a real CUDA graph)."""
+    out = _sink_run(
+        """
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+        from aerie_sglang.plugin import compat, hooks
+        rel = compat.RELEASES["0.5.23"]
+        hooks.configure(CaptureSinkSettings(shm_dir=Path.cwd() / "cap", max_unclaimed_bytes=1 << 20, ttl_s=60), rel, "test")
+        hooks._layer_ids = lambda: [1, 5]  # the server's --return-aux-hidden-state-layer-ids
+        submitted = []
+        hooks._sinks.submit = lambda capture, reservation: submitted.append(capture)
+        class Spec:
+            def is_speculative(self): return False
+        class Runner:  # what `PrefillCudaGraphRunner.execute` set for this replay: 5 real tokens of 8
+            raw_num_tokens, raw_bs, _is_full_backend = 5, 2, True
+            model_runner = type("ModelRunner", (), {"spec_algorithm": Spec()})()
+        class Req:
+            customized_info = None
+            is_retracted = False
+            def __init__(self, rid): self.rid = rid
+        static = torch.arange(8.0).reshape(8, 1).repeat(1, 4)  # the graph's output buffer: 8 padded rows
+        replayed = LogitsProcessorOutput(next_token_logits=torch.zeros(2, 10), hidden_states=torch.zeros(8, 8), last_hidden_states=static)
+        trimmed = hooks.around_trim_logits_output(PrefillCudaGraphRunner._trim_logits_output, Runner(), replayed)
+        static.fill_(-1.0)  # the next batch's replay, before this batch's result is processed
+        print("ALIASES", compat.final_state(rel, trimmed).untyped_storage().data_ptr() == static.untyped_storage().data_ptr())
+        for rid, (start, end) in zip("ab", [(0, 3), (3, 5)]):
+            hooks._take_rows(Req(rid), hooks._RequestCapture("shm", None, True), trimmed, start, end, True)
+        print("FINAL", [c.tensors["final"][:, 0].tolist() for c in submitted], [tuple(c.tensors["final"].shape) for c in submitted])
+    """,
+        tmp_path,
+        # this checkout's plugin first (SGLang's venv may hold another checkout's), then the sgl_kernel shim
+        env={
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "PYTHONPATH": f"{REPO / 'services/inference'}:{REPO / 'services/inference/aerie_sglang/cpu/shim'}",
+        },
+    )
+    assert "ALIASES False" in out, out
+    assert "FINAL [[0.0, 1.0, 2.0], [3.0, 4.0]] [(3, 4), (2, 4)]" in out, out
+
+
 def test_a_batchs_final_device_rows_go_to_the_host_once_and_each_capture_keeps_a_view(tmp_path):
     """Final rows on the device (0.5.17 keeps them there) go to pinned host memory once per batch,
     not once per capture: every capture of the batch holds a view of that copy at its own offsets

@@ -11,11 +11,22 @@ How the two supported releases differ (their wheels' source, compared):
 | need | 0.5.23 (the images') | 0.5.17 (the H200's: torch 2.11) |
 |---|---|---|
 | capture-only server | `--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids` | no such flags: the plugin switches SGLang's EAGLE-3 aux capture on (`resolve_spec_aux_hidden_state_config`) from `AERIE_CAPTURE_LAYER_IDS` and advertises the two fields in `/server_info` |
-| final (post-norm) state | `LogitsProcessorOutput.last_hidden_states` | not kept: the plugin keeps a copy of the logits processor's input (`LogitsProcessor.forward`; `PrefillCudaGraphRunner._trim_logits_output` rebuilds the output) |
+| final (post-norm) state | `LogitsProcessorOutput.last_hidden_states`, which is the logits processor's input itself: under a prefill CUDA graph a view of the graph's output (below); the plugin replaces it by a copy in `PrefillCudaGraphRunner._trim_logits_output` | not kept: the plugin keeps a copy of the logits processor's input (`LogitsProcessor.forward`; `PrefillCudaGraphRunner._trim_logits_output` rebuilds the output) |
 | one descriptor per request | `SchedulerOutputStreamer.is_request_level_customized_info_key` | values are sliced per output token: one token (`max_new_tokens: 1`), one descriptor, no hook |
 | only the capture's response carries it | `TokenizerManager.update_request_meta_info` | taken out of the batch in `TokenizerManager._handle_batch_output`, put into the request's own response in `RequestLogger.log_finished_request` |
 | `/server_info` | `sglang.srt.utils.common.build_server_info` | `TokenizerManager.resolved_config_dict` |
 | abort with a status | `Req.set_finish_with_abort(msg, status_code, err_type)` | `set_finish_with_abort(msg)`, then the status on `req.to_finish` |
+
+The final rows are the plugin's own copy on both releases. On 0.5.23 (its source, read
+2026-12-05): `LogitsProcessor._get_last_hidden_states_to_store` returns the `hidden_states` it was
+given, uncopied; every prefill CUDA-graph backend (breakable, full, tc_piecewise) replays a
+captured body whose output lives in the graph's memory pool and `_trim_logits_output` hands back
+`last_hidden_states[:raw_num_tokens]`, a view of it; `GenerationBatchResult.copy_to_cpu` copies
+`hidden_states` (aux) to the host but not `last_hidden_states`. With overlap scheduling the next
+batch's replay is launched before this batch's rows are read, so the view would hold that batch's
+rows. The plugin clones it in `_trim_logits_output`, on the forward's stream, right after the
+replay; SGLang's own later slicing (`post_forward_mlp_sync_batch`) then applies to the copy. An
+eager prefill hands the logits processor a fresh tensor that the output keeps alive.
 
 `release(version)` picks the table for the installed SGLang; any other version refuses in one
 line. `tests/inference/test_plugin_compat.py` checks every name below against each release's
@@ -83,6 +94,13 @@ _ROWS = Hook(
     ("self", "req", "logits_output", "hidden_state_offset", "capture_hidden_mode", "extend_input_len", "store"),
 )
 
+_TRIM = Hook(
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner._trim_logits_output",
+    "AROUND",
+    "around_trim_logits_output",
+    ("self", "output"),
+)
+
 _COMMON_USES = (
     Uses("sglang.srt.plugins.hook_registry.HookRegistry.register", "call", ("target", "hook", "hook_type")),
     Uses("sglang.srt.plugins.hook_registry.HookType.BEFORE", "attr"),
@@ -111,6 +129,7 @@ RELEASES: dict[str, Release] = {
         hooks=(
             _ADMIT,
             _ROWS,
+            _TRIM,
             Hook(
                 f"{_STREAMER}.is_request_level_customized_info_key",
                 "AROUND",
@@ -165,12 +184,7 @@ RELEASES: dict[str, Release] = {
                 "around_logits_processor_forward",
                 ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"),
             ),
-            Hook(
-                "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner._trim_logits_output",
-                "AROUND",
-                "around_trim_logits_output",
-                ("self", "output"),
-            ),
+            _TRIM,
             Hook(
                 f"{_TM}._handle_batch_output",
                 "AROUND",
@@ -331,7 +345,9 @@ def unsupported_parallelism() -> str | None:
 
 
 def final_state(rel: Release, logits_output):
-    """The post-final-norm rows SGLang kept (or the plugin kept, on releases that do not)."""
+    """The post-final-norm rows of the batch: the plugin's own copy on every release (SGLang's
+    `last_hidden_states`, replaced by a copy under a prefill CUDA graph, or the plugin's copy of the
+    logits processor's input where SGLang keeps none); never a buffer SGLang reuses."""
     if rel.keeps_final_state:
         return logits_output.last_hidden_states
     return getattr(logits_output, "_aerie_final", None)

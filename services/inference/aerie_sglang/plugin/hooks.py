@@ -7,16 +7,17 @@ hooks below branch on nothing else. On 0.5.23 (the images'):
 |----------------------------------------------------------------|--------|-----------|----------------------------------------|
 | `Scheduler._add_request_to_queue`                              | BEFORE | scheduler | admits a capture request: checks, back-pressure, reservation |
 | `SchedulerBatchResultProcessor._append_prefill_hidden_states`  | AROUND | scheduler | takes aux + final rows as tensors instead of `.tolist()` |
+| `PrefillCudaGraphRunner._trim_logits_output`                   | AROUND | scheduler | replaces `last_hidden_states`, a view of the graph's output buffer, by a copy |
 | `SchedulerOutputStreamer.is_request_level_customized_info_key` | AROUND | scheduler | sends the descriptor once per request  |
 | `TokenizerManager.update_request_meta_info`                    | AROUND | http      | puts the descriptor in `meta_info`, and nothing in other requests' |
 | `sglang.srt.utils.common.build_server_info`                    | AFTER  | http      | advertises the plugin in `/server_info` |
 
-On 0.5.17 (the H200's) the first two, and instead of the last three:
+On 0.5.17 (the H200's) the first three, and instead of the last three:
 
 | target                                                         | type   | process   | does                                   |
 |----------------------------------------------------------------|--------|-----------|----------------------------------------|
 | `spec_aux_hidden_state.resolve_spec_aux_hidden_state_config`   | AFTER  | scheduler | switches EAGLE-3 aux capture on for `AERIE_CAPTURE_LAYER_IDS` (no capture flags in 0.5.17) |
-| `LogitsProcessor.forward`, `PrefillCudaGraphRunner._trim_logits_output` | AROUND | scheduler | keep the final (post-norm) rows, which 0.5.17 drops |
+| `LogitsProcessor.forward`                                      | AROUND | scheduler | keeps a copy of the final (post-norm) rows, which 0.5.17 drops |
 | `TokenizerManager._handle_batch_output`                        | AROUND | http      | takes the descriptors out of the batch's `customized_info` (other requests see none) |
 | `RequestLogger.log_finished_request`                           | BEFORE | http      | puts the descriptor into its own request's `meta_info` |
 | `TokenizerManager.resolved_config_dict`                        | AFTER  | http      | advertises the plugin and the capture layer ids in `/server_info` |
@@ -376,8 +377,12 @@ def _finish(req, state: _RequestCapture) -> None:
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in new pinned host memory, launched on the current stream. The tensor
+    was made on the forward's stream: `record_stream` keeps the caching allocator from handing its
+    memory to a later forward before this copy has read it (what SGLang's `async_d2h` does)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
+    t.record_stream(torch.cuda.current_stream())
     return host
 
 
@@ -452,10 +457,19 @@ def around_logits_processor_forward(original, processor, *args, **kwargs):
 
 
 def around_trim_logits_output(original, runner, output, *args, **kwargs):
-    """The prefill CUDA-graph runner rebuilds the output trimmed to the real tokens: keep ours, trimmed alike."""
+    """The prefill CUDA-graph runner rebuilds the output trimmed to the real tokens, right after the
+    replay and on the forward's stream. Where SGLang keeps the final rows (0.5.23) they are a view
+    of the graph's output buffer, which the next replay overwrites (with overlap scheduling, before
+    this batch's rows are read): they are replaced here by a copy. Where the plugin keeps them
+    (0.5.17) its copy is carried over, trimmed alike."""
     trimmed = original(runner, output, *args, **kwargs)
+    if trimmed is None:
+        return trimmed
+    kept = getattr(trimmed, "last_hidden_states", None)
+    if kept is not None:
+        trimmed.last_hidden_states = kept.clone()
     final = getattr(output, _FINAL, None)
-    if final is not None and trimmed is not None:
+    if final is not None:
         rows = trimmed.hidden_states.shape[0] if trimmed.hidden_states is not None else final.shape[0]
         setattr(trimmed, _FINAL, final[:rows])
     return trimmed

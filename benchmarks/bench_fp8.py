@@ -5,6 +5,7 @@
     python benchmarks/bench_fp8.py --store /tmp/fp8-store --arms fp8 &   # the trainings in two processes over one
     python benchmarks/bench_fp8.py --store /tmp/fp8-store --arms bf16    # kept store, then the whole document from it
     python benchmarks/bench_fp8.py --store /tmp/fp8-store --out ...      # (runs and published drafters are reused)
+    python benchmarks/bench_fp8.py --massive --out benchmarks/results/cpu-2026-12-05-fp8-massive.json
 
 1. ShareGPT conversations are ingested and extracted once through the pipeline's own stages
    (`hf` engine, SmolLM2-135M-Instruct, states computed and stored in bf16): run `bf16`. Run `fp8`
@@ -22,6 +23,13 @@
    Also: how often the target's top-1 token from the fp8 final state is bf16's (the training target).
 4. Host cost: numpy quantize / dequantize throughput (values/s, one core), the torch dequantize the
    trainer runs on the batch's device.
+
+5. `--massive` (alone, seconds, no model): the scale layouts under massive activations, on
+   synthetic states shaped like a DeepSeek-V3 / Kimi-K2.5 residual stream (H = 7168; ordinary
+   channels of log-normally spread magnitudes; 4 channels at 1 to 10^5 times the ordinary RMS in
+   every token, both signs): per row, the relative L2 error of the ordinary channels and of the
+   whole row, and the share of ordinary values stored as e4m3 subnormals, for one scale per row
+   against one per 128 values; the bytes of each. `aerie.shard.default_scale_block` follows it.
 
 Prints one JSON document (and writes it with --out, after each phase: a stopped run keeps what it
 measured). Progress goes to stderr.
@@ -184,6 +192,44 @@ def at_hidden_size(H: int, points: int = 3, block: int | None = None) -> dict:
     }
 
 
+def massive_activations(H: int = 7168, tokens: int = 512, factors=(1, 100, 300, 1000, 3000, 1e4, 3e4, 1e5)) -> dict:
+    """Per-row vs per-128 scales on DeepSeek-like states with massive-activation channels."""
+    g = np.random.default_rng(0)
+    base = g.standard_normal((tokens, H)).astype(np.float32) * np.exp(0.5 * g.standard_normal(H)).astype(np.float32)
+    rms = float(np.sqrt((base**2).mean()))
+    massive = g.choice(H, 4, replace=False)
+    ordinary = np.ones(H, bool)
+    ordinary[massive] = False
+    tiny = np.float32(2.0**-6)  # e4m3's smallest normal
+    out = []
+    for factor in factors:
+        x = base.copy()
+        if factor > 1:
+            x[:, massive] = factor * rms * (1 + 0.1 * g.standard_normal((tokens, 4))) * np.array([1, -1, 1, -1])
+        entry: dict = {"factor": factor}
+        for name, block in (("row", None), ("block128", 128)):
+            q, scale = quantize_e4m3(x, block)
+            back = dequantize_e4m3(q, scale, np.float32)
+            err = back - x
+            rel_ordinary = np.linalg.norm(err[:, ordinary], axis=1) / np.linalg.norm(x[:, ordinary], axis=1)
+            rel_row = np.linalg.norm(err, axis=1) / np.linalg.norm(x, axis=1)
+            qf = np.abs(q.astype(np.float32))[:, ordinary]
+            G = scale.shape[-1]
+            entry[name] = {
+                "scales_per_row": G,
+                "bytes_per_value": (H + 4 * G) / H,
+                "ordinary_rel_l2_mean": float(rel_ordinary.mean()),
+                "ordinary_rel_l2_max": float(rel_ordinary.max()),
+                "row_rel_l2_mean": float(rel_row.mean()),
+                "ordinary_subnormal_share": float(((qf < tiny) & (qf > 0)).mean() + (qf == 0).mean()),
+            }
+        entry["ordinary_error_ratio_row_over_block"] = (
+            entry["row"]["ordinary_rel_l2_mean"] / entry["block128"]["ordinary_rel_l2_mean"]
+        )
+        out.append(entry)
+    return {"H": H, "tokens": tokens, "massive_channels": 4, "ordinary_rms": rms, "by_factor": out}
+
+
 def throughput() -> dict:
     import torch
 
@@ -257,7 +303,20 @@ def main() -> None:
         default=None,
         help="draft vocabulary from the target's greedy tokens or the data's (default: TrainConfig's, target)",
     )
+    ap.add_argument("--massive", action="store_true", help="only the massive-activation comparison (seconds)")
     a = ap.parse_args()
+    if a.massive:
+        t0 = time.perf_counter()
+        doc = {
+            "command": " ".join(["python", *sys.argv]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU (shared with other work)",
+            "massive_activations": massive_activations(),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc))
+        return
     arms = a.arms.split(",")
     size = SIZES["quick" if a.quick else "default"]
     records = a.records or size.records

@@ -91,7 +91,7 @@ class IngestOptions(Contract):
 StorageDtype = Annotated[
     Literal["float8_e4m3fn"] | None,
     Field(
-        description="float8_e4m3fn: states stored as e4m3 with a float32 scale per row (or per scale_block values): about "
+        description="float8_e4m3fn: states stored as e4m3 with a float32 scale per scale_block values of a row: about "
         "half of bf16's bytes, dequantized by every reader; None: stored in `dtype`"
     ),
 ]
@@ -99,7 +99,8 @@ ScaleBlock = Annotated[
     int | None,
     Field(
         ge=1,
-        description="with storage_dtype: values of a row per scale (divides the hidden size); None: one scale per row",
+        description="with storage_dtype: values of a row per scale (divides the hidden size); None at ingest: 128 where it "
+        "divides the hidden size, else one scale per row (aerie.shard.default_scale_block); None in a run: one per row",
     ),
 ]
 

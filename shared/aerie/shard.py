@@ -20,7 +20,8 @@ The safetensors header's `__metadata__` names the format, kind, capture points, 
 
 fp8 storage (the run's `storage_dtype: float8_e4m3fn`): `aux` and `final` are stored as e4m3
 (F8_E4M3, 1 byte) with a float32 scale per block of `scale_block` values of a row (the header says
-`scale_block`; the default is the whole row, H: one scale per token and capture point, so G = 1)
+`scale_block`; a run that names none gets `default_scale_block(H)`: 128 where 128 divides H,
+else the whole row, one scale per token and capture point, G = 1; shards of either layout read alike)
 and `states_dtype`, the dtype the engine produced. A state is `q * scale`, `scale = max|row| / 448`
 (e4m3's largest value): about half the bytes of bf16, a relative error per value of at most
 2^-4. Readers never see the stored bytes unless they ask: `Shard.sequence` dequantizes into
@@ -99,6 +100,19 @@ def np_dtype(name: str) -> np.dtype:
 # --------------------------------------------------------------------------------------
 # fp8 (e4m3) storage of the states: numpy only (the extractor's SGLang path has no torch)
 # --------------------------------------------------------------------------------------
+SCALE_BLOCK = 128  # values per fp8 scale by default: DeepSeek-V3's own fp8 block width
+
+
+def default_scale_block(hidden_size: int) -> int | None:
+    """The scale block of an fp8 run that names none: 128 values per scale when 128 divides the
+    hidden size, else one scale per row (None). Chosen by `benchmarks/bench_fp8.py --massive`
+    (BENCHMARKS.md, "fp8 under massive activations"): with a few channels far above the rest, as
+    DeepSeek/Kimi residual streams have, one scale per row lets the large channels set the scale of
+    every other value, and far enough above them the ordinary values fall into e4m3's subnormals;
+    a scale per 128 values confines them to their block, for 4 bytes per 128 values (+3 % bytes)."""
+    return SCALE_BLOCK if hidden_size % SCALE_BLOCK == 0 else None
+
+
 def quantize_e4m3(x: np.ndarray, block: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """x [..., H] -> (q [..., H] float8_e4m3fn, scale [..., H // block] float32), x ~ q * scale.
 

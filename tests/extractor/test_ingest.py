@@ -383,3 +383,29 @@ def test_a_local_dataset_in_an_allowed_folder_is_read(fs_store, smollm2_path, tm
         IngestRequest(run="allowed", dataset=str(tmp_path / "chat.jsonl"), model=str(smollm2_path)),
     )
     assert summary.sequences == 1
+
+
+def test_an_fp8_run_gets_the_default_scale_block_of_its_hidden_size(smollm2_path, tmp_path):
+    """fp8 with no scale_block: 128 values per scale where 128 divides H (aerie.shard.default_scale_block),
+    one scale per row otherwise (SmolLM2's 576); a named block is kept; bf16 runs have none."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from aerie_extractor.ingest import build_run_spec
+
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    config = json.loads((smollm2_path / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "hidden_size": 1024}))
+    shutil.copy(smollm2_path / "tokenizer.json", wide / "tokenizer.json")
+    save_file({"w": np.zeros(1, np.float32)}, str(wide / "model.safetensors"))
+
+    def spec(model, **kw):
+        request = IngestRequest(run="r", dataset=str(DATA / "malformed.jsonl"), model=str(model), **kw)
+        return build_run_spec(Settings(engine="hf", ingest_local_dirs=[DATA, tmp_path]), request)
+
+    assert spec(wide, storage_dtype="float8_e4m3fn").scale_block == 128
+    assert spec(smollm2_path, storage_dtype="float8_e4m3fn").scale_block is None
+    assert spec(wide, storage_dtype="float8_e4m3fn", scale_block=1024).scale_block == 1024
+    assert spec(wide).scale_block is None

@@ -6,6 +6,10 @@
 - The file is safetensors F8_E4M3 + F32: the reference library reads it as torch.float8_e4m3fn.
 - Validation names what is wrong: scales missing, misshapen, negative or NaN; an fp8 NaN; a dtype
   this aerie does not read.
+- Under massive activations (a few channels of a DeepSeek-like residual stream far above the rest)
+  a scale per 128 values keeps the ordinary channels at least as close as one scale per row, and
+  much closer once the large channels push them into e4m3's subnormals: the default
+  (`default_scale_block`) is per block where 128 divides the hidden size.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from aerie.shard import (
     Shard,
     ShardError,
     UnknownDtype,
+    default_scale_block,
     dequantize_e4m3,
     dequantize_tensors,
     pack,
@@ -214,3 +219,39 @@ def test_quantizing_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["80.0", "False"]
+
+
+def deepseek_like_states(T: int, H: int, factor: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Residual-stream-like rows: ordinary channels of spread magnitudes (log-normal per channel),
+    and 4 massive-activation channels at `factor` times the ordinary RMS, in every token, of both
+    signs (as DeepSeek/Kimi streams carry a few). Returns (states, mask of the ordinary channels)."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((T, H)).astype(np.float32) * np.exp(0.5 * g.standard_normal(H)).astype(np.float32)
+    rms = float(np.sqrt((x**2).mean()))
+    massive = g.choice(H, 4, replace=False)
+    x[:, massive] = factor * rms * (1 + 0.1 * g.standard_normal((T, 4))) * np.array([1, -1, 1, -1], np.float32)
+    ordinary = np.ones(H, bool)
+    ordinary[massive] = False
+    return x, ordinary
+
+
+def ordinary_error(x: np.ndarray, ordinary: np.ndarray, block: int | None) -> np.ndarray:
+    """Per row: relative L2 error of the ordinary channels after the fp8 round trip."""
+    q, scale = quantize_e4m3(x, block)
+    err = dequantize_e4m3(q, scale, np.float32) - x
+    return np.linalg.norm(err[:, ordinary], axis=1) / np.linalg.norm(x[:, ordinary], axis=1)
+
+
+@pytest.mark.parametrize("factor", [100.0, 1000.0, 3e4, 1e5])
+def test_block_scales_keep_the_ordinary_channels_under_massive_activations(factor):
+    x, ordinary = deepseek_like_states(T=32, H=7168, factor=factor)
+    per_row, per_block = ordinary_error(x, ordinary, None), ordinary_error(x, ordinary, 128)
+    assert (per_block <= per_row * 1.01).all()  # never worse, row by row
+    assert per_block.max() < 0.05  # e4m3's 2^-4 half-ulp bound keeps an RMS error well under it
+    if factor >= 3e4:  # the large channels push ordinary values into e4m3's subnormals under one scale
+        assert per_row.mean() > 1.5 * per_block.mean()
+
+
+def test_the_default_scale_block_is_128_where_it_divides_the_hidden_size():
+    assert default_scale_block(7168) == 128 and default_scale_block(4096) == 128 and default_scale_block(256) == 128
+    assert default_scale_block(576) is None and default_scale_block(64) is None  # SmolLM2, the tiny DeepSeek

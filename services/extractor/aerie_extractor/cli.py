@@ -63,10 +63,13 @@ def _points(value: str | None) -> list[int] | None:
     "--storage-dtype",
     type=click.Choice(["float8_e4m3fn"]),
     default=None,
-    help="store the states as fp8 (e4m3 + a float32 scale per row): about half of bf16's bytes (default: in --dtype)",
+    help="store the states as fp8 (e4m3 + float32 scales, per 128 values or per row): about half of bf16's bytes (default: in --dtype)",
 )
 @click.option(
-    "--scale-block", type=int, default=None, help="with --storage-dtype: values per scale (default: the whole row)"
+    "--scale-block",
+    type=int,
+    default=None,
+    help="with --storage-dtype: values per scale (default: 128 where it divides the hidden size, else the whole row)",
 )
 @click.option("--target-signal", type=click.Choice(["final", "topk"]), default="final")
 @click.option("--topk", type=int, default=20)

@@ -45,7 +45,7 @@ from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, re
 from aerie.errors import ExpectedError
 from aerie.runs import conversation_shards, shard_names
 from aerie.settings import Settings
-from aerie.shard import pack
+from aerie.shard import default_scale_block, pack
 from aerie.store import NotFound, ObjectStore
 from aerie.target import describe
 
@@ -576,8 +576,11 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
     if request.scale_block and target.hidden_size % request.scale_block:
         raise IngestError(
             f"run {request.run!r}: scale_block {request.scale_block} does not divide the target's hidden size "
-            f"{target.hidden_size}: pick a divisor, or leave it unset (one scale per row)"
+            f"{target.hidden_size}: pick a divisor, or leave it unset (128 where it divides, else one scale per row)"
         )
+    scale_block = request.scale_block
+    if request.storage_dtype is not None and scale_block is None:
+        scale_block = default_scale_block(target.hidden_size)
     return RunSpec(
         run=request.run,
         dataset=request.dataset,
@@ -586,7 +589,7 @@ def build_run_spec(settings: Settings, request: IngestRequest) -> RunSpec:
         capture_points=points,
         dtype=request.dtype,
         storage_dtype=request.storage_dtype,
-        scale_block=request.scale_block,
+        scale_block=scale_block,
         target_signal=request.target_signal,
         topk=request.topk if request.target_signal == "topk" else None,
         ingest=request.options,

@@ -94,11 +94,8 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
             ("capture points", first.capture_points, spec.capture_points),
             ("hidden size", first.target.hidden_size, spec.target.hidden_size),
             ("target signal", (first.target_signal, first.topk), (spec.target_signal, spec.topk)),
-            (
-                "storage (dtype, scale block)",
-                (first.storage_dtype, first.scale_block),
-                (spec.storage_dtype, spec.scale_block),
-            ),
+            # the scale block may differ: each shard is dequantized with its own scales
+            ("storage dtype", first.storage_dtype, spec.storage_dtype),
         ):
             if a != b:
                 raise DataError(
@@ -321,6 +318,12 @@ def _torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
+def _finer(scale: np.ndarray, G: int) -> np.ndarray:
+    """Scales [..., g] as G scales a row (g divides G): each repeated over the G/g blocks it covers."""
+    g = scale.shape[-1]
+    return scale if g == G else np.repeat(scale, G // g, axis=-1)
+
+
 def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int, states_dtype: str | None = None) -> Batch:
     """Sequences (Shard.sequence dicts, T >= 3) -> one right-padded batch. Sequences of an fp8
     shard as stored (`sequence(s, dequantize=False)`: with aux_scale/final_scale) make a batch of
@@ -339,7 +342,15 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int, states_dtype
         topk_ids, topk_lp = np.zeros((B, W, k), dtype=np.int64), np.full((B, W, k), -np.inf, dtype=np.float32)
     quantized = "aux_scale" in first
     if quantized:  # scale 0 on padding: it dequantizes to zeros, as the other dtypes pad
-        G = first["aux_scale"].shape[-1]
+        # runs may differ in scale block (an older run's one per row beside 128 values per scale):
+        # the batch takes the finest, each coarser scale repeated over the blocks it covers
+        G = max(s["aux_scale"].shape[-1] for s in sequences)
+        coarse = sorted({s["aux_scale"].shape[-1] for s in sequences if G % s["aux_scale"].shape[-1]})
+        if coarse:
+            raise DataError(
+                f"fp8 sequences with {coarse} and {G} scales a row cannot share a batch (neither block divides the "
+                "other): train these runs separately, or re-extract one with the other's scale_block"
+            )
         aux_scale = np.zeros((B, L, K, G), dtype=np.float32)
         final_scale = np.zeros((B, W, G), dtype=np.float32) if final is not None else None
     tokens = 0
@@ -350,11 +361,11 @@ def collate(sequences: list[dict[str, np.ndarray]], ttt_steps: int, states_dtype
         loss_mask[b, : T - 2] = s["loss_mask"][2:].astype(bool)
         aux[b, : T - 1] = s["aux"][: T - 1].reshape(T - 1, K * Ht)
         if quantized:
-            aux_scale[b, : T - 1] = s["aux_scale"][: T - 1]
+            aux_scale[b, : T - 1] = _finer(s["aux_scale"][: T - 1], G)
         if final is not None:
             final[b, : T - 1] = s["final"][1:]
             if quantized:
-                final_scale[b, : T - 1] = s["final_scale"][1:]
+                final_scale[b, : T - 1] = _finer(s["final_scale"][1:], G)
         else:
             topk_ids[b, : T - 1] = s["topk_ids"][1:]
             topk_lp[b, : T - 1] = s["topk_logprobs"][1:]

@@ -471,14 +471,53 @@ def load_target_embeddings(model_dir: str | os.PathLike) -> torch.Tensor:
     return embed
 
 
+_HEAD = "lm_head.weight"
+
+
 def load_target_lm_head(model_dir: str | os.PathLike) -> torch.Tensor:
-    """(V, H) output head of the target; the embeddings when the target ties them."""
+    """(V, H) output head of the target in floating point; the embeddings only where config.json
+    says `tie_word_embeddings` (absent: untied). The head turns the final states into the training
+    target, so a head that is missing, stored quantized (packed integer or fp8 weights, e.g.
+    `lm_head.weight_packed` + `lm_head.weight_scale` of compressed-tensors, AWQ/GPTQ's
+    `lm_head.qweight`) or not (V, H)-shaped raises DrafterError naming the tensor: falling back to
+    the embeddings of an untied target would train on another distribution."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
     cfg = load_target_config(model_dir)
-    if not cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)):
-        head = load_target_tensor(model_dir, "lm_head.weight")
-        if head is not None:
-            return head
-    return load_target_embeddings(model_dir)
+    if cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)):
+        return load_target_embeddings(model_dir)
+    index = _weight_files(model_dir)
+    names = sorted((n for n in index if n == _HEAD or n.endswith("." + _HEAD)), key=len)
+    if not names:
+        stored = sorted(n for n in index if n.startswith(("lm_head.", "language_model.lm_head.")) or ".lm_head." in n)
+        if stored:
+            raise DrafterError(
+                f"{model_dir}: the target's output head is stored quantized ({', '.join(stored[:4])}), not as "
+                f"'{_HEAD}': the trainer needs it unquantized (its logits are the training target); quantize the "
+                "target with the head left out (compressed-tensors/llm-compressor: ignore=['lm_head'], as Kimi-K2.5 "
+                "ships), or train on target_signal 'topk'"
+            )
+        raise DrafterError(
+            f"{model_dir}: no '{_HEAD}' tensor in the safetensors files and config.json does not set "
+            "tie_word_embeddings: the output head is missing (a renamed head is not guessed); pass the target's full "
+            "checkpoint, or set tie_word_embeddings if the target really ties its head to the embeddings"
+        )
+    with safe_open(index[names[0]], framework="pt") as sf:
+        head = sf.get_tensor(names[0])
+    if not head.is_floating_point() or head.element_size() < 2:
+        raise DrafterError(
+            f"{model_dir}: the target's output head '{names[0]}' is stored as {str(head.dtype).removeprefix('torch.')} "
+            "(quantized): the trainer needs it in bf16/fp16/fp32 (its logits are the training target); quantize the "
+            "target with the head left out (ignore=['lm_head']), or train on target_signal 'topk'"
+        )
+    embed_shape = (int(cfg.get("vocab_size", head.shape[0])), int(cfg.get("hidden_size", head.shape[-1])))
+    if head.dim() != 2 or ("vocab_size" in cfg and "hidden_size" in cfg and tuple(head.shape) != embed_shape):
+        raise DrafterError(
+            f"{model_dir}: the target's output head '{names[0]}' is {list(head.shape)}, not (vocab_size, hidden_size) "
+            f"{list(embed_shape)} from config.json"
+        )
+    return head
 
 
 def build_drafter(model_dir: str | os.PathLike, num_aux: int, draft_vocab_size: int, shape=None) -> Eagle3Drafter:

@@ -57,6 +57,45 @@ def load_config(folder: str | os.PathLike) -> dict:
     )
 
 
+def quantization_of(config: dict) -> str | None:
+    """The quantization a model's config.json declares (`quantization_config`, or its text_config's),
+    named by SGLang's method name plus the layout that tells two checkpoints apart, e.g.
+    "compressed-tensors pack-quantized W4A16 int group 32" (Kimi-K2.5's), "awq 4-bit group 128",
+    "fp8 block 128x128" (DeepSeek-V3's); None: none declared. SGLang leaves `quantization` unset in
+    its server arguments when it detects the method from this field, so a reader of /server_info
+    alone would call such a target unquantized."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method") or "unknown")
+    if method == "compressed-tensors":
+        parts = []
+        for group in (q.get("config_groups") or {}).values():
+            w, a = group.get("weights") or {}, group.get("input_activations") or {}
+            if not w:
+                continue
+            fmt = group.get("format") or q.get("format") or ""
+            strategy = str(w.get("strategy") or "")
+            if strategy == "group" and w.get("group_size"):
+                strategy = f"group {w['group_size']}"
+            elif strategy == "block" and w.get("block_structure"):
+                strategy = "block " + "x".join(map(str, w["block_structure"]))
+            kind = f"W{w.get('num_bits', '?')}A{a.get('num_bits', 16) if a else 16}"
+            parts.append(f"{fmt} {kind} {w.get('type', '')} {strategy}".split())
+        described = sorted({" ".join(p) for p in parts})
+        return " ".join([method, *(["; ".join(described)] if described else [str(q.get("format") or "")])]).strip()
+    details = []
+    bits = q.get("bits") or q.get("w_bit") or q.get("weight_bits")
+    if bits:
+        details.append(f"{bits}-bit")
+    group = q.get("group_size") or q.get("q_group_size")
+    if group:
+        details.append(f"group {group}")
+    if q.get("weight_block_size"):
+        details.append("block " + "x".join(map(str, q["weight_block_size"])))
+    return " ".join([method, *details])
+
+
 def default_cache_dir() -> Path:
     """AERIE_CACHE_DIR as aerie.settings reads it, without loading (and checking) every other setting."""
     from aerie.settings import ENV_PREFIX, Settings

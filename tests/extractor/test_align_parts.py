@@ -334,3 +334,72 @@ def test_fp8_runs_are_compared_as_their_dequantized_states(store):
     for name in ("aux", "final"):
         assert got[name].dtype == shard.aux.dtype  # the run's dtype, not e4m3
         np.testing.assert_array_equal(got[name], want[name][:4])
+
+
+def test_the_served_quantization_is_read_from_the_models_config(smollm2_path, cache_dir):
+    """SGLang leaves `quantization` unset in /server_info when it detects the method from the
+    model's config.json (server_args 'quantization': None for the W4A16 folder below, seen on
+    0.5.23): `aerie align` names it from the config then. The W4A16 folder is a real
+    compressed-tensors checkpoint (tests/quantized_w4a16.py: the library writes it)."""
+    from safetensors import safe_open
+
+    from aerie.target import load_config, quantization_of
+    from aerie_extractor.align import served_quantization
+    from tests.quantized_w4a16 import smollm2_w4a16
+
+    w4a16 = smollm2_w4a16(cache_dir, smollm2_path)
+    config = load_config(w4a16)
+    named = "compressed-tensors pack-quantized W4A16 int group 32"
+    assert quantization_of(config) == named
+    assert served_quantization({"quantization": None}, config) == named
+    assert served_quantization({"quantization": "awq"}, config) == "awq"  # the server's argument first
+    assert served_quantization({}, load_config(smollm2_path)) is None  # plain bf16: none
+    with safe_open(str(w4a16 / "model.safetensors"), "pt") as f:
+        packed = f.get_slice("model.layers.0.self_attn.q_proj.weight_packed")
+        assert packed.get_dtype() == "I32" and packed.get_shape() == [576, 576 // 8]
+        assert "model.layers.0.self_attn.q_proj.weight" not in f.keys()
+    # Kimi-K2.5's form (its text_config holds the model), and DeepSeek-V3's fp8
+    kimi = {
+        "text_config": {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "input_activations": None,
+                        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+                    }
+                },
+                "ignore": ["lm_head"],
+            }
+        }
+    }
+    assert quantization_of(kimi) == named
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert quantization_of(fp8) == "fp8 block 128x128"
+    assert quantization_of({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}}) == (
+        "awq 4-bit group 128"
+    )
+
+
+def test_the_w4a16_checkpoint_holds_the_int4_weights_compressed_tensors_defines(smollm2_path, cache_dir):
+    """The folder is the format compressed-tensors defines, not an imitation: the library's own
+    unpacking of a stored weight, times its group scales, is the bf16 source within half an int4
+    step of each group (transformers loads the folder too, decompressing it the same way)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    from tests.quantized_w4a16 import smollm2_w4a16
+
+    stored = load_file(str(smollm2_w4a16(cache_dir, smollm2_path) / "model.safetensors"))
+    want = load_file(str(smollm2_path / "model.safetensors"))["model.layers.3.mlp.down_proj.weight"].float()
+    name = "model.layers.3.mlp.down_proj"
+    shape = torch.Size(stored[f"{name}.weight_shape"].tolist())
+    q = unpack_from_int32(stored[f"{name}.weight_packed"], 4, shape).float()
+    assert shape == want.shape and q.min() >= -8 and q.max() <= 7
+    scale = stored[f"{name}.weight_scale"].float()  # [out, in / 32]
+    got = (q.reshape(shape[0], -1, 32) * scale[..., None]).reshape(shape)
+    err = (got - want).abs().reshape(shape[0], -1, 32)
+    assert err.max() > 0 and (err <= scale[..., None] * 0.55).all()  # half a step, and bf16 scales' rounding

@@ -110,6 +110,14 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:48] or "server"
 
 
+def served_quantization(info: dict, config: dict) -> str | None:
+    """The quantization a server runs: its `--quantization` when set, else what the model's
+    config.json declares (SGLang detects that itself and leaves the argument unset)."""
+    from aerie.target import quantization_of
+
+    return info.get("quantization") or quantization_of(config)
+
+
 def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tuple[ServerIdentity, dict]:
     """The server's configuration (refusing one that cannot capture) and its `/server_info`."""
     info, model = server_info(client, url), model_info(client, url)
@@ -141,19 +149,21 @@ def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tu
     weights = tokenizer = None
     folder = Path(model_path)
     dtype = str(info.get("dtype") or "auto")
+    quantization = info.get("quantization")
     if model_path and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         from aerie.target import describe, load_config
 
         described = describe(folder)
         weights, tokenizer = described.weights_sha256, described.tokenizer_sha256
+        cfg = load_config(folder)
         if dtype == "auto":
-            cfg = load_config(folder)
             dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+        quantization = served_quantization(info, cfg)
     configuration = [
         model_path,
         weights or info.get("model_checksum"),
         str(info.get("version")),
-        info.get("quantization"),
+        quantization,
         int(info.get("tp_size") or 1),
         dtype,
         info.get("kv_cache_dtype"),
@@ -168,7 +178,7 @@ def identify(client: httpx.Client, url: str, run: RunSpec, transport: str) -> tu
         weights_sha256=weights,
         tokenizer_sha256=tokenizer,
         sglang_version=str(info.get("version")),
-        quantization=info.get("quantization"),
+        quantization=quantization,
         tp_size=int(info.get("tp_size") or 1),
         dtype=dtype,
         kv_cache_dtype=info.get("kv_cache_dtype"),

@@ -14,7 +14,8 @@
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_capture_device.sh sglang smollm2
 #   (or, first, `... verify`: the plugin's values against HF, plugin_on_device.py; then `sglang` with no carry;
-#    `... final-rows`: the final rows kept under a prefill CUDA graph, final_rows_on_device.py, then verify)
+#    `... final-rows`: the final rows kept under a prefill CUDA graph, final_rows_on_device.py, then verify;
+#    `... w4a16`: a compressed-tensors W4A16 target served and captured, against HF, with verify's carries)
 #   (none)                                             bash benchmarks/gpu_capture_device.sh sglang llama8b
 #   (sglang: CAPTURE_WRITERS=N, CAPTURE_MAX_UNCLAIMED=BYTES set the plugin's sink; WORKERS=1,2,4,8 the processes;
 #    carry .devtools/pyspy (py-spy's wheel, from `pip download py-spy`) for stacks of a hung server;
@@ -233,6 +234,21 @@ final-rows)
   # then, when SGLang 0.5.17 is on the machine (the carries of `verify`), the whole plugin on it.
   python3 benchmarks/final_rows_on_device.py --out "$OUT/final-rows.json" | tail -1
   if [ -f /tmp/sgsite/.installed_chunk1 ]; then bash "$0" verify; else echo "no SGLang 0.5.17 here: run the verify carries for the end-to-end check"; fi
+  ;;
+w4a16)
+  # issue 40 item 2 on a GPU (SGLang 0.5.23 on the CPU has no INT4 kernel for it): a compressed-tensors
+  # W4A16 pack-quantized target (Kimi-K2.5's format, benchmarks/make_w4a16.py with the library SGLang
+  # 0.5.17 installs) served by SGLang 0.5.17 with the plugin, every capture point against HF on the
+  # same (decompressed) weights: plugin_on_device.py's random Llama at sizes Marlin takes (x128)
+  sglang_site
+  cold /tmp/tokenizer/tokenizer.json
+  python3 benchmarks/plugin_on_device.py make-model --tokenizer /tmp/tokenizer --intermediate-size 768 --out /tmp/aerie-model-768
+  PYTHONPATH=/tmp/sgsite:$PYTHONPATH python3 benchmarks/make_w4a16.py --source /tmp/aerie-model-768 --out /tmp/aerie-model-w4a16
+  python3 -c "import json; print(json.load(open('/tmp/aerie-model-w4a16/config.json'))['quantization_config']['format'])"
+  PYTHONPATH=/tmp/sgsite:$PYTHONPATH python3 benchmarks/plugin_on_device.py run --model /tmp/aerie-model-w4a16 \
+    --site /tmp/sgsite:/tmp/site_dg --out "$OUT/w4a16" --server plugin=services/inference --budget-s "${BUDGET_S:-300}" 2>&1 | tail -20
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps({n: s.get('verdict', s.get('error')) for n, s in r['servers'].items()}))" \
+    "$OUT/w4a16/results.json"
   ;;
 sglang-writers)
   # session 12's question: how much of the plugin's time on SGLang's scheduler thread is waiting for

@@ -83,7 +83,8 @@ def make_model(args) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **CFG)
+    sizes = {**CFG, "intermediate_size": args.intermediate_size or CFG["intermediate_size"]}
+    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **sizes)
     torch.manual_seed(1234)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
@@ -466,6 +467,9 @@ def main() -> None:
     m = sub.add_parser("make-model")
     m.add_argument("--tokenizer", required=True)
     m.add_argument("--out", default="/tmp/aerie-model")
+    m.add_argument(
+        "--intermediate-size", type=int, default=None, help="multiples of 128 for INT4 (Marlin) kernels, e.g. 768"
+    )
     r = sub.add_parser("run")
     r.add_argument("--model", default="/tmp/aerie-model")
     r.add_argument("--site", default="/tmp/site", help="SGLang and its pins, for the servers' PYTHONPATH")

@@ -77,9 +77,12 @@ def test_a_missing_head_is_refused_not_replaced_by_the_embeddings(tmp_path):
     ],
 )
 def test_a_quantized_head_is_refused_naming_the_tensor(tmp_path, tensors, named):
+    from aerie.errors import ExpectedError
+
     folder, _ = target(tmp_path, tensors)
-    with pytest.raises(DrafterError, match=named):
+    with pytest.raises(DrafterError, match=named) as refused:
         load_target_lm_head(folder)
+    assert isinstance(refused.value, ExpectedError) and "\n" not in str(refused.value)  # one line, no traceback
 
 
 def test_a_head_of_another_shape_is_refused(tmp_path):

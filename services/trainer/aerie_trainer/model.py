@@ -34,12 +34,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aerie.errors import ExpectedError
 from aerie_trainer.attention import attend
 from aerie_trainer.precision import compute_weight, linear
 
 
-class DrafterError(ValueError):
-    """A target config or weight file the drafter cannot be built from."""
+class DrafterError(ExpectedError, ValueError):
+    """A target config or weight file the drafter cannot be built from (printed as one line)."""
 
 
 @dataclass

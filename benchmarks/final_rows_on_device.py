@@ -95,6 +95,9 @@ def run(mode: str, hidden: int, padded: int, batches: int, seed: int) -> dict:
 
     def take(trimmed, done, index):
         done.synchronize()  # SGLang waits for the batch's copy_done before processing its result
+        # the next batch, launched before this result is processed, may have run by now: make it so
+        # (the worst case, every time), so that a kept view shows the next batch's rows
+        forward.synchronize()
         rows = trimmed.last_hidden_states.shape[0]
         cut = rows // 2  # two requests per batch
         for rid, (start, end) in zip("ab", [(0, cut), (cut, rows)]):

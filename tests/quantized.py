@@ -111,8 +111,7 @@ def trained_on_quantized(
     states and target signal taken from the quantized SmolLM2: the drafter that matches a quantized
     serving target. No speculative-decoding evaluation in training (the test serves it instead).
     Cached like the shared one, keyed by the run, the config and the trainer's and library's source."""
-    from aerie import stages
-    from aerie.app.pipeline import SIZES
+    from aerie import presets, stages
     from aerie.contracts import TrainRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
@@ -120,7 +119,7 @@ def trained_on_quantized(
     from tests.trained import SIZE, Trained, source_digest, train_config
 
     target = smollm2_quantized(cache_dir, smollm2_path, group, bits)
-    size = SIZES[SIZE]
+    size = presets.load_size(SIZE)
     run_folder = hidden_run_folder(
         cache_dir, target, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
     )

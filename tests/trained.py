@@ -24,13 +24,13 @@ from tests.services import REPO
 SOURCES = [REPO / "shared" / "aerie", REPO / "services" / "trainer" / "aerie_trainer"]
 DRAFTER = "smol-eagle3"
 RUN = "sharegpt"
-SIZE = "default"  # `aerie run`'s default size (aerie.app.pipeline.SIZES): the same data and training
+SIZE = "default"  # `aerie run`'s default size (aerie/recipes/sizes): the same data and training
 
 
 def train_config():
-    from aerie.app.pipeline import SIZES
+    from aerie import presets
 
-    return SIZES[SIZE].train_config()
+    return presets.load_size(SIZE).train_config()
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ def source_digest() -> str:
 
 
 def trained_drafter(cache_dir: Path, smollm2_path: Path) -> Trained:
-    from aerie.app.pipeline import SIZES
+    from aerie import presets
     from tests.runs import hidden_run_folder
 
-    size = SIZES[SIZE]
+    size = presets.load_size(SIZE)
     run_folder = hidden_run_folder(
         cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
     )

@@ -539,6 +539,47 @@ class Preset(Contract):
         return v
 
 
+class RunSize(Contract):
+    """An `aerie run` size: how much data and how long a training, data file
+    `aerie/recipes/sizes/<name>.json`, checked here. `train` holds the TrainConfig fields the size
+    sets (the others keep TrainConfig's defaults); `max_tokens` is both the conversations' length
+    and the training's `max_seq_tokens`; checkpoints every quarter of the steps (at least 10)."""
+
+    name: str = Field(pattern=_NAME)
+    records: int = Field(ge=1, description="conversations taken from the dataset")
+    max_tokens: int = Field(ge=16, description="tokens per conversation (longer ones are truncated)")
+    shard_tokens: int = Field(ge=1, description="tokens per hidden-state shard")
+    train: TrainConfig
+    notes: str = ""
+
+    @field_validator("train")
+    @classmethod
+    def _steps_given(cls, v: TrainConfig) -> TrainConfig:
+        if v.steps is None or {"max_seq_tokens", "checkpoint_every"} & v.model_fields_set:
+            raise ValueError("train: give steps; max_seq_tokens and checkpoint_every follow from the size")
+        return v
+
+    def train_config(
+        self,
+        steps: int | None = None,
+        draft_vocab: int | None = None,
+        max_tokens: int | None = None,
+        eval_prompts: int | None = None,
+    ) -> TrainConfig:
+        """The size's TrainConfig, with the command's options over it."""
+        steps = steps or self.train.steps or 0
+        update: dict[str, object] = {
+            "steps": steps,
+            "max_seq_tokens": max_tokens or self.max_tokens,
+            "checkpoint_every": max(10, steps // 4),
+        }
+        if draft_vocab:
+            update["draft_vocab_size"] = draft_vocab
+        if eval_prompts is not None:
+            update["eval_prompts"] = eval_prompts
+        return TrainConfig(**{**self.train.model_dump(exclude_unset=True), **update})
+
+
 class SpeculativeSetting(Contract):
     """SGLang's speculative flags for one server: chain when eagle_topk is 1, a tree otherwise."""
 

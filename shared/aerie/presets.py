@@ -6,6 +6,9 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
     llama-3.1-8b  qwen3-8b  qwen3-30b-a3b  deepseek-v3  kimi-k2.5  smollm2-135m
 
 - `load(name)`: the preset, checked by the contract; an unknown name lists the known ones.
+- `load_size(name)`: an `aerie run` size (`aerie/recipes/sizes/<name>.json`, an
+  `aerie.contracts.RunSize`: records, tokens, shard size and the TrainConfig fields it sets):
+  `quick` and `default`. A preset's fields go over the size's.
 - `check_model(preset, config)`: a preset applied to another model (architecture, hidden size,
   layers, vocab) is refused by name, before anything is enqueued.
 - `train_config(...)`: the training settings every command
@@ -24,9 +27,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from aerie.contracts import DrafterShape, Preset, TrainConfig
+from aerie.contracts import DrafterShape, Preset, RunSize, TrainConfig
 
 RECIPES = "recipes"
+SIZES = "sizes"  # aerie/recipes/sizes/<name>.json: `aerie run`'s sizes
 
 
 class PresetError(ValueError):
@@ -58,6 +62,25 @@ def load(name: str) -> Preset:
     if preset.capture_points and preset.capture_points[-1] >= preset.num_layers:
         raise PresetError(f"preset {name}: capture point {preset.capture_points[-1]} >= its {preset.num_layers} layers")
     return preset
+
+
+def size_names() -> list[str]:
+    folder = files("aerie").joinpath(RECIPES, SIZES)
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_size(name: str) -> RunSize:
+    """An `aerie run` size, checked by the contract; an unknown name lists the known ones."""
+    if name not in size_names():
+        raise PresetError(f"no size {name!r}: known sizes are {', '.join(size_names())}")
+    where = f"{RECIPES}/{SIZES}/{name}.json"
+    try:
+        size = RunSize.model_validate_json(files("aerie").joinpath(RECIPES, SIZES, f"{name}.json").read_text())
+    except ValidationError as e:
+        raise PresetError(f"size file {where}: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    if size.name != name:
+        raise PresetError(f"size file {where} names itself {size.name!r}")
+    return size
 
 
 def check_model(preset: Preset, config: dict, where: str = "the model") -> None:

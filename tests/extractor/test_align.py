@@ -56,9 +56,9 @@ NEIGHBOUR = 0.98  # a neighbouring layer stays under this
 @pytest.fixture(scope="module")
 def run_folder(cache_dir, smollm2_path) -> Path:
     """The default-size ShareGPT run (the shared trained drafter's, tests/trained.py): cached."""
-    from aerie.app.pipeline import SIZES
+    from aerie import presets
 
-    size = SIZES["default"]
+    size = presets.load_size("default")
     return hidden_run_folder(
         cache_dir, smollm2_path, records=size.records, max_tokens=size.max_tokens, shard_sequences=16
     )

@@ -8,15 +8,17 @@ import json
 import click
 import pytest
 
-from aerie.app.pipeline import SIZES, training_config
+from aerie import presets
+from aerie.app.pipeline import training_config
+from aerie.contracts import RunSize, TrainConfig
 from tests.runs import DATA
 
 
 def test_options_over_the_size(smollm2_path):
-    quick = training_config(SIZES["quick"], smollm2_path, None, None, None, None)
+    quick = training_config(presets.load_size("quick"), smollm2_path, None, None, None, None)
     assert (quick.steps, quick.lr, quick.ttt_steps, quick.grad_clip, quick.preset) == (120, 3e-3, 2, 1.0, None)
     mine = training_config(
-        SIZES["quick"],
+        presets.load_size("quick"),
         smollm2_path,
         50,
         512,
@@ -39,7 +41,7 @@ def test_options_over_the_size(smollm2_path):
         mine.drafter.intermediate_size,
         mine.grad_accum,
     ) == (50, 512, 1e-3, 4, 128, 64, 256, 2)
-    by_epochs = training_config(SIZES["quick"], smollm2_path, None, None, None, None, epochs=2)
+    by_epochs = training_config(presets.load_size("quick"), smollm2_path, None, None, None, None, epochs=2)
     assert (by_epochs.steps, by_epochs.epochs, by_epochs.warmup_steps) == (None, 2, None)
 
 
@@ -47,9 +49,11 @@ def test_a_preset_is_checked_against_the_model(smollm2_path, tmp_path):
     with pytest.raises(
         click.UsageError, match="preset llama-3.1-8b is for meta-llama/Llama-3.1-8B-Instruct; the model differs"
     ):
-        training_config(SIZES["default"], smollm2_path, None, None, None, None, preset="llama-3.1-8b")
+        training_config(presets.load_size("default"), smollm2_path, None, None, None, None, preset="llama-3.1-8b")
     (tmp_path / "config.json").write_text((DATA / "llama_3_1_8b_instruct_config.json").read_text())
-    config = training_config(SIZES["default"], tmp_path, None, None, None, None, preset="llama-3.1-8b", lr=5e-5)
+    config = training_config(
+        presets.load_size("default"), tmp_path, None, None, None, None, preset="llama-3.1-8b", lr=5e-5
+    )
     assert (config.preset, config.steps, config.epochs, config.lr, config.draft_vocab_size, config.ttt_steps) == (
         "llama-3.1-8b",
         None,
@@ -59,4 +63,29 @@ def test_a_preset_is_checked_against_the_model(smollm2_path, tmp_path):
         7,
     )
     with pytest.raises(click.BadParameter, match="training setting lr=-1"):
-        training_config(SIZES["default"], smollm2_path, None, None, None, None, train_config=json.dumps({"lr": -1}))
+        training_config(
+            presets.load_size("default"), smollm2_path, None, None, None, None, train_config=json.dumps({"lr": -1})
+        )
+
+
+def test_the_sizes_are_recipe_files():
+    """`aerie run`'s sizes load from aerie/recipes/sizes through their contract: the size sets its
+    TrainConfig fields, TrainConfig's defaults the rest; a size that sets a derived field is refused."""
+    assert presets.size_names() == ["default", "quick"]
+    default = presets.load_size("default")
+    assert (default.records, default.max_tokens, default.shard_tokens) == (160, 192, 3072)
+    config = default.train_config()
+    assert (config.steps, config.max_seq_tokens, config.checkpoint_every, config.grad_clip, config.seed) == (
+        300,
+        192,
+        75,
+        1.0,
+        TrainConfig().seed,
+    )
+    assert default.train_config(steps=20).checkpoint_every == 10
+    with pytest.raises(presets.PresetError, match="no size 'huge': known sizes are default, quick"):
+        presets.load_size("huge")
+    raw = json.loads(default.model_dump_json(exclude_unset=True))
+    assert RunSize.model_validate(raw) == default
+    with pytest.raises(ValueError, match="max_seq_tokens and checkpoint_every follow from the size"):
+        RunSize.model_validate({**raw, "train": {**raw["train"], "checkpoint_every": 5}})

@@ -48,6 +48,7 @@ from aerie.contracts import (
     PlannedTraining,
     ProgressEvent,
     RunPlan,
+    RunSize,
     RunStatus,
     TrainConfig,
     TrainRequest,
@@ -59,76 +60,6 @@ from aerie.store import ObjectStore, open_store
 from aerie.training import logs_hint
 
 console = Console()
-
-
-@dataclass(frozen=True)
-class Size:
-    records: int
-    max_tokens: int
-    shard_tokens: int
-    steps: int
-    batch_tokens: int
-    draft_vocab: int
-    ttt_steps: int
-    eval_prompts: int
-    eval_new_tokens: int
-    lr: float
-    warmup: int
-    grad_clip: float = 1.0  # the CPU sizes' measured recipe (README); TrainConfig's default is SpecForge's 0.5
-
-    def train_config(
-        self,
-        steps: int | None = None,
-        draft_vocab: int | None = None,
-        max_tokens: int | None = None,
-        eval_prompts: int | None = None,
-    ) -> TrainConfig:
-        steps = steps or self.steps
-        return TrainConfig(
-            draft_vocab_size=draft_vocab or self.draft_vocab,
-            ttt_steps=self.ttt_steps,
-            steps=steps,
-            batch_tokens=self.batch_tokens,
-            max_seq_tokens=max_tokens or self.max_tokens,
-            lr=self.lr,
-            warmup_steps=self.warmup,
-            checkpoint_every=max(10, steps // 4),
-            grad_clip=self.grad_clip,
-            eval_prompts=self.eval_prompts if eval_prompts is None else eval_prompts,
-            eval_new_tokens=self.eval_new_tokens,
-            eval_draft_tokens=3,
-            holdout_fraction=0.1,
-        )
-
-
-SIZES = {
-    "quick": Size(
-        records=32,
-        max_tokens=96,
-        shard_tokens=512,
-        steps=120,
-        batch_tokens=256,
-        draft_vocab=1024,
-        ttt_steps=2,
-        eval_prompts=4,
-        eval_new_tokens=16,
-        lr=3e-3,
-        warmup=4,
-    ),
-    "default": Size(
-        records=160,
-        max_tokens=192,
-        shard_tokens=3072,
-        steps=300,
-        batch_tokens=512,
-        draft_vocab=4096,
-        ttt_steps=3,
-        eval_prompts=8,
-        eval_new_tokens=48,
-        lr=2e-3,
-        warmup=20,
-    ),
-}
 
 
 @dataclass
@@ -429,7 +360,7 @@ def _print_ingested(status: RunStatus) -> None:
 
 
 def training_config(
-    size: Size,
+    size: RunSize,
     model_dir: Path,
     steps: int | None,
     draft_vocab: int | None,
@@ -437,7 +368,7 @@ def training_config(
     eval_prompts: int | None,
     **training,
 ) -> TrainConfig:
-    """`aerie run`'s training settings: the size's, under a preset's (checked against the model) and
+    """`aerie run`'s training settings: the size's (aerie/recipes/sizes), under a preset's (checked against the model) and
     the command's options. A preset or --epochs without --steps trains for epochs over the data."""
     base = size.train_config(steps, draft_vocab, max_tokens, eval_prompts).model_dump(exclude_defaults=True)
     if steps is None and (training.get("preset") or training.get("epochs")):
@@ -544,7 +475,7 @@ def run(
 ):
     """Run the whole pipeline: dataset -> hidden states -> trained, evaluated, published drafter."""
     t_start = time.perf_counter()
-    size = SIZES["quick" if quick else "default"]
+    size = presets.load_size("quick" if quick else "default")
     overrides = {"store": store_url, "broker": broker, "device": device}
     if store_url is None and "AERIE_STORE" not in os.environ:
         overrides["store"] = f"file://{Path('aerie-data').resolve()}"

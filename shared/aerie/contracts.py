@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aerie.layout import SHARD_NAME
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only
 
 SCHEMA_VERSION = 1
 
@@ -28,7 +31,7 @@ class Contract(BaseModel):
         return self.model_dump_json(indent=1).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str):
+    def from_json(cls, raw: bytes | str) -> Self:
         return cls.model_validate_json(raw)
 
 
@@ -459,7 +462,7 @@ class TrainResult(StageResult):
     logs: str | None = Field(None, description="store prefix of the TensorBoard event files")
 
     @classmethod
-    def of(cls, drafter: str, version: str, metrics: dict, **fields) -> TrainResult:
+    def of(cls, drafter: str, version: str, metrics: dict[str, Any], **fields: Any) -> TrainResult:
         """A result carrying the metrics (of a lineage or a trainer state) it has fields for."""
         known = set(cls.model_fields) - {"drafter", "version"} - set(fields)
         return cls(drafter=drafter, version=version, **fields, **{k: v for k, v in metrics.items() if k in known})

@@ -34,7 +34,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from aerie import drafters, layout, runs
 from aerie.contracts import (
@@ -58,6 +58,11 @@ from aerie.contracts import (
 from aerie.errors import ExpectedError
 from aerie.settings import Settings
 from aerie.store import NotFound, ObjectStore
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from aerie.stages import Progress
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +230,7 @@ def state(store: ObjectStore, run: str) -> RunState:
     elif unanswered:
         st.phase = "regenerate"
     elif shards.complete:
-        phases = [{"waiting": "extract"}.get(t.phase, t.phase) for t in st.trainings] or ["done"]
+        phases: list[Phase] = ["extract" if t.phase == "waiting" else t.phase for t in st.trainings] or ["done"]
         st.phase = min(phases, key=_ORDER.index)
     return st
 
@@ -305,6 +310,7 @@ def _misaligned(store: ObjectStore, gate: GateRecord) -> str:
 def _training_steps(run: str, training: TrainingState) -> list[Step]:
     planned = training.planned
     if training.phase == "align":
+        assert planned.align is not None  # a training waits in "align" only when its plan gates it
         check = gate_request(run, planned.align)
         return [Step("align", f"align:{gate_id(check)}", check)]
     if training.phase in ("train", "evaluate", "publish"):
@@ -463,12 +469,13 @@ def _failed_steps(store: ObjectStore, run: str, st: RunState | None) -> list[tup
         if training.phase != "failed":
             continue
         if training.gate is not None and not training.gate.passed:
+            assert training.planned.align is not None  # a gate record exists only for a gated plan
             check = gate_request(run, training.planned.align)
             found.append((Step("align", f"align:{gate_id(check)}", check), layout.gate(run, gate_id(check))))
         else:
-            request = training.planned.train
-            step = Step("train", f"train:{request.resolved_train_id}", request)
-            found.append((step, layout.train_failure(request.resolved_train_id)))
+            train = training.planned.train
+            step = Step("train", f"train:{train.resolved_train_id}", train)
+            found.append((step, layout.train_failure(train.resolved_train_id)))
     return found
 
 
@@ -488,6 +495,7 @@ def record_alignment(store: ObjectStore, request: AlignRequest, report: Alignmen
         if p.align is not None and gate_id(gate_request(request.run, p.align)) == gate_id(request)
     ]
     if gated:
+        assert gated[0].align is not None  # kept above only when it gates
         store.put_json(
             layout.gate(request.run, gate_id(request)),
             GateRecord(
@@ -509,7 +517,7 @@ class OnWorkers(Dispatcher):
 
     TASKS = {"ingest": "aerie.ingest", "regenerate": "aerie.regenerate", "extract": "aerie.extract"}
 
-    def __init__(self, app, settings: Settings, owner: str):
+    def __init__(self, app: Celery, settings: Settings, owner: str) -> None:
         self.app, self.settings, self.owner = app, settings, owner
         self.results: list[tuple[Step, str, object]] = []  # (step, task name, its AsyncResult)
 
@@ -545,7 +553,7 @@ class OnWorkers(Dispatcher):
 class InProcess(Dispatcher):
     """Steps collected here and run in this process by `drive`; claimed once per drive."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pending: list[Step] = []
         self._claimed: set[str] = set()
 
@@ -584,19 +592,20 @@ def drive(
         st = advance(store, settings, plan.run, dispatcher)
 
 
-def run_here(store: ObjectStore, settings: Settings, step: Step, progress=None):
+def run_here(store: ObjectStore, settings: Settings, step: Step, progress: Progress | None = None) -> Contract:
     """One step through its stage function (aerie.stages: the service registered for it); an
     alignment check is recorded for the gates that asked it."""
     from aerie import stages
 
     if step.kind == "ingest":
-        return stages.ingest(store, settings, step.request)
+        return stages.ingest(store, settings, cast(IngestRequest, step.request))
     if step.kind == "regenerate":
-        return stages.regenerate(store, settings, step.request, progress)
+        return stages.regenerate(store, settings, cast(RegenerateRequest, step.request), progress)
     if step.kind == "extract":
-        return stages.extract(store, settings, step.request)
+        return stages.extract(store, settings, cast(ExtractRequest, step.request))
     if step.kind == "align":
-        report = stages.align(store, settings, step.request)
-        record_alignment(store, step.request, report)
+        check = cast(AlignRequest, step.request)
+        report = stages.align(store, settings, check)
+        record_alignment(store, check, report)
         return report
-    return stages.train(store, settings, step.request, progress)
+    return stages.train(store, settings, cast(TrainRequest, step.request), progress)

@@ -57,7 +57,7 @@ def refusal(dataset: str, allowed: list[Path], what: str = "dataset") -> Dataset
     )
 
 
-def file_sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike[str]) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
@@ -65,7 +65,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     return sha.hexdigest()
 
 
-def upload(store: ObjectStore, path: str | os.PathLike, sha: str | None = None) -> str:
+def upload(store: ObjectStore, path: str | os.PathLike[str], sha: str | None = None) -> str:
     """Upload a local dataset under its content's key (once: an existing key holds the same bytes);
     `sha`: its sha256 when already computed."""
     path = Path(path)

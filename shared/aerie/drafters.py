@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from aerie import layout
 from aerie.contracts import _NAME, DrafterLineage, TrainRequest, TrainResult
@@ -103,7 +104,7 @@ def point_latest(store: ObjectStore, name: str, version: str, lineage: DrafterLi
     return True
 
 
-def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> DrafterLineage:
+def publish(store: ObjectStore, folder: str | os.PathLike[str], lineage: dict[str, Any]) -> DrafterLineage:
     """Upload an exported drafter folder (its files first, `aerie.json` last), then move `latest`.
 
     `lineage`: the DrafterLineage fields but `files`, which are the uploaded files' sha256. Unless
@@ -120,7 +121,7 @@ def publish(store: ObjectStore, folder: str | os.PathLike, lineage: dict) -> Dra
     return record
 
 
-def pull(store: ObjectStore, ref: str, dest: str | os.PathLike) -> Path:
+def pull(store: ObjectStore, ref: str, dest: str | os.PathLike[str]) -> Path:
     """Fetch drafter NAME[:VERSION] into DEST, every file checked against its lineage's sha256."""
     name, version = resolve(store, ref)
     lineage = published_lineage(store, name, version)

@@ -186,7 +186,7 @@ def shard_objects(keys: list[str]) -> list[str]:
 
 def _shard_keys(keys: list[str], suffix: str) -> dict[str, str]:
     """{shard name: key} for the keys whose last part is `<six digits><suffix>`, in listing order."""
-    found = {}
+    found: dict[str, str] = {}
     for key in keys:
         base = key.rsplit("/", 1)[-1]
         if base.endswith(suffix) and _SHARD_NAME.fullmatch(base[: -len(suffix)]):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -83,7 +84,7 @@ def load_size(name: str) -> RunSize:
     return size
 
 
-def check_model(preset: Preset, config: dict, where: str = "the model") -> None:
+def check_model(preset: Preset, config: dict[str, Any], where: str = "the model") -> None:
     """Refuse a model the preset is not for (its config.json; a wrapper's `text_config` is read too)."""
     text = {**(config.get("text_config") or {}), **{k: v for k, v in config.items() if k != "text_config"}}
     archs = set(config.get("architectures") or []) | set((config.get("text_config") or {}).get("architectures") or [])
@@ -109,7 +110,7 @@ def check_model(preset: Preset, config: dict, where: str = "the model") -> None:
         )
 
 
-def preset_config(preset: Preset) -> dict:
+def preset_config(preset: Preset) -> dict[str, Any]:
     """The TrainConfig fields a preset sets."""
     return {
         "draft_vocab_size": preset.draft_vocab_size,
@@ -141,7 +142,10 @@ FIELDS = {
 
 
 def train_config(
-    preset: str | None = None, base: dict | None = None, model_config: dict | None = None, **options
+    preset: str | None = None,
+    base: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+    **options: Any,
 ) -> TrainConfig:
     """The TrainConfig of a command's options: explicit options > --train-config > preset > `base`.
     `model_config`: the target's config.json when readable here (the preset is checked against it)."""

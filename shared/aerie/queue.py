@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from celery import Celery, Task, bootsteps, current_app
 from celery.worker.consumer import Consumer as CeleryConsumer
@@ -126,7 +126,7 @@ def make_app(settings: Settings | None = None, include: list[str] | None = None)
     if settings.broker.startswith(("redis://", "rediss://")):
         app.steps["consumer"].add(KeepVisible)
         app.steps["consumer"].add(CheckItems)
-    app.aerie_settings = settings  # type: ignore[attr-defined]
+    app.aerie_settings = settings
     return app
 
 
@@ -164,12 +164,14 @@ class Alive(bootsteps.StartStopStep):
         return self.path is not None
 
     def start(self, worker) -> None:
+        assert self.path is not None  # include_if: the step runs only with --alive-file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         self.thread = threading.Thread(target=self.touch, name="aerie-alive", daemon=True)
         self.thread.start()
 
     def touch(self) -> None:
+        assert self.path is not None  # started by start() only
         while not self.done.wait(self.every_s):
             try:
                 self.path.touch()
@@ -425,7 +427,7 @@ def task_store(settings: Settings) -> ObjectStore:
     return _stores[key]
 
 
-def parse_message(model: type[M], kwargs: dict) -> M:
+def parse_message(model: type[M], kwargs: dict[str, Any]) -> M:
     """A task's kwargs as its contract, or MessageRefused naming each field, value and rule (a
     plain string, so the result backend and the worker log keep the reason)."""
     try:
@@ -529,7 +531,7 @@ def _is_auth_failure(e: BaseException) -> bool:
     return _auth_error(e) is not None
 
 
-def enqueue(app: Celery, name: str, kwargs: dict):
+def enqueue(app: Celery, name: str, kwargs: dict[str, Any]):
     """Send a task by name; run it through the registered task when there is one (eager apps)."""
     if name in app.tasks:
         return app.tasks[name].apply_async(kwargs=kwargs)

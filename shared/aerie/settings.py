@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -134,7 +134,7 @@ class Settings(BaseSettings):
         description="memory of one device for that choice (default: the GPU's; on the CPU: DDP)",
     )
     train_trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"],
+        default=["tensorboard"],  # pydantic copies a mutable default per instance
         description="where training metrics go; TensorBoard files are written to the store",
     )
     eval_server: str | None = Field(
@@ -201,7 +201,7 @@ class Settings(BaseSettings):
         return self.broker.startswith("memory://")
 
     @classmethod
-    def load(cls, **overrides) -> Settings:
+    def load(cls, **overrides: Any) -> Settings:
         """Read the environment, refusing unknown AERIE_* variables by name."""
         known = {f"{ENV_PREFIX}{name}".upper() for name in cls.model_fields}
         unknown = sorted(

@@ -10,7 +10,7 @@ AERIE_ENGINE_API_KEY.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -77,7 +77,9 @@ def unauthorized(url: str, status: int) -> str:
     )
 
 
-def get_first(client: httpx.Client, url: str, paths: tuple[str, ...], setting: str = "AERIE_ENGINE_URLS") -> dict:
+def get_first(
+    client: httpx.Client, url: str, paths: tuple[str, ...], setting: str = "AERIE_ENGINE_URLS"
+) -> dict[str, Any]:
     """GET the first of `paths` the server knows; `setting` names where the URL came from."""
     last = None
     for path in paths:
@@ -101,23 +103,23 @@ def get_first(client: httpx.Client, url: str, paths: tuple[str, ...], setting: s
     )
 
 
-def server_info(client: httpx.Client, url: str, setting: str = "AERIE_ENGINE_URLS") -> dict:
+def server_info(client: httpx.Client, url: str, setting: str = "AERIE_ENGINE_URLS") -> dict[str, Any]:
     return get_first(client, url, SERVER_INFO, setting)
 
 
-def model_info(client: httpx.Client, url: str, setting: str = "AERIE_ENGINE_URLS") -> dict:
+def model_info(client: httpx.Client, url: str, setting: str = "AERIE_ENGINE_URLS") -> dict[str, Any]:
     return get_first(client, url, MODEL_INFO, setting)
 
 
 def call(
     url: str,
     path: str,
-    payload: dict | None = None,
+    payload: dict[str, Any] | None = None,
     *,
     api_key: str | None = None,
     timeout_s: float = 600.0,
     setting: str = "AERIE_ENGINE_URLS",
-) -> dict:
+) -> dict[str, Any]:
     """One JSON request (GET without a payload, POST with one) -> the decoded answer."""
     url = _norm(url)
     try:

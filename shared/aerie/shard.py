@@ -41,12 +41,16 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
 
 from aerie.errors import ExpectedError
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+    from typing_extensions import Buffer
 
 FORMAT = "aerie-shard/1"
 
@@ -142,7 +146,7 @@ def quantize_e4m3(x: np.ndarray, block: int | None = None) -> tuple[np.ndarray, 
     return q.reshape(x.shape), scale.reshape(*x.shape[:-1], G)
 
 
-def dequantize_e4m3(q: np.ndarray, scale: np.ndarray, dtype: np.dtype | str = np.float32) -> np.ndarray:
+def dequantize_e4m3(q: np.ndarray, scale: np.ndarray, dtype: DTypeLike = np.float32) -> np.ndarray:
     """(q [..., H] float8_e4m3fn, scale [..., G]) -> q * scale [..., H] in `dtype` (float32 math,
     one rounding into `dtype`: the same bits as the trainer's torch path)."""
     dtype = _DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
@@ -187,7 +191,7 @@ def dequantize_tensors(tensors: dict[str, np.ndarray], metadata: dict[str, str])
 # --------------------------------------------------------------------------------------
 # The safetensors container (spec: 8-byte little-endian header size, JSON header, data)
 # --------------------------------------------------------------------------------------
-def _header(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list]:
+def _header(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[Any]]:
     header: dict[str, object] = {"__metadata__": metadata}
     order, offset = [], 0
     for name in sorted(tensors):
@@ -210,7 +214,7 @@ def safetensors_parts(tensors: dict[str, np.ndarray], metadata: dict[str, str]) 
     parts = [memoryview(head)]
     for name in order:
         arr = np.ascontiguousarray(tensors[name])
-        parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        parts.append(arr.reshape(-1).view(np.uint8).data)
     return parts
 
 
@@ -223,7 +227,7 @@ def write_safetensors(out: BinaryIO, tensors: dict[str, np.ndarray], metadata: d
     return total
 
 
-def read_safetensors(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_safetensors(buf: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Zero-copy views over a bytes-like or mmap: name -> ndarray, metadata."""
     mv = memoryview(buf)
     layout, metadata, base = safetensors_layout(mv, len(mv))
@@ -233,7 +237,9 @@ def read_safetensors(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return tensors, metadata
 
 
-def safetensors_layout(head, size: int) -> tuple[dict[str, tuple[np.dtype, list[int], int, int]], dict[str, str], int]:
+def safetensors_layout(
+    head: Buffer, size: int
+) -> tuple[dict[str, tuple[np.dtype, list[int], int, int]], dict[str, str], int]:
     """Where a safetensors file of `size` bytes keeps its tensors, from its first bytes `head`
     (at least the 8-byte length and the header): name -> (dtype, shape, start, end) with offsets
     into the data, which begins at the returned base; and the metadata. Checked: the header's
@@ -311,7 +317,9 @@ class Shard:
     @property
     def scale_block(self) -> int | None:
         """Values of a row per scale (fp8 shards)."""
-        return self.aux.shape[2] // self.aux_scale.shape[2] if self.quantized and self.aux_scale is not None else None
+        if self.aux is None or not self.quantized or self.aux_scale is None:
+            return None
+        return self.aux.shape[2] // self.aux_scale.shape[2]
 
     @property
     def target_signal(self) -> str | None:
@@ -446,11 +454,11 @@ class Shard:
                 arr = getattr(self, name)
                 if arr is None:
                     continue
-                bad = _nonfinite(arr)
+                wrong = _nonfinite(arr)
                 if name.endswith("_scale"):
-                    bad |= arr < 0
-                if bad.any():
-                    row = int(np.argwhere(bad)[0][0])
+                    wrong |= arr < 0
+                if wrong.any():
+                    row = int(np.argwhere(wrong)[0][0])
                     seq = int(np.searchsorted(off, row, side="right") - 1)
                     what = "a NaN/Inf or negative scale" if name.endswith("_scale") else "NaN/Inf"
                     raise ShardError(f"{name} holds {what} at token {row} (sequence {seq})")
@@ -459,6 +467,7 @@ class Shard:
     def _validate_scales(self, T: int, K: int, H: int) -> None:
         """fp8 states come with float32 scales [T, K, G] / [T, G] (G divides H) and a states dtype;
         other states come with neither."""
+        assert self.aux is not None  # called for hidden shards only
         if not self.quantized:
             if self.aux_scale is not None or self.final_scale is not None or self.states_dtype is not None:
                 raise ShardError(
@@ -507,7 +516,7 @@ class Shard:
         self.write(buf)
         return buf.getvalue()
 
-    def save(self, path: str | os.PathLike) -> int:
+    def save(self, path: str | os.PathLike[str]) -> int:
         tmp = f"{path}.part"
         with open(tmp, "wb") as f:
             n = self.write(f)
@@ -515,7 +524,7 @@ class Shard:
         return n
 
     @classmethod
-    def from_buffer(cls, buf) -> Shard:
+    def from_buffer(cls, buf: Buffer) -> Shard:
         tensors, meta = read_safetensors(buf)
         if meta.get("format") != FORMAT:
             raise ShardError(f"not an aerie shard: header format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -565,7 +574,7 @@ class Shard:
         return shard
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Shard:
+    def open(cls, path: str | os.PathLike[str]) -> Shard:
         """Memory-map a shard file: arrays are views over the page cache, no copy."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -587,7 +596,7 @@ def pack(
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
 
-    def cat(name: str, dtype=None):
+    def cat(name: str, dtype: DTypeLike | None = None) -> Any:  # an ndarray, None when the sequences lack it
         if name not in sequences[0]:
             return None
         arr = np.concatenate([np.asarray(s[name]) for s in sequences], axis=0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import Any
 
 from aerie.contracts import (
     AlignmentReport,
@@ -56,7 +57,7 @@ class StageUnavailable(RuntimeError):
     """The service that implements a stage is not installed in this environment."""
 
 
-def implementation(stage: str) -> Callable:
+def implementation(stage: str) -> Callable[..., Any]:
     """The function a service registered for `stage` (entry point group `aerie.stages`)."""
     found = [ep for ep in entry_points(group=GROUP) if ep.name == stage]
     if not found:

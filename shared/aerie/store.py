@@ -14,6 +14,7 @@ AWS S3, MinIO and SeaweedFS honour). A run's creation rests on it (aerie.control
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import io
@@ -23,17 +24,20 @@ import tempfile
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from aerie.settings import Settings, redact
+
+if TYPE_CHECKING:
+    from aerie.contracts import Contract
 
 CHUNK = 8 << 20  # streaming granularity
 PART_SIZE = 16 << 20  # multipart part size for S3 uploads
 
-T = TypeVar("T")
+T = TypeVar("T", bound="Contract")
 
 
 class StoreError(RuntimeError):
@@ -63,7 +67,7 @@ class _HashingReader(io.RawIOBase):
         return data
 
 
-def _sha256_parts(parts: list[memoryview]):
+def _sha256_parts(parts: list[memoryview]) -> hashlib._Hash:
     sha = hashlib.sha256()
     for part in parts:
         for a in range(0, part.nbytes, CHUNK):
@@ -129,21 +133,22 @@ class ObjectStore(ABC):
         return None
 
     # --- conveniences built on the primitives ------------------------------------------
-    def put_parts(self, key: str, parts: list[memoryview]) -> str:
+    def put_parts(self, key: str, parts: builtins.list[memoryview]) -> str:
         """Write an object made of buffers, in order (a shard's header and tensors); return its sha256."""
-        return self.put_stream(key, PartsReader(parts), sum(p.nbytes for p in parts))
+        stream = cast(BinaryIO, PartsReader(parts))  # a raw stream: read() is all put_stream uses
+        return self.put_stream(key, stream, sum(p.nbytes for p in parts))
 
     def put_bytes(self, key: str, data: bytes) -> str:
         return self.put_stream(key, io.BytesIO(data), len(data))
 
-    def put_file(self, key: str, path: str | os.PathLike) -> str:
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> str:
         with open(path, "rb") as f:
             return self.put_stream(key, f, os.fstat(f.fileno()).st_size)
 
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.open(key))
 
-    def download(self, key: str, path: str | os.PathLike) -> str:
+    def download(self, key: str, path: str | os.PathLike[str]) -> str:
         """Copy an object to a file (atomically); return its sha256."""
         sha = hashlib.sha256()
         path = Path(path)
@@ -163,10 +168,10 @@ class ObjectStore(ABC):
         except NotFound:
             return False
 
-    def put_json(self, key: str, record) -> str:
+    def put_json(self, key: str, record: Contract) -> str:
         return self.put_bytes(key, record.to_json())
 
-    def create_json(self, key: str, record, model: type[T]) -> tuple[T, bool]:
+    def create_json(self, key: str, record: T, model: type[T]) -> tuple[T, bool]:
         """`record` written at `key` unless a record is there already: (the record the key holds,
         whether this call wrote it)."""
         if self.put_new(key, record.to_json()):
@@ -174,7 +179,7 @@ class ObjectStore(ABC):
         return self.get_json(key, model), False
 
     def get_json(self, key: str, model: type[T]) -> T:
-        return model.model_validate_json(self.get_bytes(key))  # type: ignore[attr-defined]
+        return model.model_validate_json(self.get_bytes(key))
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
@@ -205,7 +210,7 @@ def _check_key(key: str) -> str:
 class FsStore(ObjectStore):
     """A folder with the same layout as the bucket."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.url = f"file://{self.root}"
@@ -345,7 +350,7 @@ class S3Store(ObjectStore):
             )
         return StoreError(f"{where}: {type(e).__name__}: {e}")
 
-    def _call(self, fn, *args, key: str | None = None, **kw):
+    def _call(self, fn: Callable[..., Any], *args: Any, key: str | None = None, **kw: Any) -> Any:
         try:
             return fn(*args, **kw)
         except Exception as e:  # translated into one clear error

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from aerie.contracts import TargetSpec
 
@@ -44,7 +45,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_config(folder: str | os.PathLike) -> dict:
+def load_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise TargetError(f"{folder}: no config.json: pass a transformers model folder (safetensors weights)")
@@ -141,7 +142,7 @@ def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = N
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be hashing: wait for its result
         if found := cached():
             return found
-        size = sum(s[1] for s in stamp)
+        size = sum(p.stat().st_size for p in weights)
         log.info(
             "target %s: sha256 of %d weight files (%.2f GB), once per host (cached in %s)",
             folder,
@@ -159,7 +160,7 @@ def weights_sha256(folder: Path, weights: list[Path], cache_dir: Path | None = N
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def weight_files(folder: str | os.PathLike) -> list[Path]:
+def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files a target's weights are loaded from, as transformers loads them with
     `use_safetensors=True` (what every loader of aerie passes): the files `model.safetensors.index.json`
     maps tensors to, else `model.safetensors`. A folder with neither is refused by name: pickled
@@ -193,7 +194,7 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
 
 
 def describe(
-    folder: str | os.PathLike, name: str | None = None, revision: str | None = None, cache_dir: Path | None = None
+    folder: str | os.PathLike[str], name: str | None = None, revision: str | None = None, cache_dir: Path | None = None
 ) -> TargetSpec:
     folder = Path(folder)
     cfg = load_config(folder)
@@ -221,7 +222,7 @@ def describe(
     )
 
 
-def smollm2(cache_dir: str | os.PathLike) -> Path:
+def smollm2(cache_dir: str | os.PathLike[str]) -> Path:
     """The embedded default target as a bf16 safetensors folder (converted once, then cached)."""
     out = Path(cache_dir).expanduser() / SMOLLM2_DIRNAME
     if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/lint.sh          # ruff lint + format check: fails fast, before any service starts
+bash scripts/lint.sh          # ruff lint + format check, mypy: fails fast, before any service starts
 bash scripts/sglang_env.sh   # SGLang in its own venv, as in its own container (reused when ready)
 work=$(mktemp -d /tmp/aerie-test.XXXXXX)
 started_redis=""

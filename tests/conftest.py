@@ -18,11 +18,6 @@ from tests.services import S3Server, start_redis, start_s3
 POINTS = [2, 15, 27]  # SmolLM2-135M (N = 30): the default capture points [2, N//2, N-3]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than ~30 s on 2 cores (still runs in CI)")
-    config.addinivalue_line("markers", "sglang: starts a real SGLang server from .venv-sglang")
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> S3Server:
     if os.environ.get("AERIE_TEST_S3_ENDPOINT"):

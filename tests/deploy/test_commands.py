@@ -172,6 +172,7 @@ def _launch_args(script: str, env: dict[str, str]) -> list[str]:
     return shlex.split(body)[4:]
 
 
+@pytest.mark.sglang
 @pytest.mark.slow  # importing SGLang's server_args takes 25-35 s on 2 cores
 def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_services):
     """The capture, serve and generate command lines of compose and k8s, expanded as their shells would,

@@ -167,6 +167,7 @@ def test_a_shard_answered_with_requests_in_flight_equals_the_servers_own_greedy_
     assert "/v1/chat/completions" not in server_log_since(chat_server, offset)
 
 
+@pytest.mark.sglang
 def test_a_generation_server_is_refused_for_capture_naming_the_flags_of_both_sglang_generations(
     chat_server, smollm2_path
 ):

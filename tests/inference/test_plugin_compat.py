@@ -79,6 +79,7 @@ def test_every_hook_point_of_0_5_17_is_in_its_wheel(sglang_0_5_17):
     assert check(RELEASES["0.5.17"], sglang_0_5_17) == []
 
 
+@pytest.mark.sglang
 def test_every_hook_point_of_0_5_23_is_in_the_installed_sglang(sglang_0_5_23):
     assert source_version(sglang_0_5_23) == "0.5.23"
     assert check(RELEASES["0.5.23"], sglang_0_5_23) == []

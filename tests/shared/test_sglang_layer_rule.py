@@ -222,6 +222,7 @@ def sglang_rules() -> dict[str, str]:
 # --------------------------------------------------------------------------- the rule list
 
 
+@pytest.mark.sglang
 def test_aeries_deepseek_list_is_exactly_what_sglang_applies(sglang_rules):
     unresolved = {a: r for a, r in sglang_rules.items() if r.startswith("unresolved") and a not in EXTERNAL}
     assert not unresolved, f"cannot tell which layer-id rule these SGLang architectures apply: {unresolved}"
@@ -232,6 +233,7 @@ def test_aeries_deepseek_list_is_exactly_what_sglang_applies(sglang_rules):
     )
 
 
+@pytest.mark.sglang
 def test_the_reading_finds_each_way_of_applying_a_rule(sglang_rules):
     # the scan must see the plain Llama rule, inheritance and delegation, not only DeepSeek's own method
     assert sglang_rules["DeepseekV3ForCausalLM"] == "deepseek"  # its own method

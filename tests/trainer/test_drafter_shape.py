@@ -142,6 +142,7 @@ print(json.dumps({"kind": type(rope).__name__, "cos_sin": rope.cos_sin_cache[pos
 """
 
 
+@pytest.mark.sglang
 @pytest.mark.parametrize("target", [DEEPSEEK_V3, KIMI_K25], ids=["deepseek-v3", "kimi-k2.5"])
 def test_the_exported_rope_is_the_one_sglang_computes(target, tmp_path):
     """The drafter's cos/sin at positions up to 200k equal SGLang's own table for the exported

@@ -50,6 +50,7 @@ def sglang_source() -> Path | None:
     return None
 
 
+@pytest.mark.sglang
 def test_mapping_constants_are_sglangs_own():
     """The name mapping export.py replays is the one in SGLang 0.5.23's llama_eagle3.py."""
     path = sglang_source()

@@ -149,11 +149,9 @@ class Settings(BaseSettings):
     )
 
     # --- alignment check (aerie align) ---------------------------------------------------
-    # Thresholds by the less precise dtype of the run and the server. Measured on SmolLM2-135M,
-    # SGLang 0.5.23 on the CPU (BENCHMARKS.md, "Alignment"): the same weights give a mean cosine
-    # >= 0.99985 and p1 >= 0.9988 per point (bf16 states), 1.000000 in float32; a neighbouring
-    # layer 0.82-0.975; the 4-bit quantized weights 0.9966 (point 2) down to 0.969 (point 27).
-    # float16 was not measured: it takes bfloat16's bounds (fp16 rounds less than bf16).
+    # Thresholds by the less precise dtype of the run and the server: under what the same weights
+    # give, above what a neighbouring layer or 4-bit quantized weights give (BENCHMARKS.md,
+    # "Alignment"). float16 takes bfloat16's bounds (fp16 rounds less than bf16).
     align_min_cosine: dict[str, float] = Field(
         default_factory=lambda: {"float32": 0.9999, "bfloat16": 0.999, "float16": 0.999},
         description="least mean per-token cosine of a capture point (and the final state), by dtype",

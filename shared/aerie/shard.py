@@ -72,7 +72,8 @@ FLOAT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 STORAGE_DTYPES = {"float8_e4m3fn": "F8_E4M3"}  # quantized storage of the states (scales beside them)
 STATE_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")  # what `aux`/`final` may be stored as
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(_DTYPES["F8_E4M3"]).astype(np.float32)  # byte -> value (2x the cast)
+# byte -> value: a lookup in this table is faster than numpy's cast
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(_DTYPES["F8_E4M3"]).astype(np.float32)
 _QUANT_ROWS = 4096  # rows quantized at a time (bounds the float32 temporaries)
 
 

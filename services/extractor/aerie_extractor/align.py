@@ -3,9 +3,8 @@
     aerie align --run sharegpt --server http://sglang-capture:30000 [--samples 8] [--seed 0]
     celery -A aerie_extractor.worker call aerie.align --kwargs '{"run": "sharegpt", "server": "http://..."}'
 
-A drafter trained on states from one engine or quantization and served by another accepts little
-(the seed's INT4 model through a custom worker, served by SGLang: ~25%). This check measures it
-before training, for the user's own run and serving deployment:
+A drafter trained on states from one engine or quantization and served by another accepts little.
+This check measures the difference before training, for the user's own run and serving deployment:
 
 - The server is SGLang in capture mode, started like the serving deployment (same model folder,
   quantization, TP size, dtype, SGLang version) plus `--enable-return-aux-hidden-states

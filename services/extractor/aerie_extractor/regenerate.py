@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
 PROGRESS_EVERY_S = 2.0
 # A pooled connection idle this long is not reused: below uvicorn's (SGLang's) 5 s keep-alive, so
-# the client never sends on a connection the server is closing. Seen on an H200: ~600 requests in
-# flight, a task's tokenizing holding the GIL for seconds, "ReadError" aborting the shard.
+# the client never sends on a connection the server is closing (with hundreds of requests in flight
+# and a task's tokenizing holding the GIL for seconds, such a send fails the shard with ReadError).
 KEEPALIVE_S = 2.0
 RESET_RETRIES = 2  # a request on a connection the server closed (no answer read) is sent again
 _THINK = re.compile(r"<think>.*?(</think>|$)\s*", re.S)

@@ -213,9 +213,8 @@ def _trained(store: ObjectStore, st: RunState, request: TrainRequest, result: Tr
 def shards_in_flight(settings: Settings) -> int:
     """How many shards the embedded run extracts at once: the settings' worker concurrency, and at
     least 2 for the hf engine on a GPU. One shard at a time cannot overlap a shard's store with
-    the next one's capture: on the H200, one at a time ran at 0.57x the bare forward and two on one
-    engine kept it busy at 0.97x (BENCHMARKS.md, "capture at engine speed, session 11"). On the
-    CPU the capture is the whole cost and each shard in flight takes a share of torch's threads."""
+    the next one's capture, so the device waits between shards; two on one engine keep it busy
+    (BENCHMARKS.md, "capture at engine speed"). On the CPU the capture is the whole cost and each shard in flight takes a share of torch's threads."""
     if settings.engine == "hf" and settings.device != "cpu":
         return max(2, settings.worker_concurrency)
     return settings.worker_concurrency

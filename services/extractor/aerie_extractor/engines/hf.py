@@ -14,7 +14,7 @@
   shards does not drain the device at each shard's end.
 - A run stored as fp8 gets its states quantized on the device (`quantize_e4m3`, the same bits as
   `aerie.shard.quantize_e4m3`): half the bytes cross the bus, and the writers, whose numpy
-  quantization ran at 0.12× the H200's forward per thread and slowed the captures beside it, have
+  quantization is far slower than the device's forward and slows the captures beside it, have
   nothing to quantize.
 """
 
@@ -95,9 +95,9 @@ def _one_at_a_time(method):
     tasks of a threads-pool worker capture in turn and store side by side. Every capture runs on
     the engine's own launching thread, whichever thread asks: torch keeps per-thread state that
     the forward pays to build, e.g. cuDNN attention's execution graphs, cached `thread_local` and
-    per shape (aten/src/ATen/native/cudnn/MHA.cpp). On the H200 the same shards were captured at
-    0.944x bare on the thread that had run them before and at 0.659x from a fresh pool thread
-    (BENCHMARKS.md, session 9), as a Celery threads-pool task's was."""
+    per shape (aten/src/ATen/native/cudnn/MHA.cpp), so a capture from a fresh pool thread (a
+    Celery threads-pool task's) runs well below one from the thread that ran it before
+    (BENCHMARKS.md, "capture at engine speed")."""
 
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
@@ -378,8 +378,7 @@ class HFEngine(Engine):
     def _stage(self, tensors: list, slot: int | None):
         """CUDA: start copying the device tensors into pinned buffer set `slot` (None: new pinned
         tensors), on the compute stream, after the work queued so far -> (host views, event recorded
-        after the copies). (A stream of its own for the copies measured slower on the H200.) CPU:
-        (tensors, None)."""
+        after the copies); a stream of its own for the copies would be slower. CPU: (tensors, None)."""
         import torch
 
         if not self.device.startswith("cuda"):

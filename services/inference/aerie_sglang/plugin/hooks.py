@@ -288,9 +288,8 @@ def _batch_on_host(logits_output, final: torch.Tensor) -> tuple[torch.Tensor, ob
     done: one copy per batch, launched by its first capture request that lies wholly in it, on the
     stream where `_own` clones device rows (so it reads them no later than a clone would). Each of
     the batch's captures keeps a view; the writers wait on the event. Done per request instead
-    (a clone, a pinned allocation, a copy, an event), keeping and sending the rows to the host cost
-    the scheduler thread 0.33 ms per SmolLM2 capture on the H200 (BENCHMARKS.md, session 12). A
-    prompt split over several batches keeps its clones (`_finish` joins them on the device)."""
+    (a clone, a pinned allocation, a copy, an event), keeping and sending the rows to the host
+    would take the scheduler thread's time for every capture (BENCHMARKS.md). A prompt split over several batches keeps its clones (`_finish` joins them on the device)."""
     cached = getattr(logits_output, _HOST, None)
     if cached is None or cached[0] is not final:
         started = time.perf_counter()

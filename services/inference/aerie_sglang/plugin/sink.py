@@ -2,12 +2,11 @@
 
 - The scheduler thread only copies the rows of a request and hands them over (`Sinks.submit`);
   background writer threads (`AERIE_CAPTURE_WRITERS`) hash them, serialize them (safetensors) and
-  write or upload them. The scheduler loop never waits for a disk or the network. One thread
-  hashes ~0.75 GB/s on an H200 host. Inside SGLang on the H200, 4 writers and a 2 GiB bound held an
-  8B-shaped target's extraction to 0.43-0.69x its bare prefill, 8 writers and 16 GiB to 0.79-0.93x
-  (BENCHMARKS.md, "the sink's writers and bound"): the default is 8 writers. With
-  `AERIE_CAPTURE_WRITER=process` a writer process does this for the shm sink instead, a batch at a
-  time (writer_process.py); the writer threads then write only s3 captures.
+  write or upload them. The scheduler loop never waits for a disk or the network. The default is
+  8 writers: hashing is what a writer spends its time on, and too few writers (or too small a
+  bound) hold extraction below the server's bare prefill (BENCHMARKS.md, "the sink's writers and
+  bound"). With `AERIE_CAPTURE_WRITER=process` a writer process does this for the shm sink
+  instead, a batch at a time (writer_process.py); the writer threads then write only s3 captures.
 - A capture appears atomically: `shm` writes `.<id>.partial` and renames it to `<id>.safetensors`;
   an S3 PUT is atomic. A client that holds a descriptor waits for the object, reads it, checks it
   (capture id and sha256 in the safetensors header) and deletes it: that is "claiming" it.
@@ -17,10 +16,10 @@
   (`Sinks.admit`), never half-written. The shm directory's share is its last listing plus what
   the writers put there since: the first writer thread (or the writer process) lists it every second, and an admission
   lists it only when that figure would refuse, so a refusal is decided on a fresh listing. A
-  listing stats every file: listed at every admission (as it was until 2026-12-04), 256 waiting
-  files cost the scheduler thread 0.8 ms per request on a 2-core VM
-  (`benchmarks/bench_sink_admit.py`). Files another process writes into the same directory
-  (several schedulers, data parallel) count from the next listing on. The first writer thread
+  listing stats every file, so listing at every admission would cost the scheduler thread time
+  per request that grows with the files waiting (`benchmarks/bench_sink_admit.py`). Files another
+  process writes into the same directory (several schedulers, data parallel) count from the next
+  listing on. The first writer thread
   also lists the s3 prefix every second while uploads wait (one request), forgetting what
   clients deleted: the scheduler never waits for the network.
 - The first writer thread logs what captures cost every `STATS_LOG_S` while they run: the
@@ -400,8 +399,7 @@ class Sinks:
         """A request's finalizer. It runs inside a garbage collection, in whichever thread the
         collection happened to start, which may hold `_lock` at that moment (SGLang's Req is in a
         reference cycle, so only the cyclic collector frees it, and Python 3.12 runs it at any
-        bytecode): taking `_lock` here deadlocks that thread, and SGLang's scheduler with it (the
-        likely cause of two hung servers on the H200, BENCHMARKS.md session 13).
+        bytecode): taking `_lock` here deadlocks that thread, and SGLang's scheduler with it.
         SimpleQueue.put is reentrant, made for such callbacks; the token is dropped under the lock
         by its next user."""
         self._released.put(token)

@@ -3,8 +3,8 @@ outside the SGLang server's GIL, handed over once per batch instead of once per 
 
 Why: SGLang's scheduler thread holds the GIL nearly all the time. Each time an in-process writer
 thread takes it back (after the queue, the event, sha256, open, writev, close, rename: ~10 times
-per capture), the scheduler waits. At SmolLM2's bare prefill rate that is ~3,900 hand-overs a
-second, and 8 writer threads cost the server 8-31% (BENCHMARKS.md, session 13).
+per capture), the scheduler waits: at a small model's prefill rate, thousands of hand-overs a
+second, which writer threads pay for in the server's own speed (BENCHMARKS.md, the sink's writers).
 
 How, in the server (`ProcessWriter`, one thread besides the reader of each writer process):
 - The batcher thread takes a capture from the queue, waits on its batch's device-copy event,
@@ -246,7 +246,7 @@ class ProcessWriter:
                 if first.ready is not None:
                     first.ready.synchronize()  # the batch's host copy
                 # The rest of the batch: SGLang's scheduler hands its captures over one by one,
-                # ~0.2 ms apart on the H200; a get that finds one waiting does not release the GIL.
+                # a fraction of a millisecond apart; a get that finds one waiting does not release the GIL.
                 while True:
                     try:
                         capture = (

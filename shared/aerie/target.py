@@ -58,7 +58,7 @@ def load_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
     )
 
 
-def quantization_of(config: dict) -> str | None:
+def quantization_of(config: dict[str, Any]) -> str | None:
     """The quantization a model's config.json declares (`quantization_config`, or its text_config's),
     named by SGLang's method name plus the layout that tells two checkpoints apart, e.g.
     "compressed-tensors pack-quantized W4A16 int group 32" (Kimi-K2.5's), "awq 4-bit group 128",

@@ -17,8 +17,8 @@ How the two supported releases differ (their wheels' source, compared):
 | `/server_info` | `sglang.srt.utils.common.build_server_info` | `TokenizerManager.resolved_config_dict` |
 | abort with a status | `Req.set_finish_with_abort(msg, status_code, err_type)` | `set_finish_with_abort(msg)`, then the status on `req.to_finish` |
 
-The final rows are the plugin's own copy on both releases. On 0.5.23 (its source, read
-2026-12-05): `LogitsProcessor._get_last_hidden_states_to_store` returns the `hidden_states` it was
+The final rows are the plugin's own copy on both releases. On 0.5.23 (by its source):
+`LogitsProcessor._get_last_hidden_states_to_store` returns the `hidden_states` it was
 given, uncopied; every prefill CUDA-graph backend (breakable, full, tc_piecewise) replays a
 captured body whose output lives in the graph's memory pool and `_trim_logits_output` hands back
 `last_hidden_states[:raw_num_tokens]`, a view of it; `GenerationBatchResult.copy_to_cpu` copies

@@ -252,3 +252,42 @@ def test_corrupt_shards_are_refused_by_name_before_training(fs_store, small_run)
     rewrite(a, originals[a][: len(originals[a]) // 2])
     with pytest.raises(DataError, match=f"hidden shard {a}: not a readable shard"):
         first_batch()
+
+
+def test_a_nan_in_an_fp8_shard_is_refused_by_name(fs_store, small_run):
+    """fp8 states are checked in their bytes (e4m3fn's only bad value is NaN, 0x7F/0xFF): one NaN
+    byte in one shard is refused with the shard, the tensor and the token named; the same shard
+    intact trains."""
+    import hashlib
+
+    from aerie.contracts import ShardRecord
+    from aerie_trainer.data import DataError, ShardCache
+    from tests.runs import quantize_run
+
+    upload_run(fs_store, small_run, "r1")
+    quantize_run(fs_store, "r1", "r8")
+
+    def open_all():
+        data = make_data(fs_store, ["r8"], holdout_fraction=0.0)
+        cache = ShardCache(fs_store, data.expect)
+        try:
+            for s in data.shards:
+                cache.get(s.key)
+        finally:
+            cache.close()
+        return data
+
+    key = open_all().shards[0].key  # intact: every shard passes
+    shard = Shard.from_buffer(fs_store.get_bytes(key))
+    for tensor in ("aux", "final"):
+        q = np.array(getattr(shard, tensor))
+        q.view(np.uint8).reshape(q.shape[0], -1)[3, 5] = 0xFF  # -NaN in e4m3fn
+        raw = Shard(**{**shard.__dict__, tensor: q}).to_bytes()
+        fs_store.put_bytes(key, raw)
+        rec_key = layout.shard_record("r8", "hidden", key.rsplit("/", 1)[-1].removesuffix(".safetensors"))
+        rec = fs_store.get_json(rec_key, ShardRecord)
+        fs_store.put_json(rec_key, rec.model_copy(update={"sha256": hashlib.sha256(raw).hexdigest()}))
+        with pytest.raises(DataError, match=f"{key}: {tensor} at token 3 is nan"):
+            open_all()
+        fs_store.put_bytes(key, shard.to_bytes())
+        fs_store.put_json(rec_key, rec)

@@ -72,3 +72,124 @@ def test_target_weights_are_read_from_safetensors_only(smollm2_path, tmp_path):
     save_file({"dummy": torch.ones(1)}, str(folder / "dummy.safetensors"))  # never loaded: not pinned
     assert describe(folder).weights_sha256 == pin
     assert load_target_embeddings(folder).shape == (64, 16)
+
+
+# --- checkpoints, divergence, one-line failures of `aerie train` ------------------------------------
+
+SMALL = dict(records=24, max_tokens=96, shard_sequences=4)
+TRAIN_ARGS = ("--steps", "2", "--batch-tokens", "96", "--seq-len", "96", "--ttt-steps", "2", "--draft-vocab", "512")
+TRAIN_CONFIG = {"checkpoint_every": 1, "eval_prompts": 0, "holdout_fraction": 0.2, "warmup_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def small_run(cache_dir, smollm2_path):
+    from tests.runs import hidden_run_folder
+
+    return hidden_run_folder(cache_dir, smollm2_path, **SMALL)
+
+
+def _train_cli(store, smollm2_path, *extra: str, config: dict | None = None):
+    import json
+
+    from tests.services import clean_env, store_env
+    from tests.shared.test_cli_errors import aerie
+
+    env = clean_env(**store_env(store), AERIE_DEVICE="cpu")
+    cfg = json.dumps({**TRAIN_CONFIG, **(config or {})})
+    return aerie(
+        env, "train", "--drafter", "d", "--model", str(smollm2_path), *TRAIN_ARGS, "--train-config", cfg, *extra
+    )
+
+
+def _rewrite(store, key: str, data: bytes, digest_too: bool) -> None:
+    """Put `data` at checkpoint file `key`; with digest_too, latest.json records its sha256 (a
+    tampering that knows the format, or a bug that writes NaN): only the values check is left."""
+    import hashlib
+    import json
+
+    store.put_bytes(key, data)
+    if digest_too:
+        latest_key = key.split("/step-")[0] + "/latest.json"
+        latest = json.loads(store.get_bytes(latest_key))
+        latest["sha256"][key.rsplit("/", 1)[1]] = hashlib.sha256(data).hexdigest()
+        store.put_bytes(latest_key, json.dumps(latest).encode())
+
+
+def test_corrupted_or_nan_checkpoints_are_refused_in_one_line_never_resumed(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 2 (checkpoints): a checkpoint carried no hash, and a NaN planted in one was
+    resumed and published. Now latest.json records each file's sha256; a changed byte, a missing
+    file, a NaN (even with its digest rewritten), a renamed tensor and a record without digests are
+    each refused in one line naming the file, before anything is trained or published — through
+    the real `aerie train` on a real S3 server."""
+    import json
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from aerie import layout
+    from aerie_trainer.checkpoint import Checkpointer, CheckpointRefused, TrainerState
+    from tests.runs import upload_run
+    from tests.shared.test_cli_errors import one_line
+
+    upload_run(s3_store, small_run, "r1")
+    first = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "t1", "--no-publish")
+    assert first.returncode == 0, first.stderr[-3000:]
+    latest = json.loads(s3_store.get_bytes(layout.checkpoint_latest("t1")))
+    prefix = layout.checkpoint_prefix("t1", 2)
+    assert latest["step"] == 2 and set(latest["sha256"]) == {
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "trainer.json",
+    }
+    model_key = prefix + "model.safetensors"
+    good = s3_store.get_bytes(model_key)
+    good_latest = s3_store.get_bytes(layout.checkpoint_latest("t1"))
+    ckpt = Checkpointer(s3_store, "t1")
+    assert ckpt.load() is not None  # as written: resumable
+
+    # one flipped byte in the weights: the resume through the CLI (publishing) refuses it
+    bad = bytearray(good)
+    bad[-5] ^= 0x01
+    s3_store.put_bytes(model_key, bytes(bad))
+    out = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "t1", "--steps", "3")
+    line = one_line(out, model_key, "sha256", "delete the store prefix checkpoints/t1/")
+    assert "not resumed" in line
+    assert s3_store.list("drafters/") == []  # nothing published
+    assert s3_store.get_bytes(layout.checkpoint_latest("t1")) == good_latest  # latest untouched
+
+    # a NaN planted with its digest rewritten: the values check names the file and the tensor
+    weights = st_load(good)
+    name = "fc.weight"
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = float("nan")
+    _rewrite(s3_store, model_key, st_save(weights), digest_too=True)
+    with pytest.raises(CheckpointRefused, match=f"{model_key} tensor {name} holds non-finite"):
+        ckpt.load()
+
+    # a renamed tensor (digest rewritten): refused by the real CLI, naming the file, no traceback
+    renamed = st_load(good)
+    renamed["fc.renamed"] = renamed.pop("fc.weight")
+    _rewrite(s3_store, model_key, st_save(renamed), digest_too=True)
+    out = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "t1", "--steps", "3")
+    one_line(out, model_key, "does not fit the drafter", "fc.weight")
+    assert s3_store.list("drafters/") == []
+
+    # a missing file; a truncated file (digest rewritten); a latest.json without digests
+    s3_store.delete(prefix + "optimizer.safetensors")
+    with pytest.raises(CheckpointRefused, match=f"{prefix}optimizer.safetensors is missing"):
+        ckpt.load()
+    s3_store.put_bytes(layout.checkpoint_latest("t1"), good_latest)
+    _rewrite(s3_store, model_key, good[:100], digest_too=True)
+    with pytest.raises(CheckpointRefused, match=f"{model_key} is not a readable safetensors file"):
+        ckpt.load()
+    s3_store.put_bytes(layout.checkpoint_latest("t1"), json.dumps({"step": 2, "prefix": prefix}).encode())
+    with pytest.raises(CheckpointRefused, match="latest.json is not a checkpoint record"):
+        ckpt.load()
+
+    # a non-finite state is never written: latest stays where it was
+    s3_store.put_bytes(layout.checkpoint_latest("t1"), good_latest)
+    with pytest.raises(CheckpointRefused, match="non-finite"):
+        ckpt.save(weights, {"state": {}, "param_groups": []}, TrainerState(step=3))
+    assert s3_store.get_bytes(layout.checkpoint_latest("t1")) == good_latest
+    assert not s3_store.list(layout.checkpoint_prefix("t1", 3))

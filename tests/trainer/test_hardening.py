@@ -193,3 +193,35 @@ def test_corrupted_or_nan_checkpoints_are_refused_in_one_line_never_resumed(s3_s
         ckpt.save(weights, {"state": {}, "param_groups": []}, TrainerState(step=3))
     assert s3_store.get_bytes(layout.checkpoint_latest("t1")) == good_latest
     assert not s3_store.list(layout.checkpoint_prefix("t1", 3))
+
+
+def test_a_loss_that_turns_non_finite_stops_before_anything_is_published(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 2 (divergence): NaN weights were published and `latest` moved to them.
+    Driven for real: drafter v1 is published; a second training of it with a learning rate of
+    1e30 (AdamW's first step moves each weight by about the learning rate) overflows the forward,
+    and the loss turns non-finite. The real `aerie train` stops in one line naming the loss and
+    the learning rate; no version is added, `latest` still names v1, no NaN checkpoint is kept."""
+    import json
+
+    from safetensors.torch import load as st_load
+
+    from aerie import layout
+    from aerie_trainer.checkpoint import Checkpointer
+    from tests.runs import upload_run
+    from tests.shared.test_cli_errors import one_line
+
+    upload_run(s3_store, small_run, "r1")
+    first = _train_cli(s3_store, smollm2_path, "--runs", "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    v1 = s3_store.get_bytes(layout.drafter_latest("d"))
+    published = s3_store.list("drafters/d/")
+
+    out = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--lr", "1e30", "--train-id", "exploding")
+    line = one_line(out, "training exploding", "lr=1e+30")
+    assert "loss turned nan" in line or "non-finite" in line, line
+    assert s3_store.list("drafters/d/") == published  # no second version, not a byte more
+    assert s3_store.get_bytes(layout.drafter_latest("d")) == v1
+    assert "at step 2" in line  # step 1's update is finite (about 1e30); step 2's forward overflows
+    assert Checkpointer(s3_store, "exploding").latest_step() == 1  # the last finite step, resumable
+    weights = st_load(s3_store.get_bytes(layout.checkpoint_prefix("exploding", 1) + "model.safetensors"))
+    assert all(bool(t.isfinite().all()) for t in weights.values() if t.is_floating_point())

@@ -201,7 +201,6 @@ def test_a_loss_that_turns_non_finite_stops_before_anything_is_published(s3_stor
     1e30 (AdamW's first step moves each weight by about the learning rate) overflows the forward,
     and the loss turns non-finite. The real `aerie train` stops in one line naming the loss and
     the learning rate; no version is added, `latest` still names v1, no NaN checkpoint is kept."""
-    import json
 
     from safetensors.torch import load as st_load
 

@@ -178,7 +178,7 @@ class RegeneratedRecord(Contract):
 
 
 class RejectRecord(Contract):
-    """One line of `runs/<run>/rejects/<part>.jsonl`."""
+    """One line of `runs/<run>/rejects/<part>-n<count>.jsonl`."""
 
     source: str
     line: int = Field(ge=1)

@@ -224,3 +224,37 @@ def test_a_loss_that_turns_non_finite_stops_before_anything_is_published(s3_stor
     assert Checkpointer(s3_store, "exploding").latest_step() == 1  # the last finite step, resumable
     weights = st_load(s3_store.get_bytes(layout.checkpoint_prefix("exploding", 1) + "model.safetensors"))
     assert all(bool(t.isfinite().all()) for t in weights.values() if t.is_floating_point())
+
+
+def test_aerie_train_on_a_truncated_shard_or_a_run_without_hidden_shards_is_one_line(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 10 (tracebacks where one line is promised), through the real `aerie train`
+    on a real S3 server: a hidden shard cut short (its record as written, then its record
+    rewritten to match the cut bytes) and a run whose hidden shards were never extracted are each
+    one line naming the shard or the run and what to do; nothing is checkpointed or published."""
+    import hashlib
+
+    from aerie import layout
+    from aerie.contracts import ShardRecord
+    from tests.runs import upload_run
+    from tests.shared.test_cli_errors import one_line
+
+    upload_run(s3_store, small_run, "r1")
+    key = layout.shard("r1", "hidden", "000000")
+    whole = s3_store.get_bytes(key)
+    s3_store.put_bytes(key, whole[: len(whole) // 2])
+    one_line(_train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "cut"), key, "re-extract")
+
+    cut = whole[:-1000]  # the record agrees with the cut bytes: the header still names the missing tail
+    s3_store.put_bytes(key, cut)
+    record_key = layout.shard_record("r1", "hidden", "000000")
+    record = s3_store.get_json(record_key, ShardRecord)
+    s3_store.put_json(
+        record_key, record.model_copy(update={"sha256": hashlib.sha256(cut).hexdigest(), "bytes": len(cut)})
+    )
+    one_line(_train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "cut"), key, "truncated")
+
+    upload_run(s3_store, small_run, "r2")
+    s3_store.delete_prefix(layout.shards_prefix("r2", "hidden"))
+    one_line(_train_cli(s3_store, smollm2_path, "--runs", "r2", "--train-id", "none"), "run 'r2' has no hidden shards")
+    assert s3_store.list("drafters/") == [] and s3_store.list("checkpoints/cut/step-") == []
+    assert s3_store.list("checkpoints/none/step-") == []

@@ -176,6 +176,7 @@ def test_corrupted_or_nan_checkpoints_are_refused_in_one_line_never_resumed(s3_s
     assert s3_store.list("drafters/") == []
 
     # a missing file; a truncated file (digest rewritten); a latest.json without digests
+    optimizer = s3_store.get_bytes(prefix + "optimizer.safetensors")
     s3_store.delete(prefix + "optimizer.safetensors")
     with pytest.raises(CheckpointRefused, match=f"{prefix}optimizer.safetensors is missing"):
         ckpt.load()
@@ -193,6 +194,13 @@ def test_corrupted_or_nan_checkpoints_are_refused_in_one_line_never_resumed(s3_s
         ckpt.save(weights, {"state": {}, "param_groups": []}, TrainerState(step=3))
     assert s3_store.get_bytes(layout.checkpoint_latest("t1")) == good_latest
     assert not s3_store.list(layout.checkpoint_prefix("t1", 3))
+
+    # the checkpoint as written again: resumed by the real CLI, which checkpoints step 3 with digests
+    s3_store.put_bytes(model_key, good)
+    s3_store.put_bytes(prefix + "optimizer.safetensors", optimizer)
+    out = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "t1", "--steps", "3", "--no-publish")
+    assert out.returncode == 0 and '"resumed_from": 2' in out.stdout, out.stderr[-3000:]
+    assert Checkpointer(s3_store, "t1").load()[2].step == 3
 
 
 def test_a_loss_that_turns_non_finite_stops_before_anything_is_published(s3_store, small_run, smollm2_path):

@@ -266,3 +266,35 @@ def test_aerie_train_on_a_truncated_shard_or_a_run_without_hidden_shards_is_one_
     one_line(_train_cli(s3_store, smollm2_path, "--runs", "r2", "--train-id", "none"), "run 'r2' has no hidden shards")
     assert s3_store.list("drafters/") == [] and s3_store.list("checkpoints/cut/step-") == []
     assert s3_store.list("checkpoints/none/step-") == []
+
+
+def test_the_best_checkpoint_is_checked_before_it_is_published(s3_store):
+    """`publish_checkpoint: best` publishes checkpoints/<id>/best/: its sha256 is recorded in the
+    metrics when written (so in the step checkpoints after it) and checked before it is loaded for
+    publishing; a changed byte, or a NaN with the digest rewritten, is refused by name (real S3)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save as st_save
+
+    from aerie import layout
+    from aerie_trainer.checkpoint import CheckpointRefused
+    from aerie_trainer.job import _load_best
+
+    full = torch.nn.Linear(4, 4)
+    best = {k: torch.full_like(v, 0.5) for k, v in full.state_dict().items()}
+    data = st_save(best)
+    key = layout.checkpoint_best("t")
+    s3_store.put_bytes(key, data)
+    metrics = {"best_step": 2, "best_acceptance": 1.5, "best_sha256": hashlib.sha256(data).hexdigest()}
+    last = _load_best(s3_store, "t", full, dict(metrics))  # as written: loaded
+    assert bool((full.weight == 0.5).all()) and set(last) == {"weight", "bias"}
+
+    s3_store.put_bytes(key, data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointRefused, match=f"{key} has sha256 .* recorded when it was written"):
+        _load_best(s3_store, "t", full, dict(metrics))
+    best["weight"][0, 0] = float("nan")
+    nan = st_save(best)
+    s3_store.put_bytes(key, nan)
+    with pytest.raises(CheckpointRefused, match=f"{key} tensor weight holds non-finite"):
+        _load_best(s3_store, "t", full, {**metrics, "best_sha256": hashlib.sha256(nan).hexdigest()})

@@ -182,7 +182,7 @@ class RegeneratedRecord(Contract):
 
 
 class RejectRecord(Contract):
-    """One line of `runs/<run>/rejects/<part>.jsonl`."""
+    """One line of `runs/<run>/rejects/<part>-n<count>.jsonl`."""
 
     source: str
     line: int = Field(ge=1)
@@ -356,6 +356,12 @@ class TrainRequest(Contract):
     )
     eval_prompts_file: str | None = None
     publish: bool = True
+    follows: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the id of the run creation (RunPlan.id) a planned training follows, set by the controller: "
+        "part of the derived train id, so a deleted and re-created run is trained anew, not found published",
+    )
 
     @field_validator("runs")
     @classmethod
@@ -370,7 +376,7 @@ class TrainRequest(Contract):
         (same inputs, same id: a redelivered or repeated request finds its own checkpoints)."""
         if self.train_id is not None:
             return self.train_id
-        basis = self.model_dump_json(exclude={"train_id", "publish"})
+        basis = self.model_dump_json(exclude={"train_id", "publish"} | ({"follows"} if self.follows is None else set()))
         return f"{self.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
 
     @property

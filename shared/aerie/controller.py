@@ -102,6 +102,7 @@ class TrainingState:
     gate: GateRecord | None = None
     progress: TrainProgress | None = None
     failure: str | None = None
+    stale: bool = False  # its chosen train id was published before this creation of the run: never retried
 
 
 @dataclass
@@ -221,7 +222,7 @@ def state(store: ObjectStore, run: str) -> RunState:
         )
         return st
     view = RunsView(store, run, shards)
-    st.trainings = [_training(store, run, planned, view) for planned in planned_trainings(store, run)]
+    st.trainings = [_training(store, plan, planned, view) for planned in planned_trainings(store, run)]
     for training in st.trainings:
         st.due += _training_steps(run, training)
     failed = [t for t in st.trainings if t.phase == "failed"]
@@ -263,9 +264,20 @@ START_RULES: dict[str, Callable[[TrainRequest, RunsView], bool]] = {
 }
 
 
-def _training(store: ObjectStore, run: str, planned: PlannedTraining, view: RunsView) -> TrainingState:
-    request = planned.train
-    if request.publish and drafters.published_lineage(store, request.drafter, request.version) is not None:
+def _training(store: ObjectStore, plan: RunPlan, planned: PlannedTraining, view: RunsView) -> TrainingState:
+    run, request = plan.run, planned.train
+    lineage = drafters.published_lineage(store, request.drafter, request.version) if request.publish else None
+    if lineage is not None and request.train_id is not None and lineage.created_at < plan.created_at:
+        # a train id the user chose, published before this creation of the run: not the new data's drafter
+        return TrainingState(
+            planned,
+            "failed",
+            failure=f"training {request.train_id}: drafter {request.drafter}:{request.version} was published at "
+            f"{lineage.created_at}, before run {run!r} was created again at {plan.created_at}: it was not trained "
+            "on this run's data; give the training another --train-id (or leave it out) to train on it",
+            stale=True,
+        )
+    if lineage is not None:
         return TrainingState(planned, "done")
     progress = _progress(store, run, request.resolved_train_id)
     if not request.publish and progress is not None and progress.stage == "done":
@@ -381,11 +393,21 @@ def start(
     failed for good retried, then `advance`."""
     plan = create_plan(store, plan)
     for planned in trainings:
-        add_training(store, plan.run, planned)
+        add_training(store, plan.run, follow(planned, plan))
     retried = retry(store, plan.run, dispatcher)
     st = advance(store, settings, plan.run, dispatcher)
     st.sent[:0] = retried
     return st
+
+
+def follow(planned: PlannedTraining, plan: RunPlan) -> PlannedTraining:
+    """The training as `start` plans it after this creation of the run: its request names the plan
+    (`TrainRequest.follows`), so its train id and drafter version are this creation's. A run deleted
+    and created again is trained again (its old drafter is not taken for the new data's); the same
+    request on the same run finds the same training. `start`'s callers follow it with `st.plan`."""
+    if planned.train.train_id is not None or planned.train.follows == plan.id:
+        return planned  # a train id the user chose is kept as given
+    return planned.model_copy(update={"train": planned.train.model_copy(update={"follows": plan.id})})
 
 
 def new_plan(ingest: IngestRequest, fan_out: bool = True) -> RunPlan:
@@ -466,7 +488,7 @@ def _failed_steps(store: ObjectStore, run: str, st: RunState | None) -> list[tup
         request = (ExtractRequest if kind == "extract" else RegenerateRequest)(run=run, shard=name)
         found.append((Step(kind, f"{kind}:{name}", request), layout.shard_failure(run, name)))
     for training in st.trainings if st is not None else []:
-        if training.phase != "failed":
+        if training.phase != "failed" or training.stale:  # a stale one fails the same way again
             continue
         if training.gate is not None and not training.gate.passed:
             assert training.planned.align is not None  # a gate record exists only for a gated plan

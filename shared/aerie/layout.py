@@ -12,7 +12,7 @@ runs/<run>/regenerated/<shard>.jsonl (+ .json record)   the target's answers to 
 runs/<run>/tokens/<shard>.safetensors (+ .json record)
 runs/<run>/hidden/<shard>.safetensors (+ .json record)
 runs/<run>/failed/<shard>.json            a shard whose extraction gave up (ingest.json: the ingest)
-runs/<run>/rejects/<part>.jsonl
+runs/<run>/rejects/<part>-n<count>.jsonl  refused records (RejectRecord lines; the count in the name)
 runs/<run>/align/<server-id>.json          the run against one serving configuration (aerie align)
 runs/<run>/training/<train-id>.json       where a training job on the run stands (TrainProgress)
 drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
@@ -194,17 +194,34 @@ def _shard_keys(keys: list[str], suffix: str) -> dict[str, str]:
     return found
 
 
-def rejects(run: str, part: str) -> str:
-    return f"runs/{run}/rejects/{part}.jsonl"
+_REJECTS_COUNT = re.compile(r"-n([0-9]+)\.jsonl")
 
 
-def regenerate_rejects(run: str, name: str) -> str:
+def rejects(run: str, part: str, count: int) -> str:
+    """A part of ingest's refused records, `count` lines: the name carries the count, so a run's
+    status counts its rejects from a listing, never reading the parts (aerie.runs.run_status)."""
+    return f"runs/{run}/rejects/{part}-n{int(count)}.jsonl"
+
+
+def regenerate_rejects(run: str, name: str, count: int) -> str:
     """The conversations of one shard the regenerate stage refused (beside ingest's parts)."""
-    return f"runs/{run}/rejects/{_checked(name)}-regenerate.jsonl"
+    return f"runs/{run}/rejects/{_checked(name)}-regenerate-n{int(count)}.jsonl"
+
+
+def regenerate_rejects_prefix(run: str, name: str) -> str:
+    """What a shard's regenerate rejects start with, whatever their count (a retry replaces them)."""
+    return f"runs/{run}/rejects/{_checked(name)}-regenerate-"
 
 
 def rejects_prefix(run: str) -> str:
     return f"runs/{run}/rejects/"
+
+
+def rejects_count(key: str) -> int | None:
+    """The line count a rejects key carries (`rejects`, `regenerate_rejects`); None for a key
+    without one (written by an older aerie: its lines must be counted)."""
+    m = _REJECTS_COUNT.search(key.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m and key.endswith(m.group(0)) else None
 
 
 # --- alignment reports --------------------------------------------------------------------

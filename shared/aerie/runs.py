@@ -127,7 +127,10 @@ def run_status(store: ObjectStore, run: str) -> RunStatus:
         record = store.get_json(layout.shard_record(run, "tokens", name), ShardRecord)
         sequences += record.sequences
         n_tokens += record.tokens
-    rejects = sum(store.get_bytes(k).count(b"\n") for k in store.list(layout.rejects_prefix(run)))
+    rejects = 0
+    for key in store.list(layout.rejects_prefix(run)):  # counted from the names: no part is read
+        count = layout.rejects_count(key)
+        rejects += count if count is not None else store.get_bytes(key).count(b"\n")
     return RunStatus(
         run=run,
         shards_total=len(every),

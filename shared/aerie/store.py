@@ -389,7 +389,16 @@ class S3Store(ObjectStore):
             resp.release_conn()
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        resp = self._call(self.client.get_object, self.bucket, _check_key(key), offset=offset, length=length, key=key)
+        """The bytes at [offset, offset + length), fewer where the object ends first (none past its
+        end: S3's InvalidRange), as a file read there gives: the reader sees the object is short."""
+        try:
+            resp = self._call(
+                self.client.get_object, self.bucket, _check_key(key), offset=offset, length=length, key=key
+            )
+        except StoreError as e:
+            if getattr(e.__cause__, "code", None) == "InvalidRange":
+                return b""
+            raise
         try:
             return resp.read()
         finally:

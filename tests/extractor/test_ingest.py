@@ -409,3 +409,64 @@ def test_an_fp8_run_gets_the_default_scale_block_of_its_hidden_size(smollm2_path
     assert spec(smollm2_path, storage_dtype="float8_e4m3fn").scale_block is None
     assert spec(wide, storage_dtype="float8_e4m3fn", scale_block=1024).scale_block == 1024
     assert spec(wide).scale_block is None
+
+
+@pytest.mark.parametrize("layout_", ["jsonl", "array"])
+def test_a_record_nested_100k_deep_is_rejected_with_its_line(s3_store, smollm2_path, layout_):
+    """Issue 35, finding 9: a record nested 100k levels deep failed the whole ingest with
+    RecursionError (no line). Now it is refused with its line and the bound (MAX_DEPTH), as is one
+    nested 100 deep (decodable, past the bound); brackets inside a string are text, not nesting;
+    the good records around them are ingested — on a real S3 server."""
+    from aerie_extractor.ingest import MAX_DEPTH
+
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    hundred = b'{"messages": [' + b"[" * 100 + b"]" * 100 + b"]}"
+    brackets = {"messages": [{"role": "user", "content": "[{" * 40}, {"role": "assistant", "content": "ok"}]}
+    good = json.dumps(GOOD).encode()
+    records = (good, deep, hundred, json.dumps(brackets).encode(), good)
+    data = _jsonl(*records) if layout_ == "jsonl" else _array(*records)
+    s3_store.put_bytes(f"datasets/deep.{layout_}", data)
+    request = IngestRequest(
+        run=f"deep-{layout_}",
+        dataset=f"datasets/deep.{layout_}",
+        model=str(smollm2_path),
+        capture_points=[2, 15, 27],
+        options=IngestOptions(max_tokens=512),
+    )
+    summary = run_ingest(s3_store, settings_for(s3_store), request)
+    rejects = rejects_of(s3_store, f"deep-{layout_}")
+    first = 1 if layout_ == "jsonl" else 2  # the array's `[` is on a line of its own
+    assert sorted(rejects) == [first + 1, first + 2], rejects
+    for line in (first + 1, first + 2):
+        assert rejects[line].startswith("nested too deep") and f"more than {MAX_DEPTH}" in rejects[line]
+    assert summary.sequences == 3 and summary.rejects == 2
+
+
+def test_rejects_are_streamed_in_parts_and_counted_from_their_names(s3_store, smollm2_path):
+    """Issue 35, finding 9: a million rejected lines were all held in memory and written as one
+    object that run_status re-read on every poll. Now at most REJECTS_PART rejects are held: they
+    go to the store in parts whose names carry their counts, and run_status counts from a listing
+    (emptying the parts' contents does not change the count: it never reads them)."""
+    from aerie.runs import run_status
+    from aerie_extractor.ingest import REJECTS_PART
+
+    bad = 2 * REJECTS_PART + 123
+    s3_store.put_bytes("datasets/bad.jsonl", _jsonl(*([b"not json"] * bad), json.dumps(GOOD).encode()))
+    request = IngestRequest(
+        run="many-bad",
+        dataset="datasets/bad.jsonl",
+        model=str(smollm2_path),
+        capture_points=[2, 15, 27],
+        options=IngestOptions(max_tokens=96),
+    )
+    summary = run_ingest(s3_store, settings_for(s3_store), request)
+    assert summary.rejects == bad and summary.sequences == 1
+    parts = s3_store.list(layout.rejects_prefix("many-bad"))
+    lines = [s3_store.get_bytes(k).count(b"\n") for k in parts]
+    assert len(parts) == 3 and max(lines) == REJECTS_PART and sum(lines) == bad, (parts, lines)
+    assert [layout.rejects_count(k) for k in parts] == lines
+    assert sorted(rejects_of(s3_store, "many-bad")) == list(range(1, bad + 1))
+    assert run_status(s3_store, "many-bad").rejects == bad
+    for key in parts:
+        s3_store.put_bytes(key, b"")
+    assert run_status(s3_store, "many-bad").rejects == bad  # from the names alone

@@ -83,6 +83,8 @@ def test_a_run_moves_through_its_phases_each_step_dispatched_once(store):
     here = InProcess()
 
     st = controller.start(store, settings, plan, [planned], here)
+    train = controller.follow(planned, st.plan).train  # as planned: bound to this creation of the run
+    assert train.follows == plan.id and train.resolved_train_id != planned.train.resolved_train_id
     assert st.phase == "ingest" and names(here.pending) == ["ingest"]
     assert controller.advance(store, settings, "r", here).sent == []  # claimed: never twice
 
@@ -280,3 +282,75 @@ def test_a_local_lease_is_held_by_one_at_a_time(tmp_path):
         order.append("first")
     thread.join(10)
     assert order == ["first", "second"]
+
+
+def test_a_deleted_and_recreated_run_trains_again(fs_store, redis_url):
+    """Issue 35, finding 10: a run deleted and enqueued again (same name, same training asked)
+    found its old drafter version published and was "done" without training on the new data.
+    Now a planned training follows its run's creation (TrainRequest.follows = the plan's id): the
+    re-created run's training is a new train id and version, and its train task goes to the real
+    Redis queue. A train id the user chose that was published before the re-creation is not
+    taken for the new data's drafter: the run fails naming why and the fix, and is not retried."""
+    import base64
+    import json
+    import time
+
+    import redis
+
+    from aerie.contracts import DrafterLineage
+    from aerie.queue import make_app
+
+    settings = Settings(store=fs_store.url, broker=redis_url)
+    app = make_app(settings)
+    client = redis.Redis.from_url(redis_url)
+    client.delete("train")
+
+    def create(planned: PlannedTraining) -> PlannedTraining:
+        st = controller.start(fs_store, settings, controller.new_plan(ingest()), [planned], InProcess())
+        write_run_spec(fs_store)
+        for kind in ("tokens", "hidden"):
+            write_shard(fs_store, kind, "000000")
+        return controller.follow(planned, st.plan)
+
+    def publish(train: TrainRequest) -> None:
+        spec = fs_store.get_json(layout.run_spec("r"), RunSpec)
+        lineage = DrafterLineage(
+            name="d", version=train.version, runs=["r"], target=spec.target, engine=spec.engine,
+            capture_points=spec.capture_points, exported_layer_ids=[2, 15, 27], exported_convention="sglang",
+            draft_vocab_size=32000, config=train.config, metrics={}, files={},
+        )  # fmt: skip
+        fs_store.put_json(layout.drafter_lineage("d", train.version), lineage)
+
+    def train_messages() -> list[dict]:
+        """The train tasks' kwargs on the real queue, oldest first (kombu pushes on the left)."""
+        bodies = [base64.b64decode(json.loads(m)["body"]) for m in reversed(client.lrange("train", 0, -1))]
+        return [json.loads(body)[1] for body in bodies]
+
+    asked = PlannedTraining(train=TrainRequest(runs=["r"], drafter="d", model="/models/target"))
+    first = create(asked).train
+    st = controller.advance(fs_store, settings, "r", controller.OnWorkers(app, settings, "task-1"))
+    assert st.phase == "train" and [m["follows"] for m in train_messages()] == [first.follows]
+    publish(first)
+    assert controller.advance(fs_store, settings, "r", controller.OnWorkers(app, settings, "task-2")).phase == "done"
+
+    fs_store.delete_prefix(layout.run_prefix("r"))
+    second = create(asked).train
+    assert second.follows != first.follows and second.version != first.version
+    st = controller.advance(fs_store, settings, "r", controller.OnWorkers(app, settings, "task-3"))
+    assert st.phase == "train", st  # trained again, not found published
+    assert [m["follows"] for m in train_messages()] == [first.follows, second.follows]
+
+    # a chosen train id published before the run was created again: refused by name, never retried
+    chosen = PlannedTraining(train=TrainRequest(runs=["r"], drafter="d", model="/models/target", train_id="mine"))
+    fs_store.delete_prefix(layout.run_prefix("r"))
+    publish(create(chosen).train)
+    time.sleep(1.1)  # created_at has a resolution of a second at worst
+    fs_store.delete_prefix(layout.run_prefix("r"))
+    create(chosen)
+    st = controller.advance(fs_store, settings, "r", controller.OnWorkers(app, settings, "task-4"))
+    assert st.phase == "failed" and "training mine: drafter d:mine was published at" in st.failure
+    assert "before run 'r' was created again" in st.failure and "another --train-id" in st.failure
+    assert controller.retry(fs_store, "r", controller.OnWorkers(app, settings, "task-5")) == []
+    assert len(train_messages()) == 2
+    client.delete("train")
+    client.close()

@@ -143,3 +143,12 @@ def test_wrong_credentials_missing_bucket_unreachable(s3_server):
     dead.client._http.connection_pool_kw["retries"] = None
     with pytest.raises(StoreError, match=f"127.0.0.1:{port}.*unreachable.*AERIE_STORE"):
         dead.list("x/")
+
+
+def test_a_range_past_the_end_reads_short_on_both_stores(store):
+    """Issue 35 (a truncated shard on S3 was a bare InvalidRange store error, retried as a store
+    failure): a range that starts past an object's end reads no bytes and one that runs past it
+    reads what there is, on S3 as on a file, so the reader names the short object."""
+    store.put_bytes("runs/r/x.bin", b"0123456789")
+    assert store.get_range("runs/r/x.bin", 4, 100) == b"456789"
+    assert store.get_range("runs/r/x.bin", 20, 8) == b""

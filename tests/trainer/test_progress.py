@@ -57,10 +57,11 @@ def test_progress_watch_follows_a_run_to_its_published_drafter_and_refuses_an_un
     env = clean_env(AERIE_STORE=fs_store.url, COLUMNS="80")
     one_line(celery(env, "progress", "--run", "nosuchrun"), "no run 'nosuchrun'", "AERIE_STORE")
     train = TrainRequest(runs=["r"], drafter="d", model="/models/target", config=TrainConfig(steps=2))
-    controller.start(
+    st = controller.start(
         fs_store, Settings(store=fs_store.url), controller.new_plan(ingest()), [PlannedTraining(train=train)],
         controller.InProcess(),
     )  # fmt: skip
+    train = controller.follow(PlannedTraining(train=train), st.plan).train  # as the controller planned it
     watch = subprocess.Popen(
         [CELERY, "-A", EXTRACTOR_APP, "progress", "--run", "r", "--watch", "--timeout", "120"],
         env=env,

@@ -19,8 +19,11 @@
   conversation shards (`runs/<run>/conversations/<shard>.jsonl`, `regenerate_shard_records` each);
   the regenerate stage (aerie_extractor.regenerate, one task a shard) answers them with the target
   and writes each shard's token shard, so extraction of a shard starts as soon as it is answered.
+- A record nested deeper than `MAX_DEPTH` arrays/objects is refused with its line (measured
+  without recursion, before it is parsed), never a `RecursionError` that stops the whole ingest.
 - Every refused record becomes a `RejectRecord` (1-based line, reason) in
-  `runs/<run>/rejects/<part>.jsonl`; the run goes on.
+  `runs/<run>/rejects/<part>-n<count>.jsonl`, written every `REJECTS_PART` rejects at most (never
+  all held); the run goes on.
 - Output: token shards of about `shard_tokens` tokens (whole sequences), each object written
   before its record, then `run.json` last: its presence means ingest finished.
 """
@@ -117,6 +120,30 @@ _STRING_BODY = re.compile(
 )  # a string's characters and escapes, up to its quote (possessive: no backtracking state)
 
 
+# A chat record is 4 levels deep (record, turns, turn, content parts); 64 leaves room for any
+# tool-call payload while staying far below Python's recursion limit (1000), which the json
+# decoder and everything that walks a record would otherwise hit with RecursionError.
+MAX_DEPTH = 64
+# Rejects written to the store per part at most: a dataset of a million bad lines holds at most
+# this many RejectRecords (a few MB) in memory, and no part is too big to read.
+REJECTS_PART = 10_000
+_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.S)  # a whole JSON string (possessive)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _too_deep(text: str) -> Rejected | None:
+    """Rejected when the JSON `text` nests arrays/objects deeper than MAX_DEPTH (strings skipped),
+    measured by counting, never by recursion."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:  # cannot nest deeper than it opens
+        return None
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode()
+    steps = np.where(np.isin(np.frombuffer(brackets, np.uint8), (ord("["), ord("{"))), 1, -1)
+    depth = int(np.cumsum(steps).max()) if steps.size else 0
+    if depth <= MAX_DEPTH:
+        return None
+    return Rejected(f"nested too deep: {depth} levels of arrays/objects, more than {MAX_DEPTH} (a chat record needs 4)")
+
+
 def _over_long(what: str, cap: int) -> Rejected:
     return Rejected(
         f"over-long {what}: more than {cap} bytes (limit IngestOptions.max_record_bytes; enqueue --max-record-bytes)"
@@ -168,6 +195,10 @@ def _iter_jsonl(chunks: Iterator[bytes], line_no: int, cap: int) -> Iterator[tup
                     "save the file as UTF-8"
                 ),
             )
+            return
+        deep = _too_deep(text)
+        if deep is not None:
+            yield line_no, deep
             return
         try:
             yield line_no, json.loads(text)
@@ -263,6 +294,7 @@ class _Text:
             i = self.pos
 
 
+_DEEP = object()  # _decode_element: the element nests deeper than the decoder can recurse
 _TRUNCATED = "bad JSON: the file ends inside this record (truncated array): stopped here"
 
 
@@ -272,6 +304,8 @@ def _decode_element(decoder: json.JSONDecoder, text: _Text, cap: int) -> tuple[o
     while True:
         try:
             record, end = decoder.raw_decode(text.buf, text.pos)
+        except RecursionError:  # nested deeper than the decoder recurses (so than MAX_DEPTH)
+            return _DEEP, None
         except json.JSONDecodeError as e:
             if len(text.buf) - text.pos > cap:
                 return None, None
@@ -305,9 +339,12 @@ def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]
         except Rejected as e:  # the file ends inside the record, or it cannot be parsed: no way to the next
             yield line, e
             return
-        if end is None:  # over-long: skipped as it streamed by
+        if end is None:  # over-long, or too deep to decode: skipped as it streams by
             newlines, ended = text.skip_value()
-            yield line, _over_long("record", cap) if ended else Rejected(_TRUNCATED)
+            too_deep = Rejected(
+                f"nested too deep: more than {MAX_DEPTH} levels of arrays/objects (a chat record needs 4)"
+            )
+            yield line, (too_deep if record is _DEEP else _over_long("record", cap)) if ended else Rejected(_TRUNCATED)
             if not ended:
                 return
             line += newlines
@@ -315,6 +352,8 @@ def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]
         raw = text.buf[text.pos : end]
         if end - text.pos > cap:
             yield line, _over_long("record", cap)
+        elif (deep := _too_deep(raw)) is not None:
+            yield line, deep
         elif _NOT_UTF8.search(raw):
             yield (
                 line,
@@ -633,10 +672,13 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
     pending_tokens = 0
     rejects: list[RejectRecord] = []
 
+    overflow = 0  # parts written because REJECTS_PART rejects piled up before a shard was
+
     def flush_rejects(part: str) -> None:
         if rejects:
             store.put_bytes(
-                layout.rejects(request.run, part), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects)
+                layout.rejects(request.run, part, len(rejects)),
+                b"".join(r.model_dump_json().encode() + b"\n" for r in rejects),
             )
             summary.rejects += len(rejects)
             rejects.clear()
@@ -686,6 +728,10 @@ def run_ingest(store: ObjectStore, settings: Settings, request: IngestRequest) -
                 fitted.append(fit(ids, mask, opts))
         except Rejected as e:
             rejects.append(RejectRecord(source=source, line=line, reason=str(e)))
+            if len(rejects) >= REJECTS_PART:  # streamed to the store, never all held
+                shard = layout.shard_name(max(len(summary.shards), len(summary.regenerate_shards)))
+                flush_rejects(f"{shard}-p{overflow:06d}")
+                overflow += 1
             continue
         for ids, mask in fitted:
             if pending and pending_tokens + len(ids) > opts.shard_tokens:

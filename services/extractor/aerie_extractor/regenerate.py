@@ -548,10 +548,13 @@ def run_regenerate(
                 sequences.append({"input_ids": ids, "loss_mask": mask})
         except Rejected as e:
             rejects.append(RejectRecord(source=row["source"], line=row["line"], reason=str(e)))
+    earlier = store.list(layout.regenerate_rejects_prefix(run, shard))  # a retry's count may differ
     if rejects:
-        store.put_bytes(
-            layout.regenerate_rejects(run, shard), b"".join(r.model_dump_json().encode() + b"\n" for r in rejects)
-        )
+        key = layout.regenerate_rejects(run, shard, len(rejects))
+        store.put_bytes(key, b"".join(r.model_dump_json().encode() + b"\n" for r in rejects))
+        earlier = [k for k in earlier if k != key]
+    for key in earlier:
+        store.delete(key)
     if sequences:
         tokens = write_token_shard(store, run, shard, sequences)
         result.sequences, result.tokens = tokens.sequences, tokens.tokens

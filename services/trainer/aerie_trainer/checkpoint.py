@@ -9,13 +9,19 @@ gathers them on rank 0 under FSDP), so one format serves one process, DDP and FS
 - `rng.safetensors`        torch CPU (and CUDA) generator states
 - `trainer.json`           step, data position, loss curve, metrics so far, AdamW param groups
 
-`checkpoints/<train-id>/latest.json` is written last and names the complete step; a trainer
-killed while writing leaves the previous `latest` in place. The learning rate is a pure
-function of the step (`trainer.lr_at`), so the scheduler's whole state is the step.
+`checkpoints/<train-id>/latest.json` is written last and names the complete step with each file's
+sha256; a trainer killed while writing leaves the previous `latest` in place. The learning rate is
+a pure function of the step (`trainer.lr_at`), so the scheduler's whole state is the step.
+
+A checkpoint is resumed only as it was written: every file's digest matches `latest.json`, the
+files parse, every weight and optimizer tensor is finite, and the names fit the drafter
+(`check_fits`). Anything else is `CheckpointRefused`, one line naming the file: a corrupted or
+NaN checkpoint is never trained on, so never published. A non-finite state is never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -24,9 +30,24 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from aerie import layout
+from aerie.errors import ExpectedError
 from aerie.store import NotFound, ObjectStore
 
 KEEP = 2  # complete checkpoints kept per train id
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json")
+
+
+class CheckpointRefused(ExpectedError, ValueError):
+    """A checkpoint that is not what the trainer wrote (a changed or missing file, unreadable or
+    non-finite tensors, names that do not fit the drafter): never resumed from."""
+
+
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first floating tensor holding a NaN or an infinity, by name, or None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 @dataclass
@@ -66,52 +87,135 @@ class Checkpointer:
     def __init__(self, store: ObjectStore, train_id: str):
         self.store, self.train_id = store, train_id
 
-    def latest_step(self) -> int | None:
+    def _refused(self, what: str) -> CheckpointRefused:
+        return CheckpointRefused(
+            f"checkpoint {what}: not resumed; delete the store prefix "
+            f"{layout.checkpoints_prefix(self.train_id)} to train {self.train_id} from the start"
+        )
+
+    def _latest(self) -> dict | None:
+        """latest.json as written: {"step": int, "sha256": {file: hex digest}}, or None (no checkpoint)."""
+        key = layout.checkpoint_latest(self.train_id)
         try:
-            return int(json.loads(self.store.get_bytes(layout.checkpoint_latest(self.train_id)))["step"])
+            raw = self.store.get_bytes(key)
         except NotFound:
             return None
+        try:
+            latest = json.loads(raw)
+            step, digests = int(latest["step"]), latest["sha256"]
+            if not isinstance(digests, dict) or set(digests) != set(FILES):
+                raise ValueError
+        except (ValueError, TypeError, KeyError):
+            raise self._refused(f"{key} is not a checkpoint record with the sha256 of {', '.join(FILES)}") from None
+        return {"step": step, "sha256": digests}
+
+    def latest_step(self) -> int | None:
+        latest = self._latest()
+        return None if latest is None else latest["step"]
 
     def save(self, weights: dict[str, torch.Tensor], optim: dict, state: TrainerState) -> str:
-        """weights: the drafter's tensors by name, embeddings excluded; optim: parallel.full_state's."""
+        """weights: the drafter's tensors by name, embeddings excluded; optim: parallel.full_state's.
+        A non-finite weight or optimizer state is refused, not written (CheckpointRefused)."""
         prefix = layout.checkpoint_prefix(self.train_id, state.step)
-        self.store.put_bytes(
-            prefix + "model.safetensors", st_save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
-        )
+        weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
         opt_tensors, groups = flatten_optimizer(optim)
-        self.store.put_bytes(prefix + "optimizer.safetensors", st_save(opt_tensors))
+        for name, tensors in (("model.safetensors", weights), ("optimizer.safetensors", opt_tensors)):
+            bad = _nonfinite(tensors)
+            if bad is not None:
+                raise CheckpointRefused(
+                    f"training {self.train_id}: {name} tensor {bad} holds non-finite values at step {state.step} "
+                    f"(not checkpointed, nothing published): check the data and the learning rate"
+                )
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        self.store.put_bytes(prefix + "rng.safetensors", st_save(rng))
         record = {"train_id": self.train_id, **state.__dict__, "param_groups": groups}
-        self.store.put_bytes(prefix + "trainer.json", json.dumps(record, indent=1).encode())
+        files = {
+            "model.safetensors": st_save(weights),
+            "optimizer.safetensors": st_save(opt_tensors),
+            "rng.safetensors": st_save(rng),
+            "trainer.json": json.dumps(record, indent=1).encode(),
+        }
+        for name, data in files.items():
+            self.store.put_bytes(prefix + name, data)
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         self.store.put_bytes(
-            layout.checkpoint_latest(self.train_id), json.dumps({"step": state.step, "prefix": prefix}).encode()
+            layout.checkpoint_latest(self.train_id),
+            json.dumps({"step": state.step, "prefix": prefix, "sha256": digests}).encode(),
         )
         self._prune(state.step)
         return prefix
 
+    def _read(self, prefix: str, name: str, digests: dict) -> bytes:
+        """A checkpoint file's bytes, its sha256 checked against latest.json's."""
+        key = prefix + name
+        try:
+            data = self.store.get_bytes(key)
+        except NotFound:
+            raise self._refused(f"{key} is missing") from None
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != digests[name]:
+            raise self._refused(
+                f"{key} has sha256 {digest[:12]}…, not the {digests[name][:12]}… its latest.json records "
+                f"(changed or corrupted)"
+            )
+        return data
+
+    def _tensors(self, prefix: str, name: str, digests: dict) -> dict[str, torch.Tensor]:
+        data = self._read(prefix, name, digests)
+        try:
+            tensors = st_load(data)
+        except Exception as e:  # safetensors' own error type is not public API
+            raise self._refused(f"{prefix + name} is not a readable safetensors file ({type(e).__name__})") from None
+        bad = _nonfinite(tensors)
+        if bad is not None:
+            raise self._refused(f"{prefix + name} tensor {bad} holds non-finite values")
+        return tensors
+
     def load(self) -> tuple[dict[str, torch.Tensor], dict, TrainerState] | None:
         """-> (weights, optimizer state, trainer state) of the latest complete checkpoint, or None;
         the RNG state is restored."""
-        step = self.latest_step()
-        if step is None:
+        latest = self._latest()
+        if latest is None:
             return None
-        prefix = layout.checkpoint_prefix(self.train_id, step)
-        weights = st_load(self.store.get_bytes(prefix + "model.safetensors"))
-        record = json.loads(self.store.get_bytes(prefix + "trainer.json"))
-        optim = unflatten_optimizer(
-            st_load(self.store.get_bytes(prefix + "optimizer.safetensors")), record.pop("param_groups")
-        )
-        rng = st_load(self.store.get_bytes(prefix + "rng.safetensors"))
+        prefix, digests = layout.checkpoint_prefix(self.train_id, latest["step"]), latest["sha256"]
+        weights = self._tensors(prefix, "model.safetensors", digests)
+        opt_tensors = self._tensors(prefix, "optimizer.safetensors", digests)
+        rng = self._tensors(prefix, "rng.safetensors", digests)
+        try:
+            record = json.loads(self._read(prefix, "trainer.json", digests))
+            groups = record.pop("param_groups")
+            record.pop("train_id", None)
+            state = TrainerState(**record)
+            optim = unflatten_optimizer(opt_tensors, groups)
+            if "torch_cpu" not in rng:
+                raise KeyError("torch_cpu")
+        except (ValueError, TypeError, KeyError) as e:
+            raise self._refused(f"{prefix}: its files do not fit together ({type(e).__name__}: {e})") from None
         torch.set_rng_state(rng["torch_cpu"])
         if torch.cuda.is_available():
             cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
-        record.pop("train_id", None)
-        return weights, optim, TrainerState(**record)
+        return weights, optim, state
+
+    def check_fits(self, weights: dict, optim: dict, drafter: torch.nn.Module) -> None:
+        """The loaded tensors' names are the drafter's (embeddings excluded) and the optimizer's
+        state names its trainable parameters: CheckpointRefused naming the first that is not."""
+        prefix = layout.checkpoint_prefix(self.train_id, self.latest_step() or 0)
+        expected = {k for k in drafter.state_dict() if not k.startswith("embed_tokens.")}
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or unexpected:
+            raise self._refused(
+                f"{prefix}model.safetensors does not fit the drafter: "
+                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+        named = set(optim["state"]) | {n for g in optim["param_groups"] for n in g.get("params", [])}
+        if named - trainable:
+            raise self._refused(
+                f"{prefix}optimizer.safetensors names parameters the drafter lacks: {sorted(named - trainable)[:3]}"
+            )
 
     def _prune(self, keep_from_step: int) -> None:
         steps = layout.checkpoint_steps(self.train_id, self.store.list(layout.checkpoints_prefix(self.train_id)))

@@ -132,6 +132,8 @@ def read_tensors(store: ObjectStore, key: str, names: list[str]) -> dict[str, np
         spec = header[name]
         a, b = spec["data_offsets"]
         raw = store.get_range(key, 8 + n + a, b - a)
+        if len(raw) != b - a:  # the object ends first
+            raise ShardError(f"tensor {name!r} ends at byte {8 + n + b}, past the object's end: truncated")
         tensors, _ = read_safetensors(_one_tensor_file(name, spec, raw))
         out[name] = tensors[name].copy()
     return dequantize_tensors(out, header.get("__metadata__") or {})
@@ -194,7 +196,7 @@ def check_shard(key: str, shard: Shard, spec: RunSpec) -> None:
 def _offsets(store: ObjectStore, key: str) -> np.ndarray:
     try:
         return read_tensors(store, key, ["offsets"])["offsets"]
-    except (ShardError, ValueError, KeyError) as e:
+    except (ShardError, ValueError, KeyError, struct.error) as e:
         raise DataError(f"hidden shard {key}: not a readable shard ({e}): re-extract the run") from None
 
 

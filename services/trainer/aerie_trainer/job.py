@@ -15,6 +15,7 @@ returns its lineage; two starts of one training at once train once (the train id
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -197,8 +198,10 @@ def _measure(trainer: Trainer, evaluator: Evaluator | None, state) -> None:
         _log_eval(trainer.tracking, measured, state.step)
         if figure is not None and figure > metrics.get("best_acceptance", float("-inf")):
             weights = {k: v.detach().cpu().contiguous() for k, v in full.state_dict().items() if _kept(k)}
-            trainer.store.put_bytes(layout.checkpoint_best(trainer.train_id), st_save(weights))
-            metrics.update(best_step=state.step, best_acceptance=figure)
+            data = st_save(weights)
+            trainer.store.put_bytes(layout.checkpoint_best(trainer.train_id), data)
+            # its digest rides in the metrics, so in the checkpoint that follows (checked on resume)
+            metrics.update(best_step=state.step, best_acceptance=figure, best_sha256=hashlib.sha256(data).hexdigest())
         trainer.tracking.progress(stage="train", message="")
     trainer.dist.barrier()
 
@@ -209,11 +212,31 @@ def _kept(name: str) -> bool:
 
 def _load_best(store: ObjectStore, train_id: str, full, metrics: dict) -> dict:
     """Load the best measured step's weights into `full` (rank 0) -> the last step's, to put back;
-    `published_step`/`published_acceptance` go to the metrics (and so to the lineage)."""
+    `published_step`/`published_acceptance` go to the metrics (and so to the lineage). The file
+    must hash to the `best_sha256` recorded when it was written and hold finite values, else
+    CheckpointRefused naming it (never published)."""
+    import torch
     from safetensors.torch import load as st_load
 
+    from aerie_trainer.checkpoint import CheckpointRefused
+
+    key = layout.checkpoint_best(train_id)
+    data = store.get_bytes(key)
+    digest = hashlib.sha256(data).hexdigest()
+    recorded = metrics.get("best_sha256")
+    if recorded is not None and digest != recorded:
+        raise CheckpointRefused(
+            f"checkpoint {key} has sha256 {digest[:12]}…, not the {str(recorded)[:12]}… recorded when it was "
+            f"written (changed or corrupted): not published; train {train_id} again with another --train-id"
+        )
+    try:
+        best = st_load(data)
+    except Exception as e:  # safetensors' own error type is not public API
+        raise CheckpointRefused(f"checkpoint {key} is not a readable safetensors file ({type(e).__name__})") from None
+    bad = next((k for k, v in best.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise CheckpointRefused(f"checkpoint {key} tensor {bad} holds non-finite values: not published")
     last = {k: v.detach().cpu().clone() for k, v in full.state_dict().items() if _kept(k)}
-    best = st_load(store.get_bytes(layout.checkpoint_best(train_id)))
     full.load_state_dict(best, strict=False)  # copied into the parameters, on their device
     metrics.update(published_step=metrics["best_step"], published_acceptance=metrics["best_acceptance"])
     return last

@@ -106,7 +106,9 @@ class Trainer:
             cfg.drafter,
         )
         self.checkpointer = Checkpointer(store, self.train_id)
-        saved = self.checkpointer.load()
+        saved = self.checkpointer.load()  # digests and values checked: CheckpointRefused, never resumed
+        if saved:
+            self.checkpointer.check_fits(saved[0], saved[1], drafter)
         self.state = saved[2] if saved else TrainerState()
         self.resumed_from = self.state.step if self.state.step else None
         # the target's head (gigabytes at a large vocabulary), read once: the vocabulary choice of a

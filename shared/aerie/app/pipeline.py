@@ -195,6 +195,7 @@ def run_in_process(
     """Every stage here, as the run controller dispatches them (the embedded default)."""
     here = StepsHere(store, settings, watch)
     st = controller.drive(store, settings, plan, [training], here, on_state=here.on_state)
+    training = controller.follow(training, st.plan)  # as the controller planned it
     return _trained(store, st, training.train, here.trained.get(training.train.resolved_train_id))
 
 
@@ -259,6 +260,7 @@ def run_on_workers(
     plan = plan.model_copy(update={"ingest": ingest})
     dispatcher = controller.OnWorkers(app, settings, owner=f"aerie-run-{secrets.token_hex(8)}")
     st = controller.start(store, settings, plan, [training], dispatcher)
+    training = controller.follow(training, st.plan)  # as the controller planned it
     sent = ", ".join(task for _, task, _ in dispatcher.results) or "nothing new (planned earlier)"
     console.print(
         f"run {plan.run} ({st.phase}): enqueued {sent} on {redact(settings.broker)}; waiting for the workers "

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import sys
 
-from deploy_checks import compose, dockerfiles, docs, k8s, shell
+from deploy_checks import compose, dockerfiles, docs, k8s, locks, shell
 
 CHECKS = {
     "compose": compose.check_compose,
     "dockerfiles": dockerfiles.check_dockerfiles,
+    "locks": locks.check_locks,
     "k8s": k8s.check_k8s,
     "docs": docs.check_docs,
     "shell": shell.check_shell,

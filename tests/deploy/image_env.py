@@ -58,6 +58,16 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _lock_pins(service: str, image_path: str) -> list[str]:
+    """`name==version` of each pin of a lock the Dockerfile installs, by its path in the image
+    (/opt/aerie/requirements.lock: the service's own; /opt/aerie/services/...: as in the repo)."""
+    from scripts.deploy_checks.locks import parse_lock
+
+    rel = image_path.removeprefix("/opt/aerie/")
+    path = REPO / "services" / service / rel if "/" not in rel else REPO / rel
+    return [f"{name}=={version}" for name, (version, _) in parse_lock(path.read_text()).items()]
+
+
 def _requirements_of(service: str) -> list[tuple[Requirement, bool]]:
     """(requirement, with its dependencies) for each package a Dockerfile's RUN lines pip-install."""
     found = []
@@ -71,7 +81,14 @@ def _requirements_of(service: str) -> list[tuple[Requirement, bool]]:
             if "pip" not in words or "install" not in words:
                 continue
             deps = "--no-deps" not in words
-            for word in words[words.index("install") + 1 :]:
+            args = iter(words[words.index("install") + 1 :])
+            for word in args:
+                if word in ("-r", "--requirement"):  # a hashed lock: its pins, each as the lock gives it
+                    found += [(Requirement(line), deps) for line in _lock_pins(service, next(args))]
+                    continue
+                if word in ("--index-url", "-i", "--extra-index-url", "-c", "--constraint"):
+                    next(args)
+                    continue
                 if word.startswith("-"):
                     continue
                 local = re.fullmatch(r"/opt/aerie/((?:shared|services/[a-z]+))(\[[\w,]+\])?", word)

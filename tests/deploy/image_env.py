@@ -124,3 +124,31 @@ def image_env(service: str, folder: Path, **extra: str) -> dict[str, str]:
     return clean_env(
         PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(image_distributions(service))), **extra
     )
+
+
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+
+
+def inference_env(folder: Path, **extra: str) -> dict[str, str]:
+    """Environment for SGLANG_PYTHON (SGLang's own set, as the inference image's base has it) plus
+    exactly what the inference Dockerfile adds: its lock's pins and aerie's local packages, each
+    `--no-deps`, taken from this venv (appended to the path: SGLang's versions win). Every other
+    distribution of this venv stays hidden."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (venv_site,) = {p for p in __import__("site").getsitepackages() if p.endswith("site-packages")}
+    sglang_dists = subprocess.run(
+        [
+            str(SGLANG_PYTHON),
+            "-c",
+            "import importlib.metadata as m; print('\\n'.join(d.metadata['Name'] for d in m.distributions()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    allowed = {_norm(d) for d in sglang_dists} | image_distributions("inference")
+    (folder / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({venv_site!r})\n" + SITECUSTOMIZE)
+    return clean_env(PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(allowed)), **extra)

@@ -25,6 +25,7 @@ def test_the_deploy_checker_passes_on_the_real_files():
         "dockerfiles: ok",
         "locks: ok",
         "k8s: ok",
+        "parity: ok",
         "docs: ok",
         "shell: ok",
     ]
@@ -43,4 +44,4 @@ def test_every_check_passes_on_the_unbroken_copy(deploy_copy):
 def test_the_deploy_checker_refuses_an_unknown_check():
     out = subprocess.run([sys.executable, "scripts/check_deploy.py", "helm"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
-    assert "unknown check(s) ['helm']; known: compose, dockerfiles, locks, k8s, docs, shell" in out.stderr
+    assert "unknown check(s) ['helm']; known: compose, dockerfiles, locks, k8s, parity, docs, shell" in out.stderr

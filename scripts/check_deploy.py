@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import sys
 
-from deploy_checks import compose, dockerfiles, docs, k8s, shell
+from deploy_checks import compose, dockerfiles, docs, k8s, locks, parity, shell
 
 CHECKS = {
     "compose": compose.check_compose,
     "dockerfiles": dockerfiles.check_dockerfiles,
+    "locks": locks.check_locks,
     "k8s": k8s.check_k8s,
+    "parity": parity.check_parity,
     "docs": docs.check_docs,
     "shell": shell.check_shell,
 }

@@ -133,7 +133,7 @@ def container(s: dict) -> Container:
         for n, u in re.findall(r"([\d.]+)([hms])", s.get("stop_grace_period") or "10s")
     )
     return Container(
-        None if s.get("pull_policy") == "build" else s.get("image"),
+        None if s.get("build") and s.get("pull_policy") == "never" else s.get("image"),
         " ".join(s.get("command") or []),
         s.get("environment") or {},
         {"healthcheck": " ".join(dig(s, "healthcheck", "test") or [])},
@@ -224,8 +224,9 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
         ],
     ),
     (
-        ": image {0} is built here: set `pull_policy: build` (else `up` may pull that name from a registry)",
-        lambda s, *_: [s.get("image")] if s.get("build") and s.get("pull_policy") != "build" else [],
+        ": image {0} is built here: set `pull_policy: never` (built once by `docker compose build`; `build` rebuilds "
+        "it on every `up`, `missing` or `always` may pull that name from a registry)",
+        lambda s, *_: [s.get("image")] if s.get("build") and s.get("pull_policy") != "never" else [],
     ),
     (".build: {0}", lambda s, *_: _build_problems(s)),
     (

@@ -77,12 +77,32 @@ RULES = [  # (message, test(instruction, ARG defaults so far, build context, .do
         lambda c, _, context, __: [(c.cmd, s) for s in _copied(c) if not (context / s).exists()],
     ),
     (
+        ": `{0}` may install files no hash pins: install from the hashed lock (`--require-hashes -r "
+        "requirements.lock`), local packages `--no-index --no-deps`",
+        lambda c, *_: _unhashed_installs(c),
+    ),
+    (
         ": {0} {1}: excluded by .dockerignore",
         lambda c, _, context, ignore: [
             (c.cmd, s) for s in _copied(c) if (context / s).exists() and dockerignored(s, ignore)
         ],
     ),
 ]
+
+
+def _unhashed_installs(c) -> list[str]:
+    """Each `pip install` of a RUN that may fetch from the index without checking hashes: one that is
+    neither `--no-index` (local packages) nor `--require-hashes -r LOCK`."""
+    if c.cmd != "RUN":
+        return []
+    found = []
+    for part in re.split(r"&&|;|\|\|", " ".join(c.value)):
+        words = part.split()
+        if "pip" in " ".join(words) and "install" in words:
+            if "--no-index" in words or ("--require-hashes" in words and "-r" in words):
+                continue
+            found.append(" ".join(words))
+    return found
 
 
 def _copied(c) -> list[str]:

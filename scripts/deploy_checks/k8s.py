@@ -21,7 +21,12 @@ from .common import CAPTURE_FLAGS, CONTAINER_RULES, REPO, Container, apply, dig,
 from .docs import documented_secrets
 
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests promise to work on
-CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
+CRD_KINDS = {
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("keda.sh/v1alpha1", "ScaledJob"),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"),
+}
+JOB_FIELDS = {"command", "restartPolicy"}  # what a ScaledJob's pods may change of their Deployment's
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 PROTECTED = {
     "inference",
@@ -89,12 +94,116 @@ def _unresolved(kind: str, name: str, key: str | None, objects: dict, secrets: d
     return f"{kind} {name} has no key {key!r} in {where}" if key and key not in keys else None
 
 
+def _template(r: dict) -> dict:
+    """A workload's pod template; a KEDA ScaledJob's is its Job's."""
+    if r.get("kind") == "ScaledJob":
+        return dig(r, "spec", "jobTargetRef", "template") or {}
+    return dig(r, "spec", "template") or {} if r.get("kind") in WORKLOADS else {}
+
+
 def _pod(r: dict) -> dict:
-    return dig(r, "spec", "template", "spec") or {} if r.get("kind") in WORKLOADS else {}
+    return _template(r).get("spec") or {}
 
 
 def _labels(r: dict) -> dict:
-    return dig(r, "spec", "template", "metadata", "labels") or {}
+    return dig(_template(r), "metadata", "labels") or {}
+
+
+def _job_schema(r: dict) -> list[str]:
+    """KEDA's CRDs have no schema here: a ScaledJob's `jobTargetRef` is a batch/v1 JobSpec, checked as one."""
+    if r.get("kind") != "ScaledJob":
+        return []
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": dig(r, "spec", "jobTargetRef")}
+    return [f"jobTargetRef.{p}" for p in schema_problems(job)]
+
+
+def _job_drift(r: dict, objects: dict) -> list[str]:
+    """Where a ScaledJob's pod spec differs from that of the Deployment of its name beyond JOB_FIELDS
+    (the Deployment is the pod spec's one source: components/keda copies it; an overlay's later patch
+    of the Deployment alone does not reach the Jobs)."""
+    deployment = objects.get(("Deployment", dig(r, "metadata", "name")))
+    if r.get("kind") != "ScaledJob" or deployment is None:
+        return []
+
+    def strip(template: dict) -> dict:
+        spec = {k: v for k, v in (template.get("spec") or {}).items() if k not in JOB_FIELDS}
+        spec["containers"] = [{k: v for k, v in c.items() if k not in JOB_FIELDS} for c in spec.get("containers") or []]
+        return {"metadata": template.get("metadata"), "spec": spec}
+
+    job, pods = strip(_template(r)), strip(_template(deployment))
+    return [
+        k
+        for k in sorted(set(job["spec"]) | set(pods["spec"]) | {"metadata"})
+        if (job["spec"] | {"metadata": job["metadata"]}).get(k)
+        != (pods["spec"] | {"metadata": pods["metadata"]}).get(k)
+    ]
+
+
+def _queues(w: dict) -> set[str]:
+    """The Celery queues a worker's pods consume (their `aerie.dev/queues` label: base/extractor.yaml)."""
+    return {q for q in (_labels(w).get("aerie.dev/queues") or "").split("-") if q}
+
+
+def _scaled_pods(r: dict, objects: dict) -> dict | None:
+    """The workload whose pods an autoscaler starts: a ScaledJob's own, else its scaleTargetRef's."""
+    if r.get("kind") == "ScaledJob":
+        return r
+    ref = dig(r, "spec", "scaleTargetRef")
+    return objects.get(("Deployment", ref.get("name"))) if r.get("kind") in ("ScaledObject",) and ref else None
+
+
+def _misdirected_triggers(r: dict, objects: dict) -> list[tuple[str, list[str]]]:
+    """(queue, consumed) for each queue an autoscaler follows that its pods do not consume."""
+    pods = _scaled_pods(r, objects)
+    if pods is None:
+        return []
+    consumed = _queues(pods)
+    return [
+        (q, sorted(consumed))
+        for t in dig(r, "spec", "triggers") or []
+        if (q := dig(t, "metadata", "listName")) and q not in consumed
+    ]
+
+
+def _int(value, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _regeneration_overload(r: dict, objects: dict, every: list[dict]) -> list[tuple[int, int]]:
+    """(requests, bound) where the `ingest` workers (who regenerate) can have more regenerate requests in
+    flight than the generate servers run at once: replicas (an autoscaler's most) x worker concurrency
+    x AERIE_REGENERATE_CONCURRENCY against GENERATE_MAX_RUNNING x generate's replicas (at least 1)."""
+    if "ingest" not in _queues(r) or r.get("kind") not in ("Deployment", "ScaledJob"):
+        return []
+    scalers = [o for o in every if (s := _scaled_pods(o, objects)) is not None and s is r and o is not r]
+    replicas = (
+        _int(dig(r, "spec", "maxReplicaCount"), 100)
+        if r["kind"] == "ScaledJob"
+        else max(
+            [_int(dig(o, "spec", "maxReplicaCount"), 100) for o in scalers] or [_int(r["spec"].get("replicas"), 1)]
+        )
+    )
+    (c, *_) = _pod(r).get("containers") or [{}]
+    env = container(c, _pod(r), objects).env
+    requests = (
+        replicas * _int(env.get("AERIE_WORKER_CONCURRENCY"), 1) * _int(env.get("AERIE_REGENERATE_CONCURRENCY"), 64)
+    )
+    found = []
+    for server in every:
+        if server.get("kind") != "Deployment" or dig(server, "metadata", "name") != "generate":
+            continue
+        (sc, *_) = _pod(server).get("containers") or [{}]
+        senv = container(sc, _pod(server), objects)
+        if "--max-running-requests" not in senv.command:
+            found.append((requests, 0))
+            continue
+        bound = _int(senv.env.get("GENERATE_MAX_RUNNING")) * max(1, _int(server["spec"].get("replicas"), 1))
+        if requests > bound:
+            found.append((requests, bound))
+    return found
 
 
 def _matches(selector: dict | None, labels: dict) -> bool:
@@ -106,6 +215,15 @@ def _autoscalers(r: dict, every: list[dict]) -> list[dict]:
         o
         for o in every
         if r["kind"] == "Deployment" and dig(o, "spec", "scaleTargetRef", "name") == r["metadata"]["name"]
+    ]
+
+
+def _worker_scalers(r: dict, every: list[dict]) -> list[dict]:
+    """A Deployment's autoscalers, and the ScaledJob that runs its pod spec as Jobs (components/keda)."""
+    return _autoscalers(r, every) + [
+        o
+        for o in every
+        if r["kind"] == "Deployment" and o.get("kind") == "ScaledJob" and o["metadata"]["name"] == r["metadata"]["name"]
     ]
 
 
@@ -240,7 +358,31 @@ def _regeneration_servers(r: dict, objects: dict, every: list[dict]) -> list[tup
 
 
 RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), documented secrets, every resource))
-    (": {0}", lambda r, *_: [] if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r)),
+    (
+        ": {0}",
+        lambda r, *_: _job_schema(r) if (r.get("apiVersion"), r.get("kind")) in CRD_KINDS else schema_problems(r),
+    ),
+    (
+        ": its Jobs' pod spec differs from Deployment {1}'s in {0}: patch the Deployment before components/keda "
+        "copies it, or patch both alike",
+        lambda r, objects, *_: [(", ".join(d), r["metadata"]["name"]) for d in [_job_drift(r, objects)] if d],
+    ),
+    (
+        ": rollout.strategy is not `gradual`: `kubectl apply` of a changed ScaledJob deletes its running Jobs, "
+        "busy workers and all",
+        lambda r, *_: r.get("kind") == "ScaledJob" and dig(r, "spec", "rollout", "strategy") != "gradual",
+    ),
+    (
+        ": scales on queue {0!r}, which its pods do not consume (they consume {1}): it starts workers that "
+        "cannot take the backlog",
+        lambda r, objects, *_: _misdirected_triggers(r, objects),
+    ),
+    (
+        ": the ingest workers can have {0} regenerate requests in flight, more than the generate servers run at "
+        "once ({1}: GENERATE_MAX_RUNNING x generate replicas, `--max-running-requests`): lower the workers' "
+        "replicas, AERIE_WORKER_CONCURRENCY or AERIE_REGENERATE_CONCURRENCY, or raise GENERATE_MAX_RUNNING",
+        lambda r, objects, _, every: _regeneration_overload(r, objects, every),
+    ),
     (
         ": a Secret is embedded in the manifests: create it out of band (docs/deploy.md)",
         lambda r, *_: r["kind"] == "Secret",
@@ -295,7 +437,15 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
     ),
     (
         ": has more than one autoscaler (KEDA and HPA would fight): use one",
-        lambda r, _, __, every: len(_autoscalers(r, every)) > 1,
+        lambda r, _, __, every: len(_worker_scalers(r, every)) > 1,
+    ),
+    (
+        ": runs {0} pod(s) beside ScaledJob {1}'s Jobs, which run its pod spec: set its replicas to 0 (components/keda)",
+        lambda r, _, __, every: [
+            (r["spec"].get("replicas", 1), o["metadata"]["name"])
+            for o in _worker_scalers(r, every)
+            if o.get("kind") == "ScaledJob" and r["spec"].get("replicas", 1) != 0
+        ],
     ),
     (
         ": sets spec.replicas while an autoscaler owns them: `kubectl apply` would reset them mid-run; remove it",
@@ -347,7 +497,7 @@ POD_RULES = [  # (message, test(container, its group, pod spec, workload))
         ": no {0}",
         lambda c, group, _, r: (
             [p for p in ("livenessProbe", "readinessProbe") if not c.get(p)]
-            if group == "containers" and r["kind"] != "Job"
+            if group == "containers" and r["kind"] not in ("Job", "ScaledJob")
             else []
         ),
     ),

@@ -18,6 +18,10 @@
   ALIVE_EVERY_S (`--alive-every`) while it runs, from a thread, so a probe can tell a live worker from a dead one by
   the file's age even while a solo-pool worker runs a long task and answers no control message
   (`celery inspect ping` says "No nodes replied" then; a liveness probe built on it kills training).
+- `IdleExit` (a worker step, `celery worker --exit-when-idle SECONDS`): the worker stops by itself
+  (a warm shutdown, exit status 0) once it has held no task for SECONDS; never while it holds one.
+  A KEDA ScaledJob's worker is a Job that completes when its queue is done: scale-in is the worker's
+  own decision, so no autoscaler kills a busy worker.
 - `CheckItems` (a worker step, Redis brokers): an item on a queue's list that is not a kombu
   message (not JSON, not its envelope, over twice that bound) is dropped with one log line as it
   is read, before kombu decodes it.
@@ -144,7 +148,16 @@ def add_alive_options(app: Celery) -> None:
     app.user_options["worker"].add(
         Option(("--alive-every",), type=float, default=ALIVE_EVERY_S, help="Seconds between touches of --alive-file.")
     )
+    app.user_options["worker"].add(
+        Option(
+            ("--exit-when-idle",),
+            type=float,
+            default=None,
+            help="Stop (exit status 0) once the worker has held no task for this many seconds.",
+        )
+    )
     app.steps["worker"].add(Alive)
+    app.steps["worker"].add(IdleExit)
 
 
 class Alive(bootsteps.StartStopStep):
@@ -184,6 +197,43 @@ class Alive(bootsteps.StartStopStep):
             self.path.unlink(missing_ok=True)
 
     terminate = stop  # a cold shutdown (SIGQUIT, the workers' REMAP_SIGTERM) calls this instead
+
+
+class IdleExit(bootsteps.StartStopStep):
+    """Stops the worker once it has held no task (running or reserved) for `--exit-when-idle` seconds.
+
+    The stop is Celery's warm shutdown, asked for from a thread through the worker's own flag
+    (`state.should_stop`, which the consumer's loop checks): a task that arrives meanwhile runs to its
+    end first, and a message fetched but not started goes back to the queue (acks_late)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, parent, exit_when_idle: float | None = None, **options) -> None:
+        self.idle_s = float(exit_when_idle) if exit_when_idle is not None else None
+        self.done = threading.Event()
+
+    def include_if(self, parent) -> bool:
+        return self.idle_s is not None
+
+    def start(self, worker) -> None:
+        threading.Thread(target=self.watch, name="aerie-idle-exit", daemon=True).start()
+
+    def watch(self) -> None:
+        from celery.worker import state
+
+        idle_since = time.monotonic()
+        while not self.done.wait(self.POLL_S):
+            if state.active_requests or state.reserved_requests:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= self.idle_s:
+                log.info("no task for %g s (--exit-when-idle): stopping", self.idle_s)
+                state.should_stop = 0  # EX_OK: a Job's pod succeeds
+                return
+
+    def stop(self, worker) -> None:
+        self.done.set()
+
+    terminate = stop
 
 
 class Consumer(CeleryConsumer):

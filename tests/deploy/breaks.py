@@ -28,7 +28,10 @@ class DeployCopy:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(dockerfile, dest)
             shutil.copy(dockerfile.parent / "pyproject.toml", dest.parent / "pyproject.toml")
+            for lock in dockerfile.parent.glob("requirements*"):  # the hashed locks the Dockerfile COPYs
+                shutil.copy(lock, dest.parent / lock.name)
         (root / "shared").mkdir()
+        shutil.copy(REPO / "shared" / "pyproject.toml", root / "shared" / "pyproject.toml")  # the locks' check reads it
         shutil.copytree(REPO / "k8s", root / "k8s")
 
     def edit(self, rel: str, old: str, new: str) -> None:

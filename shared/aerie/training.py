@@ -35,15 +35,18 @@ def mark_failed(store: ObjectStore, train_id: str, drafter: str, runs: list[str]
 
 
 def logs_hint(store_url: str, prefix: str | None) -> str:
-    """One or two lines: the TensorBoard folder in the store, and the command that shows it."""
+    """One or two lines: the TensorBoard folder in the store (`store_url`: the store's own URL,
+    bucket included) and the command that copies it here and shows it (`aerie logs`: the
+    settings' store client, nothing else to configure)."""
     if not prefix:
         return "no TensorBoard files (AERIE_TRAIN_TRACKERS leaves tensorboard out)"
     if store_url.startswith("file://"):
         folder = store_url.removeprefix("file://").rstrip("/") + "/" + prefix
         return f"TensorBoard: tensorboard --logdir {folder}"
+    train_id = prefix.removeprefix("checkpoints/").split("/", 1)[0]
     return (
-        f"TensorBoard files: {store_url}/{prefix}\n"
-        f"  mc cp --recursive aerie/<bucket>/{prefix} ./tb && tensorboard --logdir ./tb"
+        f"TensorBoard files: {store_url.rstrip('/')}/{prefix}\n"
+        f"  aerie logs {train_id} ./tb && tensorboard --logdir ./tb"
     )
 
 

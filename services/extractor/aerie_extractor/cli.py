@@ -400,7 +400,7 @@ def progress(ctx, run_name, watch, timeout, as_json):
             published |= {(r.drafter, r.version) for r in requests if r.publish}
         if jobs:
             console.print(progress_table(jobs))
-            console.print(logs_hint(settings.store, jobs[0].logs))
+            console.print(logs_hint(store.url, jobs[0].logs), highlight=False, soft_wrap=True)
         for line in published_lines(sorted(published)):
             console.print(line)
         if state is not None:

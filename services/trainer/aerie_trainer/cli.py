@@ -54,11 +54,12 @@ def train(runs, drafter, model, train_id, no_publish, **training) -> None:
         if main and (event.stage != "train" or (event.step or 0) % 10 == 0 or event.step == event.steps):
             click.echo(event.model_dump_json(exclude_none=True))
 
-    result = run_train(open_store(settings), settings, request, show)
+    store = open_store(settings)
+    result = run_train(store, settings, request, show)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if main:
         from aerie.training import logs_hint
 
         click.echo(json.dumps(result.model_dump(exclude={"losses"}, exclude_none=True), indent=1))
-        click.echo(logs_hint(settings.store, result.logs), err=True)
+        click.echo(logs_hint(store.url, result.logs), err=True)

@@ -8,16 +8,21 @@ reject_on_worker_lost, see aerie.queue) and resumes from its last checkpoint; a 
 version is already published returns it; the same training delivered twice trains once (the train
 id's lease, aerie_trainer.job.run_train). Progress goes to the task state (`PROGRESS`) and to the
 run's progress record, which the run controller (aerie.controller) reads: the train step is a run's
-last, so this task dispatches nothing after it.
+last, so this task dispatches nothing after it. The worker's log has one line as a job starts and
+one as it ends (train id, runs, steps): `logs -f trainer` shows which training runs.
 """
 
 from __future__ import annotations
+
+import logging
 
 from celery import Task, shared_task
 
 from aerie.contracts import TrainRequest
 from aerie.queue import MAX_RETRIES, TRAIN_TASK, parse_message, run_task, task_progress, task_settings, task_store
 from aerie_trainer.job import record_failure, run_train
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(bind=True, name=TRAIN_TASK, max_retries=MAX_RETRIES)
@@ -28,5 +33,20 @@ def train(self: Task, **kwargs) -> dict:
     def give_up(error: BaseException, attempts: int) -> None:
         record_failure(task_store(settings), request, error, attempts)
 
-    result = run_task(self, lambda: run_train(task_store(settings), settings, request, task_progress(self)), give_up)
+    plan = f"{request.config.steps} steps" if request.config.steps else f"{request.config.epochs:g} epochs"
+    train_id, runs = request.resolved_train_id, ",".join(request.runs)
+    log.info("training %s: drafter %s on run %s, %s", train_id, request.drafter, runs, plan)
+    try:
+        result = run_task(
+            self, lambda: run_train(task_store(settings), settings, request, task_progress(self)), give_up
+        )
+    except Exception as e:
+        log.warning("training %s (run %s) stopped: %s", train_id, runs, " ".join(str(e).split())[:300])
+        raise
+    loss = "-" if result.final_loss is None else f"{result.final_loss:.4f}"
+    log.info(
+        "training %s (run %s) done: %s steps, final loss %s, drafter %s:%s%s",
+        train_id, runs, result.steps, loss, result.drafter, result.version,
+        " published" if result.key else "",
+    )  # fmt: skip
     return result.model_dump(mode="json")

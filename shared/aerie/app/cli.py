@@ -4,6 +4,7 @@ entry point group (as Celery's `celery.commands`), so this module imports none o
     aerie run                 the whole pipeline on the embedded default (the README's main job)
     aerie capture-ids         capture points -> the layer ids an engine must be given
     aerie pull NAME[:VER] D   fetch a published drafter (this package alone: no torch)
+    aerie logs TRAIN_ID D     copy a training's TensorBoard files from the store into D
     aerie bench --url U       acceptance length of a drafter served by any SGLang server
     aerie train ...           the train stage in this process (the trainer package registers it)
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -154,6 +156,32 @@ def pull(ref: str, dest: str) -> None:
     name, version = resolve(store, ref)
     path = pull_drafter(store, f"{name}:{version}", dest)
     click.echo(f"drafter {name}:{version} -> {path}")
+
+
+@main.command("logs")
+@click.argument("train_id", metavar="TRAIN_ID")
+@click.argument("dest", type=click.Path(file_okay=False))
+def logs(train_id: str, dest: str) -> None:
+    """Copy a training's TensorBoard files (the train id `progress` shows) from the store into
+    DEST, for `tensorboard --logdir DEST`."""
+    from pathlib import Path
+
+    from aerie import layout
+    from aerie.settings import Settings
+    from aerie.store import open_store
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", train_id):
+        raise click.BadParameter(f"{train_id!r} is not a train id (as `progress` shows it)", param_hint="TRAIN_ID")
+    prefix = layout.train_logs_prefix(train_id)
+    store = open_store(Settings.load())
+    names = [key.removeprefix(prefix) for key in store.list(prefix)]
+    names = [n for n in names if "/" not in n and n.startswith("events.out.tfevents.")]  # nothing escapes DEST
+    if not names:
+        raise click.ClickException(f"no TensorBoard files of training {train_id!r} in {store.url}/{prefix}")
+    folder = Path(dest)
+    for name in names:
+        store.download(layout.train_log(train_id, name), folder / name)
+    click.echo(f"{len(names)} TensorBoard file(s) of {train_id} -> {folder}: tensorboard --logdir {folder}")
 
 
 @main.group("model")

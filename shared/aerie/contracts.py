@@ -322,6 +322,11 @@ class TrainConfig(Contract):
         description="warm start: a drafter folder (aerie's, or an EAGLE-3 export as SpecForge writes it) or a "
         "published drafter NAME[:VERSION] whose weights and draft vocabulary training starts from",
     )
+    stream: bool = Field(
+        False,
+        description="start on the runs' first hidden shards and follow them as they are extracted (epoch 0 in "
+        "arrival order); the same steps, split and later epochs as a job on the complete runs",
+    )
     prefetch: int = Field(4, ge=1)
     draft_vocab_from: Literal["target", "data"] = Field(
         "target",
@@ -366,7 +371,11 @@ class TrainRequest(Contract):
         (same inputs, same id: a redelivered or repeated request finds its own checkpoints)."""
         if self.train_id is not None:
             return self.train_id
-        basis = self.model_dump_json(exclude={"train_id", "publish"})
+        # a field added later with its default leaves the ids of earlier requests as they were
+        exclude: dict = {"train_id": True, "publish": True}
+        if not self.config.stream:
+            exclude["config"] = {"stream"}
+        basis = self.model_dump_json(exclude=exclude)
         return f"{self.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
 
     @property
@@ -820,13 +829,13 @@ class PlannedTraining(Contract):
     """`runs/<run>/plan/train/<train-id>.json`: a training asked to follow the run, and when.
 
     `start` is the rule the controller checks before it dispatches the training: `extracted`,
-    every run of the request completely extracted. (A streaming training would add a rule that
-    holds once each run has its first hidden shards; the controller reads it in one place.)"""
+    every run of the request completely extracted; `first_shards` (a streamed training,
+    TrainConfig.stream), every run tokenized and holding at least one hidden shard."""
 
     schema_version: int = SCHEMA_VERSION
     train: TrainRequest
     align: AlignGate | None = Field(None, description="check the run against a serving server before training")
-    start: Literal["extracted"] = "extracted"
+    start: Literal["extracted", "first_shards"] = "extracted"
     created_at: str = Field(default_factory=utcnow)
 
 

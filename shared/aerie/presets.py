@@ -114,6 +114,7 @@ FIELDS = {
     "eval_every": "eval_every",
     "publish_checkpoint": "publish_checkpoint",
     "init_from": "init_from",
+    "stream": "stream",
 }
 
 

@@ -226,6 +226,7 @@ def enqueue(
                 PlannedTraining(
                     train=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config),
                     align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
+                    start=controller.start_rule(config),
                 )
             ]
             if train_drafter

@@ -65,6 +65,12 @@ OPTIONS = {
         help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export: config.json + "
         "*.safetensors) or a published drafter NAME[:VERSION]",
     ),
+    "stream": click.option(
+        "--stream",
+        is_flag=True,
+        default=None,
+        help="start training on the run's first hidden shards and follow the extraction (same steps as waiting)",
+    ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"
     ),

@@ -113,7 +113,11 @@ def _points(value: str | None) -> list[int] | None:
 @click.option(
     "--fan-out/--no-fan-out", default=True, help="extract the run's shards once ingested (--no-fan-out: ingest only)"
 )
-@click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
+@click.option(
+    "--train-drafter",
+    default=None,
+    help="when the run is complete (--stream: from its first shards), train this drafter on it",
+)
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
 @click.option(

@@ -281,6 +281,10 @@ class DrafterShape(Contract):
     )
 
 
+# Training-time-test steps beyond the serving chain's draft steps (TrainConfig.ttt_steps unset).
+TTT_MARGIN = 4
+
+
 class TrainConfig(Contract):
     """How a drafter is trained. Defaults follow SpecForge's reference EAGLE-3 recipe (lr 1e-4,
     grad clip 0.5, 7 TTT steps, 2048-token sequences, 10 epochs, warmup 1.5% of the steps); where
@@ -288,7 +292,12 @@ class TrainConfig(Contract):
     over the training shards (the trainer counts the batches)."""
 
     draft_vocab_size: int = Field(32000, ge=2)
-    ttt_steps: int = Field(7, ge=1)
+    speculative_num_steps: int = Field(
+        3, ge=1, description="draft steps of the chain the drafter will serve (SGLang's --speculative-num-steps)"
+    )
+    ttt_steps: int = Field(
+        None, ge=1, description="training-time-test steps; unset: speculative_num_steps + TTT_MARGIN"
+    )
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
     steps: int | None = Field(
         None, ge=1, description="optimizer steps; unset: epochs x the data's batches / grad_accum"
@@ -340,6 +349,13 @@ class TrainConfig(Contract):
         None, description="the preset these values came from (recorded in the lineage, not read)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ttt_from_the_chain(cls, data):
+        if isinstance(data, dict) and data.get("ttt_steps") is None:
+            data = {**data, "ttt_steps": int(data.get("speculative_num_steps", 3)) + TTT_MARGIN}
+        return data
+
     @model_validator(mode="after")
     def _best_is_measured(self) -> TrainConfig:
         if self.publish_checkpoint == "best" and self.eval_every is None:
@@ -373,8 +389,9 @@ class TrainRequest(Contract):
             return self.train_id
         # a field added later with its default leaves the ids of earlier requests as they were
         exclude: dict = {"train_id": True, "publish": True}
-        if not self.config.stream:
-            exclude["config"] = {"stream"}
+        defaults = [k for k, v in (("stream", False), ("speculative_num_steps", 3)) if getattr(self.config, k) == v]
+        if defaults:
+            exclude["config"] = set(defaults)
         basis = self.model_dump_json(exclude=exclude)
         return f"{self.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
 

@@ -125,8 +125,8 @@ def main() -> None:
             "train_started_after_s": round(t_train - t0, 2),
             "train_s": round(time.perf_counter() - t_train, 2),
             "shards": len(shards),
-            "steps": trained.metrics.get("steps"),
-            "final_loss": trained.metrics.get("final_loss"),
+            "steps": trained.steps,
+            "final_loss": trained.final_loss,
         }
         print(mode, result[mode], file=sys.stderr, flush=True)
     result["streamed_over_sequential_wall"] = round(result["streamed"]["wall_s"] / result["sequential"]["wall_s"], 3)

@@ -108,17 +108,20 @@ def test_a_streamed_epoch_follows_the_shards_as_they_arrive_and_ends_as_a_comple
 
 def test_a_late_shard_is_checked_like_the_others(fs_store, small_run):
     """A shard that lands after the job started is verified (its record's sha256) before it is
-    trained on: a corrupted late shard stops the job, naming it."""
+    trained on, even when no shard had landed at the start: a corrupted late shard stops the job,
+    naming it."""
     from aerie_trainer.data import DataError
 
     upload_run(fs_store, small_run, "r1")
+    names = [s.name for s in make_data(fs_store, ["r1"], stream=True, holdout_fraction=0.0).shards]
+    kept = withhold(fs_store, "r1", names)  # none extracted when the job starts
     data = make_data(fs_store, ["r1"], stream=True, holdout_fraction=0.0)
-    name = data.shards[0].name
-    kept = withhold(fs_store, "r1", [name])
-    data = make_data(fs_store, ["r1"], stream=True, holdout_fraction=0.0)
+    assert not data.expect
+    name = names[0]
     record, good = kept[name]
     kept[name] = (record, good[:-8] + b"\x00" * 8)  # the last bytes of its states zeroed
-    land(fs_store, "r1", name, kept)
+    for n in names:
+        land(fs_store, "r1", n, kept)
     it = data.batches()
     try:
         with pytest.raises(DataError, match=rf"hidden shard runs/r1/hidden/{name}\.safetensors: sha256 .* differs"):

@@ -257,7 +257,8 @@ class ShardCache:
         expect: dict[str, tuple[ShardRef, RunSpec]] | None = None,
         verified: set[str] | None = None,
     ):
-        self.store, self.expect = store, expect or {}
+        self.store = store
+        self.expect = {} if expect is None else expect  # the data's own dict: a streamed job adds late shards
         self.verified = set() if verified is None else verified
         self.dir = Path(tempfile.mkdtemp(prefix="aerie-shards-"))
         self.open_shards: dict[str, Shard] = {}

@@ -71,7 +71,9 @@ def main() -> None:
 
     def train(tag: str, ttt: int, steps: int) -> dict:
         config = TrainConfig(**base, ttt_steps=ttt, steps=steps)
-        request = TrainRequest(runs=["r"], drafter="bench", model=args.model, config=config, train_id=tag, publish=False)
+        request = TrainRequest(
+            runs=["r"], drafter="bench", model=args.model, config=config, train_id=tag, publish=False
+        )
         r = stages.train(store, settings, request)
         return {**r.model_dump(), "train_seconds": r.tokens / r.tokens_per_second}
 
@@ -96,7 +98,11 @@ def main() -> None:
         print(arm, file=sys.stderr, flush=True)
     result = {
         "settings": {**vars(args), "config": base},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+        },
         "arms": arms,
     }
     text = json.dumps(result, indent=1)

@@ -285,6 +285,10 @@ class DrafterShape(Contract):
     )
 
 
+# Training-time-test steps beyond the serving chain's draft steps (TrainConfig.ttt_steps unset).
+TTT_MARGIN = 4
+
+
 class TrainConfig(Contract):
     """How a drafter is trained. Defaults follow SpecForge's reference EAGLE-3 recipe (lr 1e-4,
     grad clip 0.5, 7 TTT steps, 2048-token sequences, 10 epochs, warmup 1.5% of the steps); where
@@ -292,7 +296,12 @@ class TrainConfig(Contract):
     over the training shards (the trainer counts the batches)."""
 
     draft_vocab_size: int = Field(32000, ge=2)
-    ttt_steps: int = Field(7, ge=1)
+    speculative_num_steps: int = Field(
+        3, ge=1, description="draft steps of the chain the drafter will serve (SGLang's --speculative-num-steps)"
+    )
+    ttt_steps: int = Field(  # type: ignore[assignment]  # never None after _ttt_from_the_chain
+        None, ge=1, description="training-time-test steps; unset: speculative_num_steps + TTT_MARGIN"
+    )
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
     steps: int | None = Field(
         None, ge=1, description="optimizer steps; unset: epochs x the data's batches / grad_accum"
@@ -326,6 +335,11 @@ class TrainConfig(Contract):
         description="warm start: a drafter folder (aerie's, or an EAGLE-3 export as SpecForge writes it) or a "
         "published drafter NAME[:VERSION] whose weights and draft vocabulary training starts from",
     )
+    stream: bool = Field(
+        False,
+        description="start on the runs' first hidden shards and follow them as they are extracted (epoch 0 in "
+        "arrival order); the same steps, split and later epochs as a job on the complete runs",
+    )
     prefetch: int = Field(4, ge=1)
     draft_vocab_from: Literal["target", "data"] = Field(
         "target",
@@ -338,6 +352,13 @@ class TrainConfig(Contract):
     preset: str | None = Field(
         None, description="the preset these values came from (recorded in the lineage, not read)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ttt_from_the_chain(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ttt_steps") is None:
+            data = {**data, "ttt_steps": int(data.get("speculative_num_steps", 3)) + TTT_MARGIN}
+        return data
 
     @model_validator(mode="after")
     def _best_is_measured(self) -> TrainConfig:
@@ -376,7 +397,14 @@ class TrainRequest(Contract):
         (same inputs, same id: a redelivered or repeated request finds its own checkpoints)."""
         if self.train_id is not None:
             return self.train_id
-        basis = self.model_dump_json(exclude={"train_id", "publish"} | ({"follows"} if self.follows is None else set()))
+        # a field added later with its default leaves the ids of earlier requests as they were
+        exclude: dict[str, Any] = {"train_id": True, "publish": True}
+        if self.follows is None:
+            exclude["follows"] = True
+        defaults = [k for k, v in (("stream", False), ("speculative_num_steps", 3)) if getattr(self.config, k) == v]
+        if defaults:
+            exclude["config"] = set(defaults)
+        basis = self.model_dump_json(exclude=exclude)
         return f"{self.drafter}-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
 
     @property
@@ -871,13 +899,13 @@ class PlannedTraining(Contract):
     """`runs/<run>/plan/train/<train-id>.json`: a training asked to follow the run, and when.
 
     `start` is the rule the controller checks before it dispatches the training: `extracted`,
-    every run of the request completely extracted. (A streaming training would add a rule that
-    holds once each run has its first hidden shards; the controller reads it in one place.)"""
+    every run of the request completely extracted; `first_shards` (a streamed training,
+    TrainConfig.stream), every run tokenized and holding at least one hidden shard."""
 
     schema_version: int = SCHEMA_VERSION
     train: TrainRequest
     align: AlignGate | None = Field(None, description="check the run against a serving server before training")
-    start: Literal["extracted"] = "extracted"
+    start: Literal["extracted", "first_shards"] = "extracted"
     created_at: str = Field(default_factory=utcnow)
 
 

@@ -51,6 +51,7 @@ from aerie.contracts import (
     RegenerateRequest,
     RunPlan,
     ShardFailure,
+    TrainConfig,
     TrainFailure,
     TrainProgress,
     TrainRequest,
@@ -256,11 +257,22 @@ class RunsView:
     def complete(self, run: str) -> bool:
         return self.shards.complete if run == self.run else runs.run_complete(self.store, run)
 
+    def started(self, run: str) -> bool:
+        """Every shard of `run` tokenized (its sequences known) and one of them extracted."""
+        shards = self.shards if run == self.run else _Shards.read(self.store, run)
+        return bool(shards.hidden) and shards.every <= shards.tokens | shards.hidden
 
-# When a planned training may start (PlannedTraining.start), in one place: a rule that holds before
-# the runs are complete (a streaming training's "first shards") is one more entry here.
+
+def start_rule(config: TrainConfig) -> str:
+    """The start rule of a training of this TrainConfig: a streamed one starts on the first shards."""
+    return "first_shards" if config.stream else "extracted"
+
+
+# When a planned training may start (PlannedTraining.start), in one place. A streamed training
+# starts on its runs' first shards and follows them (aerie_trainer.data: HiddenData.refresh).
 START_RULES: dict[str, Callable[[TrainRequest, RunsView], bool]] = {
     "extracted": lambda request, view: all(view.complete(run) for run in request.runs),
+    "first_shards": lambda request, view: all(view.started(run) for run in request.runs),
 }
 
 

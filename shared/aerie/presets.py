@@ -134,10 +134,12 @@ FIELDS = {
     "batch_tokens": "batch_tokens",
     "seq_len": "max_seq_tokens",
     "ttt_steps": "ttt_steps",
+    "speculative_num_steps": "speculative_num_steps",
     "draft_vocab": "draft_vocab_size",
     "eval_every": "eval_every",
     "publish_checkpoint": "publish_checkpoint",
     "init_from": "init_from",
+    "stream": "stream",
 }
 
 
@@ -160,6 +162,8 @@ def train_config(
             fields.update(json.loads(options["train_config"]))
         except (json.JSONDecodeError, TypeError) as e:
             raise SettingError(f"--train-config {options['train_config']!r}: not a JSON object ({e})") from None
+    if options.get("speculative_num_steps") is not None and options.get("ttt_steps") is None:
+        fields.pop("ttt_steps", None)  # the chain named here: the TTT length follows it (TrainConfig)
     for option, field in FIELDS.items():
         if options.get(option) is not None:
             fields[field] = options[option]

@@ -221,6 +221,7 @@ class IdleExit(bootsteps.StartStopStep):
     def watch(self) -> None:
         from celery.worker import state
 
+        assert self.idle_s is not None  # started only when included (include_if)
         idle_since = time.monotonic()
         while not self.done.wait(self.POLL_S):
             if state.active_requests or state.reserved_requests:

@@ -8,6 +8,7 @@ checked on its own (the flows with real stages and workers: tests/pipeline, test
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import pytest
@@ -25,6 +26,7 @@ from aerie.contracts import (
     ShardFailure,
     ShardRecord,
     TargetSpec,
+    TrainConfig,
     TrainFailure,
     TrainProgress,
     TrainRequest,
@@ -354,3 +356,41 @@ def test_a_deleted_and_recreated_run_trains_again(fs_store, redis_url):
     assert len(train_messages()) == 2
     client.delete("train")
     client.close()
+
+
+def test_a_streamed_training_is_dispatched_on_the_first_hidden_shard_once(fs_store):
+    """`first_shards` (TrainConfig.stream): the training is due once the run is tokenized and one
+    shard is extracted, while the others still are; it is sent once, and the run's phase stays
+    `extract` until every shard is. A non-streamed training of the same run still waits."""
+    settings = Settings()
+    streamed = TrainRequest(runs=["r"], drafter="s", model="/m", config=TrainConfig(stream=True), publish=False)
+    waiting = TrainRequest(runs=["r"], drafter="w", model="/m", publish=False)
+    planned = [
+        PlannedTraining(train=streamed, start=controller.start_rule(streamed.config)),
+        PlannedTraining(train=waiting, start=controller.start_rule(waiting.config)),
+    ]
+    assert [p.start for p in planned] == ["first_shards", "extracted"]
+    here = InProcess()
+    controller.start(fs_store, settings, controller.new_plan(ingest()), planned, here)
+    write_run_spec(fs_store)
+    for shard in ("000000", "000001", "000002"):
+        write_shard(fs_store, "tokens", shard)
+    st = controller.advance(fs_store, settings, "r", here)
+    assert [t.phase for t in st.trainings] == ["waiting", "waiting"]
+    write_shard(fs_store, "hidden", "000001")
+    st = controller.advance(fs_store, settings, "r", here)
+    assert st.phase == "extract" and names(st.sent) == [f"train:{streamed.resolved_train_id}"]
+    assert [t.phase for t in st.trainings] == ["train", "waiting"]
+    write_shard(fs_store, "hidden", "000000")
+    assert controller.advance(fs_store, settings, "r", here).sent == []  # once
+    write_shard(fs_store, "hidden", "000002")
+    st = controller.advance(fs_store, settings, "r", here)
+    assert st.phase == "train" and names(st.sent) == [f"train:{waiting.resolved_train_id}"]
+
+
+def test_stream_names_its_own_train_id_and_leaves_the_others_as_they_were():
+    plain = TrainRequest(runs=["r"], drafter="d", model="/m")
+    basis = plain.model_dump_json(exclude={"train_id": True, "publish": True, "config": {"stream"}})
+    assert plain.resolved_train_id == f"d-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
+    streamed = plain.model_copy(update={"config": TrainConfig(stream=True)})
+    assert streamed.resolved_train_id != plain.resolved_train_id

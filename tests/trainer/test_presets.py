@@ -154,3 +154,17 @@ def test_every_command_that_trains_takes_the_training_options_under_one_name():
         flags = {opt for param in command.params for opt in param.opts}
         assert every <= flags, (command.name, every - flags)
     assert "--config" not in {opt for param in train.params for opt in param.opts}
+
+
+def test_the_ttt_length_follows_the_serving_chain_unless_named():
+    """`--speculative-num-steps N` (the chain SGLang will run): TTT steps default to N + TTT_MARGIN,
+    over a preset's own TTT length; an explicit `--ttt-steps` wins over both."""
+    from aerie.contracts import TTT_MARGIN, TrainConfig
+
+    assert TrainConfig().ttt_steps == 3 + TTT_MARGIN and TrainConfig().speculative_num_steps == 3
+    assert TrainConfig(speculative_num_steps=5).ttt_steps == 5 + TTT_MARGIN
+    assert TrainConfig(speculative_num_steps=5, ttt_steps=2).ttt_steps == 2
+    assert presets.train_config(preset="smollm2-135m").ttt_steps == 7  # the recipe's
+    chained = presets.train_config(preset="smollm2-135m", speculative_num_steps=2)
+    assert (chained.speculative_num_steps, chained.ttt_steps) == (2, 2 + TTT_MARGIN)
+    assert presets.train_config(preset="smollm2-135m", speculative_num_steps=2, ttt_steps=5).ttt_steps == 5

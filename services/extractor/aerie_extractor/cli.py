@@ -116,7 +116,11 @@ def _points(value: str | None) -> list[int] | None:
 @click.option(
     "--fan-out/--no-fan-out", default=True, help="extract the run's shards once ingested (--no-fan-out: ingest only)"
 )
-@click.option("--train-drafter", default=None, help="when the run is complete, train this drafter on it")
+@click.option(
+    "--train-drafter",
+    default=None,
+    help="when the run is complete (--stream: from its first shards), train this drafter on it",
+)
 @click.option("--upload/--no-upload", default=True, help="upload a local --dataset file to the store first")
 @click.option("--wait", type=float, default=0, help="seconds to wait for the ingest task's result")
 @click.option(
@@ -229,6 +233,7 @@ def enqueue(
                 PlannedTraining(
                     train=TrainRequest(runs=[run_name], drafter=train_drafter, model=model, config=config),
                     align=AlignGate(server=align_server, allow_misaligned=allow_misaligned) if align_server else None,
+                    start=controller.start_rule(config),
                 )
             ]
             if train_drafter

@@ -7,7 +7,8 @@ gathers them on rank 0 under FSDP), so one format serves one process, DDP and FS
 - `model.safetensors`      drafter weights and buffers (embeddings excluded: they are the target's)
 - `optimizer.safetensors`  AdamW state flattened: `state.<param name>.<exp_avg|exp_avg_sq|step>`
 - `rng.safetensors`        torch CPU (and CUDA) generator states
-- `trainer.json`           step, data position, loss curve, metrics so far, AdamW param groups
+- `trainer.json`           step, data position, loss curve, metrics so far, AdamW param groups,
+                           and a streamed job's epoch-0 windows (the shards it took, in order)
 
 `checkpoints/<train-id>/latest.json` is written last and names the complete step with each file's
 sha256; a trainer killed while writing leaves the previous `latest` in place. The learning rate is
@@ -60,6 +61,7 @@ class TrainerState:
     metrics: dict = field(default_factory=dict)
     train_seconds: float = 0.0
     data_wait_seconds: float = 0.0
+    stream_windows: list[list[str]] = field(default_factory=list)  # a streamed job's epoch 0 (HiddenData.windows)
 
 
 def flatten_optimizer(optim: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -9,6 +9,15 @@
   (epoch, batch index) and a resumed run sees exactly the batches an uninterrupted one would.
 - A background thread downloads shards (memory-maps them where the store has a local path) and
   builds batches; `wait_s` counts the time the training loop spent waiting for it.
+- Streaming (`stream`, TrainConfig.stream): the job starts while its runs are still being extracted.
+  The data set is planned from the runs' *token* shards (an extracted shard keeps its token shard's
+  sequences, so lengths, split, step count and epochs >= 1 are the ones a job on the complete runs
+  plans); epoch 0 takes the shards in arrival order, `SHUFFLE_WINDOW` at a time (fewer only once
+  every shard has arrived), each window's sequences shuffled by (seed, 0, window); `refresh` lists
+  the hidden records again and a late shard gets the same checks (sha256, header, values) as the
+  others before it is trained on. The windows formed so far (`window_ids`) go into the checkpoint,
+  so a resumed job rebuilds the same epoch 0 (`restore_windows`). Held-out evaluation reads the
+  shards arrived so far (all of them once the runs are complete: `wait_arrived`).
 - fp8 shards (a run's `storage_dtype`) travel as stored, e4m3 bytes plus float32 scales, up to
   `Batch.to`, which dequantizes where the batch lands (the GPU: half the host-to-device bytes and
   no host pass over the states) into the shard's states dtype, the bits `aerie.shard` computes.
@@ -60,6 +69,11 @@ class ShardRef:
     sequences: int
     tokens: int
     sha256: str | None = None  # the record's: the bytes read must hash to it
+    pending: bool = False  # streaming: not extracted yet; `key` is its token shard (same sequences)
+
+    @property
+    def id(self) -> str:
+        return f"{self.run}/{self.name}"
 
 
 @dataclass
@@ -78,7 +92,9 @@ class RunSet:
         return list(self.spec.capture_points)
 
 
-def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
+def load_runs(store: ObjectStore, runs: list[str], stream: bool = False) -> RunSet:
+    """The runs' specs, checked to agree, and their hidden shards. `stream`: every token shard,
+    those not extracted yet as `pending` refs to their token shard (HiddenData.refresh resolves them)."""
     specs = []
     for run in runs:
         try:
@@ -106,12 +122,30 @@ def load_runs(store: ObjectStore, runs: list[str]) -> RunSet:
     shards = []
     for spec in specs:
         for name in shard_names(store, spec.run, "hidden"):
-            rec = store.get_json(layout.shard_record(spec.run, "hidden", name), ShardRecord)
-            if rec.kind == "hidden" and store.exists(rec.key):
-                shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens, rec.sha256))
+            ref = hidden_ref(store, spec.run, name)
+            if ref is not None:
+                shards.append(ref)
+        if stream:
+            arrived = {s.name for s in shards if s.run == spec.run}
+            for name in shard_names(store, spec.run, "tokens"):
+                if name not in arrived:
+                    rec = store.get_json(layout.shard_record(spec.run, "tokens", name), ShardRecord)
+                    shards.append(ShardRef(spec.run, rec.shard, rec.key, rec.sequences, rec.tokens, pending=True))
+            shards.sort(key=lambda s: (runs.index(s.run), s.name))
         if not any(s.run == spec.run for s in shards):
             raise DataError(f"run {spec.run!r} has no hidden shards in {store.url}: run its extraction first")
     return RunSet(specs, shards)
+
+
+def hidden_ref(store: ObjectStore, run: str, name: str) -> ShardRef | None:
+    """The hidden shard `name` of `run` as its record says, None while it is not (fully) stored."""
+    try:
+        rec = store.get_json(layout.shard_record(run, "hidden", name), ShardRecord)
+    except NotFound:
+        return None
+    if rec.kind != "hidden" or not store.exists(rec.key):
+        return None
+    return ShardRef(run, rec.shard, rec.key, rec.sequences, rec.tokens, rec.sha256)
 
 
 # --------------------------------------------------------------------------------------
@@ -231,7 +265,8 @@ class ShardCache:
         expect: dict[str, tuple[ShardRef, RunSpec]] | None = None,
         verified: set[str] | None = None,
     ):
-        self.store, self.expect = store, expect or {}
+        self.store = store
+        self.expect = {} if expect is None else expect  # the data's own dict: a streamed job adds late shards
         self.verified = set() if verified is None else verified
         self.dir = Path(tempfile.mkdtemp(prefix="aerie-shards-"))
         self.open_shards: dict[str, Shard] = {}
@@ -416,13 +451,25 @@ class HiddenData:
         prefetch: int = 4,
         rank: int = 0,
         world_size: int = 1,
+        stream: bool = False,
+        poll_s: float = 0.5,
     ):
         self.store, self.runset = store, runset
         self.batch_tokens, self.max_seq_tokens, self.ttt_steps = batch_tokens, max_seq_tokens, ttt_steps
         self.seed, self.prefetch, self.rank, self.world_size = seed, prefetch, rank, world_size
         self.shards = runset.shards
         specs = {spec.run: spec for spec in runset.specs}
-        self.expect = {s.key: (s, specs[s.run]) for s in self.shards}
+        self.specs = specs
+        self.expect = {s.key: (s, specs[s.run]) for s in self.shards if not s.pending}
+        self.stream, self.poll_s = stream, poll_s
+        if stream and world_size > 1:
+            raise DataError(
+                f"a streamed training runs on one rank (this job has {world_size}): its first epoch follows the "
+                "order shards arrive in, which one process observes; train with AERIE_TRAIN_RANKS=1 or without --stream"
+            )
+        self.windows: list[list[int]] = []  # streaming: epoch 0's shard windows, in the order formed
+        self._stream0: list[list[Item]] = []  # their batches
+        self.closing = threading.Event()
         self.verified: set[str] = set()  # shards checked once (ShardCache), not again on each reopening
         # sequence lengths from the offsets alone (a few bytes per shard, fetched by range)
         self.lengths = [np.diff(_offsets(store, s.key)) for s in self.shards]
@@ -472,6 +519,90 @@ class HiddenData:
             plan += self._pack([items[j] for j in rng.permutation(len(items))])
         return plan
 
+    # --- streaming: epoch 0 in arrival order ------------------------------------------
+    @property
+    def arrived(self) -> bool:
+        return not any(s.pending for s in self.shards)
+
+    def refresh(self) -> bool:
+        """List the runs' hidden records again; shards extracted since become trainable (checked
+        like every shard when first opened). A shard that failed for good is a DataError. -> every
+        shard has arrived."""
+        pending = {s.run for s in self.shards if s.pending}
+        for run in pending:
+            hidden = set(shard_names(self.store, run, "hidden"))
+            failed = set(layout.record_names(self.store.list(layout.failures_prefix(run))))
+            for i, ref in enumerate(self.shards):
+                if ref.run != run or not ref.pending:
+                    continue
+                if ref.name in hidden:
+                    new = hidden_ref(self.store, run, ref.name)
+                    if new is not None:
+                        self.expect[new.key] = (new, self.specs[run])
+                        self.shards[i] = new
+                elif ref.name in failed:
+                    raise DataError(
+                        f"run {run!r}: shard {ref.name} failed for good ({layout.shard_failure(run, ref.name)}): "
+                        "a streamed training cannot finish without it; retry the run's extraction"
+                    )
+        return self.arrived
+
+    def wait_arrived(self) -> None:
+        """Until every shard of the runs is extracted (a streamed job, before its final evaluation)."""
+        while not self.refresh():
+            if self.closing.wait(self.poll_s):
+                raise DataError("stopped while waiting for the runs' shards")
+
+    def _stream_window(self, shards: list[int]) -> None:
+        taken = set(shards)
+        items = [it for it in self.train_items if it[0] in taken]
+        rng = np.random.default_rng([self.seed, 0, len(self.windows)])
+        self.windows.append(shards)
+        self._stream0 += self._pack([items[j] for j in rng.permutation(len(items))])
+
+    def _next_window(self) -> bool:
+        """Form epoch 0's next window from the shards arrived and not taken yet (name order):
+        `SHUFFLE_WINDOW` of them, or the rest once all have arrived; waits for them. -> False when
+        every training shard is in a window (epoch 0 is complete)."""
+        wanted = sorted({it[0] for it in self.train_items} - {i for w in self.windows for i in w})
+        while wanted:
+            all_in = self.refresh()
+            ready = [i for i in wanted if not self.shards[i].pending]
+            if len(ready) >= SHUFFLE_WINDOW or all_in:
+                self._stream_window(ready[:SHUFFLE_WINDOW])
+                return True
+            if self.closing.wait(self.poll_s):
+                raise DataError("stopped while waiting for the runs' shards")
+        return False
+
+    def window_ids(self) -> list[list[str]]:
+        """Epoch 0's windows so far, as shard ids (run/name): what a checkpoint keeps."""
+        return [[self.shards[i].id for i in w] for w in list(self.windows)]
+
+    def restore_windows(self, windows: list[list[str]]) -> None:
+        """A resumed streamed job: epoch 0's windows as its checkpoint recorded them."""
+        index = {s.id: i for i, s in enumerate(self.shards)}
+        self.refresh()
+        for ids in windows:
+            missing = [i for i in ids if i not in index or self.shards[index[i]].pending]
+            if missing:
+                raise DataError(
+                    f"the checkpoint's epoch 0 read shards {missing} that the runs no longer hold: "
+                    "re-extract them, or train anew (another --train-id)"
+                )
+            self._stream_window([index[i] for i in ids])
+
+    def _has(self, plans: dict[int, list[list[Item]]], e: int, i: int) -> bool:
+        """Whether epoch `e` has a batch `i` (epoch 0 of a streamed job grows as shards arrive)."""
+        if self.stream and e == 0:
+            plans[0] = self._stream0
+            while i >= len(self._stream0) and self._next_window():
+                pass
+            return i < len(self._stream0)
+        if e not in plans:
+            plans[e] = self.epoch_plan(e)
+        return i < len(plans[e])
+
     def rank_plan(self, epoch: int = 0, index: int = 0) -> Iterator[tuple[tuple[int, int], list[Item]]]:
         """This rank's batches, endless, from the group's data position (epoch, index): the group
         takes the epochs' batches in order, rank r the r-th of each `world_size`, across epoch ends
@@ -482,7 +613,7 @@ class HiddenData:
 
         def advance(e: int, i: int, k: int) -> tuple[int, int]:
             i += k
-            while i >= len(plans.get(e) or plans.setdefault(e, self.epoch_plan(e))):
+            while not self._has(plans, e, i):
                 i, e = i - len(plans[e]), e + 1
             return e, i
 
@@ -508,6 +639,8 @@ class HiddenData:
         """This rank's endless batches from the group's data position (epoch, index) (rank_plan);
         yields (the position after them, Batch)."""
 
+        self.closing.clear()
+
         def produce() -> Iterator:
             cache = ShardCache(self.store, self.expect, self.verified)
             try:
@@ -527,17 +660,23 @@ class HiddenData:
     def holdout_batches(self, max_batches: int | None = None) -> Iterator[Batch]:
         cache = ShardCache(self.store, self.expect, self.verified)
         try:
-            for n, batch in enumerate(self._pack(self.holdout_items)):
+            for n, batch in enumerate(self._pack(self._holdout_arrived())):
                 if max_batches is not None and n >= max_batches:
                     break
                 yield self.load(cache, batch)
         finally:
             cache.close()
 
+    def _holdout_arrived(self) -> list[Item]:
+        """The held-out sequences of the shards extracted so far (all of them unless streaming)."""
+        if self.stream:
+            self.refresh()
+        return [it for it in self.holdout_items if not self.shards[it[0]].pending]
+
     def holdout_sequences(self, n: int) -> list[dict[str, np.ndarray]]:
         """Up to n held-out sequences (input_ids, loss_mask), e.g. for prompts."""
         out = []
-        for shard_idx, seq_idx in self.holdout_items[:n]:
+        for shard_idx, seq_idx in self._holdout_arrived()[:n]:
             t = read_tensors(self.store, self.shards[shard_idx].key, ["input_ids", "loss_mask", "offsets"])
             a, b = int(t["offsets"][seq_idx]), int(t["offsets"][seq_idx + 1])
             out.append({"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b]})
@@ -575,6 +714,8 @@ class HiddenData:
         for s, seqs in by_shard.items():
             if seen >= max_tokens:
                 break
+            if self.shards[s].pending:  # streaming: the target's tokens of the shards extracted so far
+                continue
             t = read_tensors(self.store, self.shards[s].key, ["loss_mask", "offsets", *signal])
             keep = np.zeros(len(t["loss_mask"]), dtype=bool)
             for q in seqs:  # row r predicts token r+1: kept when that token is trained, in the same sequence
@@ -627,4 +768,5 @@ class Prefetcher:
 
     def close(self) -> None:
         self.stop.set()
+        self.owner.closing.set()  # a streamed epoch waiting for shards stops waiting
         self.thread.join(timeout=10)

@@ -130,6 +130,8 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             _log_eval(tracking, untrained, 0)
             tracking.progress(stage="train", message="")
         trainer.train(lambda state: _measure(trainer, evaluator, state))
+        if request.config.stream:  # the final evaluation reads the complete runs' held-out shards
+            trainer.data.wait_arrived()
         result = TrainResult(
             drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from
         )

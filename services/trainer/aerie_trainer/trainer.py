@@ -7,6 +7,10 @@ there is none: aerie_trainer.warm_start): the learning rate is a pure function o
 the data position is (epoch, batch), and the optimizer state, RNG and loss curve come back from
 the store (aerie_trainer.checkpoint) — the same files whatever the sharding.
 
+A streamed job (`TrainConfig.stream`) starts while its runs are extracted: HiddenData plans it from
+the token shards and takes epoch 0 in arrival order (the windows go into each checkpoint); its
+step count and every later epoch are a complete job's.
+
 Steps: `TrainConfig.steps`, else `epochs` passes over the batches (divided by `grad_accum` times
 the ranks, which share every epoch's batches: HiddenData.rank_plan); warmup: `warmup_steps`, else 1.5% of the steps.
 """
@@ -76,7 +80,7 @@ class Trainer:
         self.progress = progress or (lambda event: None)
         self.train_id = request.resolved_train_id
         cfg = self.cfg
-        self.runset = load_runs(store, request.runs)
+        self.runset = load_runs(store, request.runs, stream=cfg.stream)
         self.data = HiddenData(
             store,
             self.runset,
@@ -88,6 +92,7 @@ class Trainer:
             prefetch=cfg.prefetch,
             rank=dist.rank,
             world_size=dist.world_size,
+            stream=cfg.stream,
         )
         per_step = cfg.grad_accum * dist.world_size  # batches the group takes a step
         self.steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(self.data.epoch_plan(0)) / per_step))
@@ -111,6 +116,8 @@ class Trainer:
             self.checkpointer.check_fits(saved[0], saved[1], drafter)
         self.state = saved[2] if saved else TrainerState()
         self.resumed_from = self.state.step if self.state.step else None
+        if cfg.stream:  # epoch 0 as the checkpoint took it (the shards' arrival order then)
+            self.data.restore_windows(self.state.stream_windows)
         # the target's head (gigabytes at a large vocabulary), read once: the vocabulary choice of a
         # fresh run and the loss's target both use it
         head = load_target_lm_head(request.model) if self.runset.spec.target_signal == "final" else None
@@ -274,6 +281,8 @@ class Trainer:
     def save(self) -> None:
         """Every rank calls it (FSDP gathers the full state); rank 0 writes."""
         weights, optim = full_state(self.drafter, self.optimizer, self.sharding)
+        if self.cfg.stream:
+            self.state.stream_windows = self.data.window_ids()
         if self.dist.main:
             self.checkpointer.save(weights, optim, self.state)
             if self.tracking is not None:

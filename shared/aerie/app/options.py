@@ -39,7 +39,17 @@ OPTIONS = {
         "--seq-len", type=click.IntRange(min=16), default=None, help="tokens of a sequence trained on (default 2048)"
     ),
     "ttt_steps": click.option(
-        "--ttt-steps", type=click.IntRange(min=1), default=None, help="training-time-test steps (default 7)"
+        "--ttt-steps",
+        type=click.IntRange(min=1),
+        default=None,
+        help="training-time-test steps (default: --speculative-num-steps plus a margin, 7)",
+    ),
+    "speculative_num_steps": click.option(
+        "--speculative-num-steps",
+        type=click.IntRange(min=1),
+        default=None,
+        help="draft steps of the chain the drafter will serve (SGLang's --speculative-num-steps, default 3): "
+        "--ttt-steps defaults to it plus a margin",
     ),
     "draft_vocab": click.option(
         "--draft-vocab", type=click.IntRange(min=2), default=None, help="draft vocabulary size (default 32000)"
@@ -64,6 +74,13 @@ OPTIONS = {
         default=None,
         help="warm start from this drafter: a folder (aerie pull's, or SpecForge's export: config.json + "
         "*.safetensors) or a published drafter NAME[:VERSION]",
+    ),
+    "stream": click.option(
+        "--stream",
+        is_flag=True,
+        default=None,
+        help="start training on the run's first hidden shards and follow the extraction (same steps as "
+        "waiting); the extraction and training overlap on workers (--broker), the embedded run does one at a time",
     ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"

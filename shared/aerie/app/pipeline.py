@@ -530,7 +530,10 @@ def run(
         gate = AlignGate(server=server, allow_misaligned=allow_misaligned) if server else None
     except ValueError:
         raise click.UsageError(f"--server {server!r}: give the serving SGLang's http(s)://host:port") from None
-    plan, training = controller.new_plan(ingest_request), PlannedTraining(train=train_request, align=gate)
+    plan, training = (
+        controller.new_plan(ingest_request),
+        PlannedTraining(train=train_request, align=gate, start=controller.start_rule(config)),
+    )
     if settings.embedded:
         import transformers
 

@@ -1,0 +1,146 @@
+"""Extract + train wall time: a streamed training (TrainConfig.stream) against the sequential one.
+
+    .venv/bin/python benchmarks/bench_stream.py --model ~/.cache/aerie/SmolLM2-135M-Instruct \\
+        --records 48 --json benchmarks/results/cpu-stream.json
+
+The same ShareGPT conversations are ingested twice (runs `seq` and `stream`, the same shards),
+in a temporary filesystem store, then for each mode, timed from the first extraction to the
+trained drafter:
+- sequential: every shard extracted (the pipeline's `extract` stage, `hf` engine), then trained;
+- streamed: the shards extracted one after the other in one thread while the training starts,
+  in another, as soon as the first shard is stored (the controller's `first_shards` rule) and
+  follows them (epoch 0 in arrival order).
+Each mode's extraction and training get one torch thread each, as an extractor and a trainer
+worker would each have their own device: the streamed mode overlaps them, the sequential one
+cannot. Prints one JSON object (also written to --json): the wall times, their ratio, each
+mode's extraction and training time, the steps (equal by construction) and the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aerie import stages  # noqa: E402
+from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainConfig, TrainRequest  # noqa: E402
+from aerie.runs import shard_names  # noqa: E402
+from aerie.settings import Settings  # noqa: E402
+from aerie.store import FsStore  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="target model folder")
+    ap.add_argument("--records", type=int, default=48, help="ShareGPT conversations")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--shard-sequences", type=int, default=4)
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args()
+
+    from tests.runs import sharegpt_conversations
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="aerie-bench-stream-"))
+    store = FsStore(root)
+    settings = Settings(
+        store=f"file://{root}", engine="hf", device="cpu", tokens_per_batch=2048, ingest_local_dirs=[root]
+    )
+    dataset = root / "chats.jsonl"
+    with open(dataset, "w") as f:
+        for conv in sharegpt_conversations(args.records):
+            turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    config = dict(
+        draft_vocab_size=2048,
+        draft_vocab_from="data",
+        ttt_steps=3,
+        batch_tokens=256,
+        max_seq_tokens=args.max_tokens,
+        epochs=args.epochs,
+        checkpoint_every=10_000,
+        holdout_fraction=0.05,
+        eval_prompts=1,
+        eval_new_tokens=8,
+    )
+    result = {"settings": {**vars(args), "config": config, "torch_threads_per_stage": 1}, "machine": machine()}
+    for mode in ("sequential", "streamed"):
+        run = "seq" if mode == "sequential" else "stream"
+        shards = stages.ingest(
+            store,
+            settings,
+            IngestRequest(
+                run=run,
+                dataset=str(dataset),
+                model=args.model,
+                engine="hf",
+                dtype="float32",
+                options=IngestOptions(
+                    max_tokens=args.max_tokens, shard_tokens=args.shard_sequences * args.max_tokens, overlong="truncate"
+                ),
+            ),
+        ).shards
+        request = TrainRequest(
+            runs=[run],
+            drafter=f"bench-{run}",
+            model=args.model,
+            config=TrainConfig(**config, stream=mode == "streamed"),
+            publish=False,
+        )
+        times: dict[str, float] = {}
+
+        def extract_all(times=times, shards=shards, run=run) -> None:
+            t = time.perf_counter()
+            for shard in shards:
+                stages.extract(store, settings, ExtractRequest(run=run, shard=shard))
+            times["extract_s"] = time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        if mode == "sequential":
+            extract_all()
+            t_train = time.perf_counter()
+            trained = stages.train(store, settings, request)
+        else:
+            extractor = threading.Thread(target=extract_all)
+            extractor.start()
+            while not shard_names(store, run, "hidden"):  # the controller's first_shards rule
+                time.sleep(0.05)
+            t_train = time.perf_counter()
+            trained = stages.train(store, settings, request)
+            extractor.join()
+        wall = time.perf_counter() - t0
+        result[mode] = {
+            "wall_s": round(wall, 2),
+            "extract_s": round(times["extract_s"], 2),
+            "train_started_after_s": round(t_train - t0, 2),
+            "train_s": round(time.perf_counter() - t_train, 2),
+            "shards": len(shards),
+            "steps": trained.steps,
+            "final_loss": trained.final_loss,
+        }
+        print(mode, result[mode], file=sys.stderr, flush=True)
+    result["streamed_over_sequential_wall"] = round(result["streamed"]["wall_s"] / result["sequential"]["wall_s"], 3)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+def machine() -> dict:
+    import os
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__}
+
+
+if __name__ == "__main__":
+    main()

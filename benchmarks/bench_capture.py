@@ -449,7 +449,7 @@ def sglang_version(python: str, env: dict[str, str]) -> str:
 def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path):
     """Stock `sglang.launch_server` from `--sglang-python` with the plugin enabled: capture flags on
     0.5.23, `AERIE_CAPTURE_LAYER_IDS` on 0.5.17 (aerie_sglang.plugin.compat)."""
-    from tests.sglang_server import SGLangServer, _wait_healthy, free_port
+    from aerie.app import launcher
 
     # The client's PYTHONPATH (its own transformers, pydantic, ...) stays out of the server's: SGLang
     # gets its pins from --server-env PYTHONPATH=... only (the device recipe's /tmp/site).
@@ -459,9 +459,8 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
         key, _, value = item.partition("=")
         env[key] = value
     version = sglang_version(args.sglang_python, env)
-    port = free_port()
     flags = ["--model-path", str(model), "--dtype", args.serve_dtype or "bfloat16", "--disable-radix-cache",
-             "--enable-return-hidden-states", "--host", "127.0.0.1", "--port", str(port), *args.server_arg]  # fmt: skip
+             "--enable-return-hidden-states", *args.server_arg]  # fmt: skip
     if version == "0.5.23":
         flags += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                   "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]  # fmt: skip
@@ -475,26 +474,12 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
         site = plugin_site(log_dir / "plugin-site")
         plugin = Path(args.plugin_dir).resolve() if args.plugin_dir else REPO / "services" / "inference"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(plugin), env.get("PYTHONPATH")) if p)
-    log_path = log_dir / f"sglang-{port}.log"
     cmd = [args.sglang_python, "-m", args.launcher, *flags]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-        )
-    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=flags, log_path=log_path, process=proc)
-    try:
-        started = time.monotonic()
-        _wait_healthy(server, args.start_timeout)
-        server.extra.update(start_s=time.monotonic() - started, sglang=version)
+    with launcher.launch(
+        cmd, timeout_s=args.start_timeout, log_path=log_dir / f"sglang-{time.time_ns()}.log", env=env, cwd=REPO
+    ) as server:
+        server.extra.update(start_s=server.start_s, sglang=version)
         yield server
-    finally:
-        server.stop()
 
 
 def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device: str, dtype: str) -> Path:

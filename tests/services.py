@@ -20,13 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from aerie.app.launcher import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -92,8 +92,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def _server_s(response: dict) -> float:
     """The server's own end-to-end seconds for a request (`meta_info.e2e_latency`), 0 if absent."""
@@ -380,8 +378,7 @@ def sink_only(args) -> dict:
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "inference"))
-    from aerie_sglang.plugin import hooks
+    from aerie_sglang.plugin import hooks  # services/inference installed, or on PYTHONPATH
     from aerie_sglang.plugin.sink import Capture, CaptureSinkSettings, Sinks, planned_size
 
     dtype = getattr(torch, args.dtype)
@@ -536,7 +533,7 @@ def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device
 class _Split:
     """Where an extractor process's captures spend their time: seconds of `clock` summed over
     requests (they overlap: 32 in flight) in each wrapped step of the binary path, and how many
-    calls. `time.thread_time` for the CPU of synchronous steps (benchmarks/bench_client.py)."""
+    calls. `time.thread_time` for the CPU of synchronous steps."""
 
     def __init__(self, clock=time.perf_counter):
         import threading
@@ -588,7 +585,6 @@ def _worker(
     results,
     dtype: str = "float32",
 ) -> None:
-    sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
     import httpx
 
     from aerie_extractor.engines import sglang, sglang_binary
@@ -781,12 +777,25 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 log_dir.mkdir(parents=True, exist_ok=True)
                 server = stack.enter_context(gpu_server(args, model, layer_ids, shm, log_dir))
-            else:
-                from tests.sglang_server import capture_server
+            else:  # SGLang on this CPU, from .venv-sglang (scripts/sglang_env.sh), as the tests start it
+                from aerie.app import launcher
 
-                env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
+                python = REPO / ".venv-sglang" / "bin" / "python"
+                if not python.is_file():
+                    raise SystemExit(f"{python} is absent: run scripts/sglang_env.sh, or give --sglang-python")
+                flags = ["--model-path", str(model), "--dtype", args.serve_dtype or "float32",
+                         "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                         "--return-aux-hidden-state-layer-ids", *map(str, layer_ids), "--disable-radix-cache"]  # fmt: skip
+                env = launcher.clean_env({"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm})
+                log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-log-")))
                 server = stack.enter_context(
-                    capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env)
+                    launcher.launch(
+                        launcher.cpu_command(python, flags),
+                        timeout_s=args.start_timeout,
+                        log_path=log_dir / "sglang.log",
+                        env=env,
+                        cwd=REPO,
+                    )
                 )
             url, log, cpu = server.url, ServerLog(server.log_path), ProcessCPU(server.process.pid)
             server_info["start_s"] = server.extra.get("start_s")

@@ -82,8 +82,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def sync(device: str) -> None:
     import torch

@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -676,5 +675,4 @@ def table(figures: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

@@ -79,16 +79,7 @@ def serve_args(
     ]  # fmt: skip
 
 
-# The KV pool is capped by --max-total-tokens (4096 tokens: ~190 MB in float32 for SmolLM2).
-# --mem-fraction-static only sets SGLang's start-up check "free memory after loading the weights
-# > (1 - fraction) * free memory before": at 0.1, other processes allocating on this shared
-# machine while the weights load made servers fail to start; 0.8 leaves that room.
-# --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, ~60% of a core
-# (measured), and the module-scoped servers of a test run sit idle most of the time.
-CPU_ARGS = [
-    "--device", "cpu", "--disable-cuda-graph", "--skip-server-warmup",
-    "--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--sleep-on-idle",
-]  # fmt: skip
+CPU_ARGS = launcher.CPU_ARGS
 
 
 @dataclass
@@ -114,9 +105,8 @@ def sglang_server(
     costs ~6 s a stop, so it is stopped by SIGKILL; `graceful`: SIGTERM first (SGLang's shutdown)."""
     python = sglang_python()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
-    cmd = [str(python), "-m", "aerie_sglang.cpu.launch", *(["--serve-eagle"] if serve_eagle else []), *args, *CPU_ARGS]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
-    child_env.update(env or {})
+    cmd = launcher.cpu_command(python, args, serve_eagle=serve_eagle)
+    child_env = launcher.clean_env(env)
     with launcher.launch(
         cmd,
         timeout_s=timeout_s,

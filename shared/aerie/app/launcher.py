@@ -31,6 +31,31 @@ from aerie import sglang_client
 STOP_GRACE_S = 30.0
 HOST = "127.0.0.1"
 
+# SGLang on the CPU (aerie_sglang.cpu.launch, in SGLang's own venv): the KV pool capped by
+# --max-total-tokens (4096 tokens: ~190 MB in float32 for SmolLM2). --mem-fraction-static only
+# sets SGLang's start-up check "free memory after loading the weights > (1 - fraction) * free
+# memory before": at 0.1, other processes allocating on a shared machine while the weights load
+# made servers fail to start; 0.8 leaves that room. --sleep-on-idle: an idle scheduler otherwise
+# polls its sockets in a busy loop (~60% of a core).
+CPU_ARGS = [
+    "--device", "cpu", "--disable-cuda-graph", "--skip-server-warmup",
+    "--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--sleep-on-idle",
+]  # fmt: skip
+
+
+def cpu_command(python: str | os.PathLike, args: Sequence[str], *, serve_eagle: bool = False) -> list[str]:
+    """The command of an SGLang CPU server (`aerie_sglang.cpu.launch`: the sgl_kernel shim and the
+    CPU engine; `serve_eagle` adds the CPU ops an EAGLE-3 drafter needs) with SGLang `args`."""
+    eagle = ["--serve-eagle"] if serve_eagle else []
+    return [str(python), "-m", "aerie_sglang.cpu.launch", *eagle, *args, *CPU_ARGS]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without aerie's settings and this venv's Python variables (the
+    server runs in another venv and must not read them), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
+    return env | (extra or {})
+
 
 class LaunchError(RuntimeError):
     """The server could not start, exited before it was healthy, or was not healthy in time."""

@@ -49,3 +49,19 @@ def test_no_benchmark_edits_sys_path_or_imports_the_tests_or_private_names():
                         r"from aerie\w*(\.\w+)* import [^\n]*\b_[a-zA-Z]"):  # fmt: skip
             found += [f"{path.name}: {m.group(0).strip()}" for m in re.finditer(pattern, text, re.M)]
     assert found == []
+
+
+def test_benchmarks_md_opens_with_the_figures_and_every_raw_file_is_cited():
+    """BENCHMARKS.md is a map: its table of current figures within the first 40 lines, every raw
+    file it links present, and every raw file in benchmarks/results cited by it, a report or a
+    device script (what nothing cites leaves the tree)."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    head = text.splitlines()[:40]
+    assert "| figure | value | goal | command | raw file | date |" in head
+    linked = set(re.findall(r"\]\((benchmarks/results/[^)]+)\)", text))
+    assert linked and [p for p in sorted(linked) if not (REPO / p).is_file()] == []
+    citing = text + "".join(
+        p.read_text() for pattern in ("benchmarks/reports/*.md", "benchmarks/*.sh") for p in REPO.glob(pattern)
+    )
+    uncited = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir()) if p.name not in citing]
+    assert uncited == []

@@ -134,11 +134,13 @@ def result(figures: list[Figure], details: dict | None = None) -> dict:
     }
 
 
-def report(figures: list[Figure], out: Path | None = None, details: dict | None = None) -> dict:
-    """Print the result (one JSON object) and write it to `out` when given; -> the result."""
+def report(figures: list[Figure], out: Path | None = None, details: dict | None = None, echo: bool = True) -> dict:
+    """Print the result (one JSON object; `echo=False`: not, for a script whose stdout is already
+    a contract) and write it to `out` when given; -> the result."""
     res = result(figures, details)
     text = json.dumps(res, indent=1, default=str)
-    print(text)
+    if echo:
+        print(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

@@ -99,10 +99,11 @@ def sglang_server(
     log_dir: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
     graceful: bool = False,
+    port: int | None = None,
 ) -> Iterator[SGLangServer]:
-    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags; host and port by the
-    launcher); yield when healthy. A test's server holds nothing to save, and SGLang's own shutdown
-    costs ~6 s a stop, so it is stopped by SIGKILL; `graceful`: SIGTERM first (SGLang's shutdown)."""
+    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags; host and a free port by the
+    launcher, or `port`); yield when healthy. A test's server holds nothing to save, and SGLang's
+    own shutdown costs ~6 s a stop, so it is stopped by SIGKILL; `graceful`: SIGTERM first."""
     python = sglang_python()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
     cmd = launcher.cpu_command(python, args, serve_eagle=serve_eagle)
@@ -114,6 +115,7 @@ def sglang_server(
         env=child_env,
         cwd=REPO,
         graceful=graceful,
+        port=port,
         server_type=SGLangServer,
     ) as server:
         yield server  # type: ignore[misc]

@@ -76,3 +76,11 @@ def test_free_ports_are_free():
     port = launcher.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # raises if something held it
+
+
+def test_a_server_started_again_on_its_port_answers_there(tmp_path):
+    """`port`: a restarted server where its clients expect it (the deploy tests restart SGLang)."""
+    with launcher.launch([sys.executable, "-c", FAKE], timeout_s=30, log_path=tmp_path / "a.log") as first:
+        port = first.port
+    with launcher.launch([sys.executable, "-c", FAKE], timeout_s=30, log_path=tmp_path / "b.log", port=port) as again:
+        assert again.port == port and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200

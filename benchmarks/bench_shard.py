@@ -1,7 +1,8 @@
 """Shard write+read throughput against a plain safetensors save/load of the same tensors, and
 bytes stored per token against the raw tensor bytes. One run, side by side.
 
-    .venv/bin/python benchmarks/bench_shard.py [--tokens 65536] [--hidden 576] [--repeat 5]
+    .venv/bin/python -m benchmarks.bench_shard [--tokens 65536] [--hidden 576] [--repeat 5] [--out F.json]
+    .venv/bin/python -m benchmarks.bench_shard --quick        # small sizes: does it run
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from aerie.app import harness
 from aerie.shard import Shard, pack, raw_bytes_per_token
 
 
@@ -27,7 +29,10 @@ def main() -> None:
     p.add_argument("--points", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeat", type=int, default=5)
+    harness.add_arguments(p)
     a = p.parse_args()
+    if a.quick:
+        a.tokens, a.repeat = 4096, 2
     rng = np.random.default_rng(0)
     seqs = []
     left = a.tokens
@@ -69,15 +74,26 @@ def main() -> None:
         stored = (Path(d) / "ours.safetensors").stat().st_size
     o, s = statistics.median(ours), statistics.median(theirs)
     raw = raw_bytes_per_token(shard)
-    print(
-        f"tensors: {mb:.1f} MB, {shard.num_tokens} tokens, {shard.num_sequences} sequences, K={a.points}, H={a.hidden}"
-    )
-    print(f"aerie shard write+read (mmap):             {mb / o:8.1f} MB/s  (median of {a.repeat})")
-    print(f"aerie full validation (shapes, NaN/Inf):   {mb / statistics.median(checks):8.1f} MB/s")
-    print(f"plain safetensors save+load:               {mb / s:8.1f} MB/s")
-    print(f"ratio aerie / safetensors:                 {s / o:8.3f}")
-    print(
-        f"bytes per token stored {stored / shard.num_tokens:.1f} vs raw {raw:.1f}: overhead {100 * (stored / shard.num_tokens / raw - 1):.3f}%"
+    per_token = stored / shard.num_tokens
+    harness.report(
+        [
+            harness.Figure("shard write+read (mmap) / plain safetensors save+load", round(s / o, 3), "x"),
+            harness.Figure("shard bytes per token / raw tensor bytes", round(per_token / raw, 6), "x", "<= 1.01"),
+        ],
+        a.out,
+        details={
+            "tensors_mb": round(mb, 1),
+            "tokens": shard.num_tokens,
+            "sequences": shard.num_sequences,
+            "points": a.points,
+            "hidden": a.hidden,
+            "repeat": a.repeat,
+            "shard_write_read_mb_s": round(mb / o, 1),
+            "shard_validation_mb_s": round(mb / statistics.median(checks), 1),
+            "safetensors_save_load_mb_s": round(mb / s, 1),
+            "bytes_per_token_stored": round(per_token, 1),
+            "bytes_per_token_raw": round(raw, 1),
+        },
     )
 
 

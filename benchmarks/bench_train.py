@@ -15,8 +15,12 @@
     # process group of one (NCCL on a GPU, gloo on the CPU) or under torchrun:
     python benchmarks/bench_train.py --synthetic 4 --synthetic-target llama3-8b --device cuda --sharding fsdp
 
-Prints one JSON line: tokens/s over the timed steps (after --warmup steps), mean step time,
-data wait fraction (goal < 5%), and the settings it ran with.
+    # small sizes on the CPU (SmolLM2's shapes, one synthetic shard): does it run
+    python -m benchmarks.bench_train --quick --out result.json
+
+Prints one JSON line (its last line: the device scripts read it): tokens/s over the timed steps
+(after --warmup steps), mean step time, data wait fraction (goal < 5%), and the settings it ran
+with. `--out FILE` also writes the harness's result (aerie.app.harness) there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 import numpy as np
 
 from aerie import layout
+from aerie.app import harness
 from aerie.capture import convention_for, default_capture_points
 from aerie.contracts import EngineSpec, IngestOptions, RunSpec, ShardRecord, TrainConfig, TrainRequest
 from aerie.settings import Settings
@@ -176,15 +181,23 @@ def main() -> None:
         default="single",
         help="wrap the drafter as the job's ranks do (a process group of one unless under torchrun)",
     )
+    harness.add_arguments(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.synthetic, args.steps, args.warmup = max(args.synthetic, 1), 3, 1
+        args.batch_tokens, args.seq_tokens, args.draft_vocab, args.ttt_steps = 512, 128, 1024, 2
 
     from aerie_trainer.trainer import Trainer
 
     if args.synthetic_target:
         args.model = synthetic_target(args.synthetic_target, tempfile.mkdtemp(prefix="aerie-target-"))
+    settings = Settings.load(device=args.device)
+    if not args.model and args.quick:
+        from aerie.target import smollm2
+
+        args.model = str(smollm2(settings.cache_dir))
     if not args.model:
         ap.error("--model or --synthetic-target is required")
-    settings = Settings.load(device=args.device)
     store = (
         open_store(settings)
         if (args.in_store or not args.synthetic)
@@ -230,24 +243,30 @@ def main() -> None:
     elapsed = time.perf_counter() - marks["t"]
     tokens = state.tokens - marks["tokens"]
     wait = trainer.data.wait_s - marks["wait"]
-    print(
-        json.dumps(
-            {
-                "tokens_per_s": round(tokens / elapsed, 1),
-                "step_s": round(elapsed / args.steps, 4),
-                "data_wait_fraction": round(wait / elapsed, 4),
-                "device": str(trainer.dist.device),
-                "store": store.url.split("://")[0],
-                "sharding": args.sharding,
-                "batch_tokens": args.batch_tokens,
-                "ttt_steps": args.ttt_steps,
-                "draft_vocab": cfg.draft_vocab_size,
-                "timed_steps": args.steps,
-                "runs": runs,
-                "final_loss": round(state.losses[-1], 4),
-            }
-        )
+    line = {
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "step_s": round(elapsed / args.steps, 4),
+        "data_wait_fraction": round(wait / elapsed, 4),
+        "device": str(trainer.dist.device),
+        "store": store.url.split("://")[0],
+        "sharding": args.sharding,
+        "batch_tokens": args.batch_tokens,
+        "ttt_steps": args.ttt_steps,
+        "draft_vocab": cfg.draft_vocab_size,
+        "timed_steps": args.steps,
+        "runs": runs,
+        "final_loss": round(state.losses[-1], 4),
+    }
+    harness.report(
+        [
+            harness.Figure("trainer throughput", line["tokens_per_s"], "tok/s"),
+            harness.Figure("share of step time waiting for data", line["data_wait_fraction"], "", "< 0.05"),
+        ],
+        args.out,
+        details=line,
+        echo=False,
     )
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The whole plugin on a real SGLang under its prefill CUDA graph (0.5.17, the lent
 `benchmarks/plugin_on_device.py` (`gpu_capture_device.sh verify`). Device side:
 
     bash benchmarks/gpu_capture_device.sh final-rows      # this script, then `verify`
+    PYTHONPATH=services/inference python3 benchmarks/final_rows_on_device.py --out F.json   # alone
 
 Writes `$OUT/final-rows.json`: per mode, the max abs difference and the count of wrong captures.
 """
@@ -26,17 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "services" / "inference")]
-
-from aerie_sglang.plugin import compat, hooks  # noqa: E402
-from aerie_sglang.plugin.sink import CaptureSinkSettings  # noqa: E402
+from aerie_sglang.plugin import compat, hooks  # services/inference installed, or on PYTHONPATH
+from aerie_sglang.plugin.sink import CaptureSinkSettings
 
 
 class Output:

@@ -232,7 +232,7 @@ final-rows)
   # First 0.5.23's order (the graph's output view, the next replay before the rows are taken) around
   # a real CUDA graph with this checkout's hooks (torch only, no SGLang: final_rows_on_device.py);
   # then, when SGLang 0.5.17 is on the machine (the carries of `verify`), the whole plugin on it.
-  python3 benchmarks/final_rows_on_device.py --out "$OUT/final-rows.json" | tail -1
+  PYTHONPATH=services/inference:$PYTHONPATH python3 benchmarks/final_rows_on_device.py --out "$OUT/final-rows.json" | tail -1
   if [ -f /tmp/sgsite/.installed_chunk1 ]; then bash "$0" verify; else echo "no SGLang 0.5.17 here: run the verify carries for the end-to-end check"; fi
   ;;
 w4a16)

@@ -209,7 +209,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 class Bench:
     def __init__(self, a: argparse.Namespace):
-        sys.path[:0] = [str(HERE)]
         from aerie.settings import Settings
         from aerie.store import FsStore
         from aerie.target import smollm2
@@ -969,5 +968,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent))
     main()

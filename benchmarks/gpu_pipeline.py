@@ -36,8 +36,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -267,65 +265,31 @@ def speedup(
 
 @contextmanager
 def sglang_servers(specs: list[tuple[str, str, list[str], Path]], timeout_s: float = 480.0):
-    """Several servers at once, each `python -m module args --port P` in its own process group
-    (`specs`: (python, module, args, log path) each); yields their URLs, in order, once every
-    /health answers (each within `timeout_s` of its start); every group is stopped on exit."""
-    import signal
-    import socket
-    import urllib.request
+    """Several servers at once through the one launcher (aerie.app.launcher), each
+    `python -m module args` (`specs`: (python, module, args, log path) each); yields their URLs, in
+    order, once every /health answers (each within `timeout_s` of its start); every server is
+    stopped on exit (SIGTERM to its group, SIGKILL after a grace period)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
+
+    from aerie.app import launcher
 
     env = dict(os.environ)
     if os.environ.get("AERIE_SGLANG_PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["AERIE_SGLANG_PYTHONPATH"]
-    running = []  # (process, url, log path, command)
-    started = time.perf_counter()
-    try:
-        for python, module, args, log_path in specs:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            cmd = [python, "-m", *module.split(), *args, "--host", "127.0.0.1", "--port", str(port)]
-            with open(log_path, "wb") as f:
-                proc = subprocess.Popen(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-                )
-            running.append((proc, f"http://127.0.0.1:{port}", Path(log_path), cmd))
-        waiting = list(running)
-        while waiting:
-            for item in list(waiting):
-                proc, url, log_path, cmd = item
-                if proc.poll() is not None:
-                    tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(
-                        f"SGLang exited with {proc.returncode} before it was healthy ({' '.join(cmd)}):\n{tail}"
-                    )
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            waiting.remove(item)
-                            log("sglang up", cmd[2], f"{time.perf_counter() - started:.0f} s", url, log_path.name)
-                except OSError:
-                    pass
-            if waiting and time.perf_counter() - started > timeout_s:
-                raise TimeoutError(f"SGLang not healthy after {timeout_s:.0f} s; logs {[str(w[2]) for w in waiting]}")
-            if waiting:
-                time.sleep(1.0)
-        yield [url for _, url, _, _ in running]
-    finally:
-        for proc, *_ in running:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc, *_ in running:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+    def one(stack: ExitStack, python: str, module: str, args: list[str], log_path: Path) -> str:
+        cmd = [python, "-m", *module.split(), *args]
+        server = stack.enter_context(
+            launcher.launch(cmd, timeout_s=timeout_s, log_path=log_path, env=env, graceful=True)
+        )
+        log("sglang up", cmd[2], f"{server.start_s:.0f} s", server.url, Path(log_path).name)
+        return server.url
+
+    with ExitStack() as stack:
+        with ThreadPoolExecutor(max(1, len(specs))) as pool:
+            futures = [pool.submit(one, stack, *spec) for spec in specs]
+        yield [f.result() for f in futures]
 
 
 @contextmanager
@@ -711,5 +675,4 @@ def table(figures: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

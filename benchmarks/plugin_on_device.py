@@ -42,7 +42,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "shared"), str(REPO / "services" / "extractor")]
 
 LAYER_IDS = [1, 5, 9]
 CFG = dict(

@@ -3,7 +3,7 @@
     python scripts/import_graph.py            # the graph, one module per line, and the checks
     python scripts/import_graph.py --check    # only the checks; exit 1 when one fails
 
-Every `import` counts, at module level or inside a function. The checks (DESIGN.md, Boundaries):
+Every `import` counts, at module level or inside a function. The checks (ARCHITECTURE.md, "Packages and services"):
 - no import cycle between aerie's modules;
 - a service imports no other service's package (the store is the only interface between them);
 - the shared library imports no service package (services plug in through entry points);

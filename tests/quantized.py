@@ -9,7 +9,7 @@ served on a quantized one (the seed's Kimi-K2 deployment is INT4 with 32-weight 
 linear weight of the decoder layers (q, k, v, o, gate, up, down) is quantized round-to-nearest,
 asymmetric, `bits` per weight (BITS = 4) with one scale and zero point per `group` consecutive
 input weights (GROUP = 32; PER_CHANNEL: a whole row, the coarser layout), then dequantized back and
-stored in the source's dtype (bf16). Measured (BENCHMARKS.md "Alignment"): 4 bits in groups of 32
+stored in the source's dtype (bf16). Measured (benchmarks/reports/history-2026-12.md "Alignment"): 4 bits in groups of 32
 keep the residual stream at cosine 0.9965 / 0.980 / 0.969 (points 2 / 15 / 27), 4 bits per channel
 at 0.991 / 0.963 / 0.935. Embeddings (tied with the lm_head) and norms stay as they are, as INT4
 checkpoints keep them. The folder has no `quantization_config`: SGLang serves the dequantized

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from aerie.app import stack
-from aerie.app.stack import S3Server, free_port  # noqa: F401 (the tests import both from here)
+from aerie.app.launcher import free_port  # noqa: F401 (the tests import it from here)
+from aerie.app.stack import S3Server  # noqa: F401 (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 

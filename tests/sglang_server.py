@@ -11,9 +11,9 @@
         ...
 
 - The server runs `python -m aerie_sglang.cpu.launch` (shim, CPU engine, `--serve-eagle` for a
-  drafter) in its own process group, on a free port, logging to a file; `/health` is waited for
-  with a timeout (failing with the log's tail if the server dies first); on exit SIGKILL goes to
-  the whole group (`graceful=True`: SIGTERM first, SIGKILL after a grace period).
+  drafter) through the one launcher (aerie.app.launcher): its own process group, a free port, a
+  log file, `/health` waited for (LaunchError with the log's tail if the server dies first); on
+  exit SIGKILL goes to the whole group (`graceful=True`: SIGTERM first).
 - Without `.venv-sglang` the tests skip (run scripts/sglang_env.sh), unless
   `AERIE_REQUIRE_SGLANG` is set (the test command sets it): then they fail.
 - Each server takes ~25 s to start and 3-4 GB: share one per module (`scope="module"`). A start
@@ -24,24 +24,21 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from aerie.app import launcher
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG_VENV = REPO / ".venv-sglang"
 START_TIMEOUT_S = 420.0  # ~25 s alone; 2 shared cores under load (load avg 10) took 190 s
-STOP_GRACE_S = 30.0
 
 
 def sglang_python() -> Path:
@@ -53,12 +50,6 @@ def sglang_python() -> Path:
     if os.environ.get("AERIE_REQUIRE_SGLANG"):
         pytest.fail(f"AERIE_REQUIRE_SGLANG is set but {reason}")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def capture_args(model_path: str | os.PathLike, layer_ids: Sequence[int], dtype: str = "float32") -> list[str]:
@@ -88,77 +79,15 @@ def serve_args(
     ]  # fmt: skip
 
 
-# The KV pool is capped by --max-total-tokens (4096 tokens: ~190 MB in float32 for SmolLM2).
-# --mem-fraction-static only sets SGLang's start-up check "free memory after loading the weights
-# > (1 - fraction) * free memory before": at 0.1, other processes allocating on this shared
-# machine while the weights load made servers fail to start; 0.8 leaves that room.
-# --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, ~60% of a core
-# (measured), and the module-scoped servers of a test run sit idle most of the time.
-CPU_ARGS = [
-    "--device", "cpu", "--disable-cuda-graph", "--skip-server-warmup",
-    "--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--sleep-on-idle",
-]  # fmt: skip
+CPU_ARGS = launcher.CPU_ARGS
 
 
 @dataclass
-class SGLangServer:
-    url: str
-    port: int
-    args: list[str]
-    log_path: Path
-    process: subprocess.Popen
+class SGLangServer(launcher.Server):
+    """A launcher.Server with what a test asks of it: the capture layers and the model."""
+
     layer_ids: list[int] | None = None
     model_path: str | None = None
-    extra: dict = field(default_factory=dict)
-    graceful: bool = False  # stop with SIGTERM (SGLang's own shutdown), as a deployment restarts it
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        """SIGKILL to the process group (launcher, scheduler, detokenizer). A test's server holds
-        nothing to save, and SGLang's own shutdown costs ~6 s a stop (measured: it drains requests
-        for 4-6 s, or, when its scheduler gets the signal first, sleeps 5 s "to let GPU activity
-        settle"). `graceful`: SIGTERM to the group first, SIGKILL if it lingers."""
-        proc = self.process
-        if self.graceful and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # children may outlive the launcher: the group goes in any case
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _wait_healthy(server: SGLangServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=10.0) as client:
-        while time.monotonic() < deadline:
-            if server.process.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang exited with code {server.process.returncode} before it was healthy "
-                    f"(args: {' '.join(server.args)}); log tail:\n{server.log_tail()}"
-                )
-            try:
-                if client.get(server.url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"SGLang not healthy after {timeout_s:.0f} s at {server.url}; log tail:\n{server.log_tail()}")
 
 
 @contextmanager
@@ -170,38 +99,26 @@ def sglang_server(
     log_dir: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
     graceful: bool = False,
+    port: int | None = None,
 ) -> Iterator[SGLangServer]:
-    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags, host, port); yield when healthy.
-    `graceful`: stopped by SIGTERM (SGLang's own shutdown) rather than SIGKILL (SGLangServer.stop)."""
+    """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags; host and a free port by the
+    launcher, or `port`); yield when healthy. A test's server holds nothing to save, and SGLang's
+    own shutdown costs ~6 s a stop, so it is stopped by SIGKILL; `graceful`: SIGTERM first."""
     python = sglang_python()
-    port = free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"sglang-{port}.log"
-    full = [*args, *CPU_ARGS, "--host", "127.0.0.1", "--port", str(port)]
-    cmd = [str(python), "-m", "aerie_sglang.cpu.launch", *(["--serve-eagle"] if serve_eagle else []), *full]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("AERIE_", "VIRTUAL_ENV", "PYTHON"))}
-    child_env.update(env or {})
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=child_env,
-            start_new_session=True,
-        )
-    server = SGLangServer(
-        url=f"http://127.0.0.1:{port}", port=port, args=full, log_path=log_path, process=proc, graceful=graceful
-    )
-    try:
-        started = time.monotonic()
-        _wait_healthy(server, timeout_s)
-        server.extra["start_s"] = time.monotonic() - started
-        yield server
-    finally:
-        server.stop()
+    cmd = launcher.cpu_command(python, args, serve_eagle=serve_eagle)
+    child_env = launcher.clean_env(env)
+    with launcher.launch(
+        cmd,
+        timeout_s=timeout_s,
+        log_path=log_dir / f"sglang-{time.time_ns()}.log",
+        env=child_env,
+        cwd=REPO,
+        graceful=graceful,
+        port=port,
+        server_type=SGLangServer,
+    ) as server:
+        yield server  # type: ignore[misc]
 
 
 @contextmanager

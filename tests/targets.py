@@ -88,7 +88,7 @@ MINIATURE = {
 # `o_proj` and `down_proj` (dense, shared and routed experts) at 0.16 and the embeddings at 0.002
 # make the states the layers' work rather than the current token's embedding, so the drafter reads
 # them (first draft right at 0.73 of positions fed the trained points, 0.58 fed the neighbouring
-# layers, 0.55 fed zeros). Measured with benchmarks/bench_tiny_target.py (BENCHMARKS.md).
+# layers, 0.55 fed zeros). Measured then (benchmarks/reports/history-2026-12.md).
 _SPREAD = {"lm_head": 0.4, "o_proj": 0.16, "down_proj": 0.16, "embed_tokens": 0.002}
 
 

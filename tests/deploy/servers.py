@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 from tests.sglang_server import START_TIMEOUT_S, capture_server
 
@@ -32,12 +31,10 @@ class RestartableServer:
 
     def start(self) -> None:
         self._stack = ExitStack()
-        same_port = mock.patch("tests.sglang_server.free_port", return_value=self.port) if self.port else nullcontext()
-        with same_port:
-            # stopped as a deployment restarts it: SIGTERM, SGLang's own shutdown
-            server = self._stack.enter_context(
-                capture_server(self.model, points=POINTS, log_dir=self.log_dir, graceful=True)
-            )
+        # on its first port when started again; stopped as a deployment restarts it: SIGTERM, SGLang's own shutdown
+        server = self._stack.enter_context(
+            capture_server(self.model, points=POINTS, log_dir=self.log_dir, graceful=True, port=self.port)
+        )
         self.port, self.url = server.port, server.url
 
     def start_soon(self) -> None:

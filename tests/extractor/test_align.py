@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 POINTS = [2, 15, 27]  # SmolLM2-135M, N = 30
 SAMPLES, MAX_TOKENS = 4, 96  # 384 tokens compared per check
 AERIE = str(Path(sys.executable).with_name("aerie"))
-# Measured here (BENCHMARKS.md "Alignment"): same weights >= 0.99985 mean per point (bf16 states,
+# Measured here (benchmarks/reports/history-2026-12.md "Alignment"): same weights >= 0.99985 mean per point (bf16 states,
 # float32 server), neighbouring layers 0.82-0.975, the quantized weights 0.9966 (point 2) to 0.969.
 SAME = 0.9998  # least mean cosine of the same target in the same engine
 NEIGHBOUR = 0.98  # a neighbouring layer stays under this

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from aerie import layout
+from aerie.app.launcher import free_port
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import EngineSpec, IngestOptions, RunSpec, ShardRecord
 from aerie.settings import Settings
@@ -29,7 +30,7 @@ from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import SGLangEngine
 from tests.runs import DATA
 from tests.services import wait_settled
-from tests.sglang_server import capture_server, free_port, start_soon
+from tests.sglang_server import capture_server, start_soon
 from tests.workers import ExtractorWorker as Worker
 from tests.workers import celery_cli, wait_complete, worker_env
 

@@ -14,7 +14,7 @@ acceptance (completion tokens / verify steps):
 
 Why 3 bits: at 4 bits per output row these small drafters (first draft right at ~0.19 of
 held-out positions) lose too little to measure. Teacher-forced over 10,414 held-out positions
-(benchmarks/bench_align_drafters.py, BENCHMARKS.md "What the mismatch costs"), the twin's first
+(benchmarks/reports/history-2026-12.md, "What the mismatch costs"), the twin's first
 draft is right at 0.182 against the shared drafter's 0.178 at 4 bits (+0.002 per conversation, sd
 0.025); at 3 bits 0.232 against 0.116 (+0.117, sd 0.053, the twin ahead on all 60 conversations).
 The earlier 4-bit version of this test measured served gaps of +0.075, +0.059 and +0.015 on three

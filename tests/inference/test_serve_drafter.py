@@ -184,7 +184,7 @@ def report(name: str, values: dict) -> None:
 def test_random_drafter_serves_plain_greedy_text_and_accepts_nothing(random_starting, plain_outputs, prompt_ids):
     server = random_starting.ready()
     outputs = generate(server.url, prompt_ids[:1])  # one prompt: each token costs a full verify here
-    start_s = server.extra["start_s"]
+    start_s = server.start_s
     random_starting.stop()
     assert_same_text(outputs, plain_outputs[:1])
     per_prompt = [o["meta_info"]["spec_accept_length"] for o in outputs]

@@ -21,7 +21,7 @@ the project's loop 3.4595 on the 4 prompts; with the Llama rule's ids 2.1333 = t
 Four prompts of 32 greedy tokens are a small sample: built from another seed (77), the target's
 drafter also reads the layers (first draft right at 0.55 of held-out positions fed [3, 4, 6], 0.48
 fed [2, 3, 5]), but the loop's acceptance on these prompts is 1.52 against 1.58
-(benchmarks/bench_tiny_target.py, BENCHMARKS.md "The tiny DeepSeek-V3 target").
+(benchmarks/reports/history-2026-12.md, "The tiny DeepSeek-V3 target").
 """
 
 from __future__ import annotations

@@ -30,6 +30,15 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
     assert any("aerie_trainer.job (trainer) imports aerie_extractor.extract" in p for p in found), found
 
 
+def test_the_documents_the_checker_cites_exist():
+    """scripts/import_graph.py states its rules by citing a document: that document is in the
+    repository (it once cited one that was not), and ARCHITECTURE.md stays a one-page map."""
+    cited = set(re.findall(r"\b([A-Z][A-Z_]+\.md)\b", (REPO / "scripts" / "import_graph.py").read_text()))
+    assert "ARCHITECTURE.md" in cited
+    assert [name for name in sorted(cited) if not (REPO / name).is_file()] == []
+    assert len((REPO / "ARCHITECTURE.md").read_text().splitlines()) <= 150
+
+
 def test_the_core_does_not_import_the_app():
     """`aerie` outside `aerie.app` imports neither the app nor click, rich or subprocess."""
     assert import_graph.core_problems() == []

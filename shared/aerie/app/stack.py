@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,10 +32,12 @@ from pathlib import Path
 
 import click
 
+from aerie.app.launcher import CPU_ARGS, free_port
+
 STACK_DIR = ".aerie-stack"
 WORKER_GRACE_S = 120.0  # compose's EXTRACTOR_STOP_GRACE: a task finishes or goes back to the queue
 SERVER_GRACE_S = 30.0
-SGLANG_START_S = 900.0  # a CPU server on 2 busy cores took 190 s (tests/sglang_server.py)
+SGLANG_START_S = 900.0  # a CPU server on busy cores can take minutes (tests/sglang_server.py)
 
 
 class StackError(click.ClickException):
@@ -125,23 +126,9 @@ def capture_args(model: str | os.PathLike, layer_ids: list[int], dtype: str) -> 
     ]  # fmt: skip
 
 
-# A CPU server (SGLANG_CPU.md): the KV pool capped at 4096 tokens; --sleep-on-idle, else an idle
-# scheduler polls its sockets in a busy loop.
-CPU_ARGS = [
-    "--device", "cpu", "--disable-cuda-graph", "--skip-server-warmup",
-    "--max-total-tokens", "4096", "--mem-fraction-static", "0.8", "--sleep-on-idle",
-]  # fmt: skip
-
-
 # --------------------------------------------------------------------------------------
 # Processes: one group each, stopped for sure
 # --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Service:
     """One started process (and its process group), logging to `log`."""

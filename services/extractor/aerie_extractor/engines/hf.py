@@ -122,11 +122,8 @@ def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
 
 
 class HFEngine(Engine):
-    # capture_into's switches, kept for benchmarks/bench_capture_path.py's side-by-side (measured on
-    # the H200, BENCHMARKS.md "capture at engine speed"): rows placed into the shard's arrays by a
-    # helper thread (False: by the launching thread, one batch behind), and fp8 runs quantized on the
-    # device (False: the writers quantize, as every other engine's shards are)
-    place_thread = True
+    # fp8 runs are quantized on the device (extract asks the engine; False: the writers quantize,
+    # as every other engine's shards are)
     quantize_on_device = True
 
     def __init__(self, settings: Settings, run_spec: RunSpec, model_path: str | None = None):
@@ -309,7 +306,6 @@ class HFEngine(Engine):
                 p += b - a
 
         jobs: list[Future] = []  # this call's places on the helper thread, in order
-        pending = None  # without the helper: (event, host rows, idx) placed after the next batch is launched
         try:
             with torch.inference_mode():
                 bad = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -324,15 +320,8 @@ class HFEngine(Engine):
                         self._placing[slot].exception()  # buffer `slot` is free again (its batch placed, or failed)
                     hosts, event = self._stage(tensors, slot)
                     job = (event, [_host_bits(h) for h in hosts], idx)
-                    if self.place_thread:
-                        self._placing[slot] = self._placer.submit(self._place_when_ready, place, *job)
-                        jobs.append(self._placing[slot])
-                        continue
-                    if pending is not None:
-                        self._place_when_ready(place, *pending)
-                    pending = job
-                if pending is not None:
-                    self._place_when_ready(place, *pending)
+                    self._placing[slot] = self._placer.submit(self._place_when_ready, place, *job)
+                    jobs.append(self._placing[slot])
                 flag, event = self._stage([bad.reshape(1)], None)
         except BaseException:
             wait(jobs)  # nothing writes into the caller's arrays once this raises
@@ -345,10 +334,6 @@ class HFEngine(Engine):
                 job.result()  # a place's error
             return not bool(flag[0].item())
 
-        if not self.place_thread:
-            done: Future = Future()
-            done.set_result(finite())
-            return done
         return self._placer.submit(finite)
 
     def _host_buffers(self, rows: int, shapes: list[tuple[tuple[int, ...], object]]) -> None:

@@ -51,7 +51,7 @@ capture points translated by `aerie.capture` (never here). Design choices:
   URL in `settings.engine_urls` pulling from one queue (a faster server takes more), each
   in-flight request on its own kept-alive connection (its own small client: one shared pool's
   bookkeeping costs more CPU per request than reading and checking the capture,
-  benchmarks/bench_client.py).
+  benchmarks/reports/history-2026-12.md).
 - `check()` reads every server's own configuration (`/server_info`, `/model_info`) and a
   two-token probe, and refuses (EngineMismatch) another SGLang version, other layer ids,
   another model, or a radix cache that is on -- before any work. `capture()` checks first
@@ -630,7 +630,7 @@ class SGLangEngine(Engine):
 
         # one client (one kept-alive connection) per in-flight request: httpcore's pool looks over
         # every connection and queued request on each request's start and end, which for one pool
-        # of them all costs more CPU than reading and checking a capture (benchmarks/bench_client.py)
+        # of them all costs more CPU than reading and checking a capture (benchmarks/reports/history-2026-12.md)
         # (and one TLS context for them all: each client would load the CA bundle again)
         per_url = self.settings.engine_concurrency
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)

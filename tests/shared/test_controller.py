@@ -371,7 +371,8 @@ def test_a_streamed_training_is_dispatched_on_the_first_hidden_shard_once(fs_sto
     ]
     assert [p.start for p in planned] == ["first_shards", "extracted"]
     here = InProcess()
-    controller.start(fs_store, settings, controller.new_plan(ingest()), planned, here)
+    st = controller.start(fs_store, settings, controller.new_plan(ingest()), planned, here)
+    streamed, waiting = (controller.follow(p, st.plan).train for p in planned)  # as planned: this creation's
     write_run_spec(fs_store)
     for shard in ("000000", "000001", "000002"):
         write_shard(fs_store, "tokens", shard)
@@ -390,7 +391,9 @@ def test_a_streamed_training_is_dispatched_on_the_first_hidden_shard_once(fs_sto
 
 def test_stream_names_its_own_train_id_and_leaves_the_others_as_they_were():
     plain = TrainRequest(runs=["r"], drafter="d", model="/m")
-    basis = plain.model_dump_json(exclude={"train_id": True, "publish": True, "config": {"stream"}})
+    # fields added later, at their defaults, are left out: the ids of earlier requests stay
+    later = {"follows": True, "config": {"stream", "speculative_num_steps"}}
+    basis = plain.model_dump_json(exclude={"train_id": True, "publish": True, **later})
     assert plain.resolved_train_id == f"d-{hashlib.sha256(basis.encode()).hexdigest()[:12]}"
     streamed = plain.model_copy(update={"config": TrainConfig(stream=True)})
     assert streamed.resolved_train_id != plain.resolved_train_id

@@ -201,9 +201,13 @@ def _iter_jsonl(chunks: Iterator[bytes], line_no: int, cap: int) -> Iterator[tup
             yield line_no, deep
             return
         try:
-            yield line_no, json.loads(text)
+            record = json.loads(text)
         except json.JSONDecodeError as e:
             yield line_no, Rejected(f"bad JSON: {e.msg} at column {e.colno}")
+        except RecursionError:  # never past _too_deep; a last guard that keeps the line number
+            yield line_no, Rejected(f"nested too deep: more than {MAX_DEPTH} levels of arrays/objects")
+        else:
+            yield line_no, record
 
     for chunk in chunks:
         start = 0

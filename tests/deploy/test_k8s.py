@@ -473,8 +473,8 @@ K8S_BREAKS = [
         Break(
             "a generation server started in capture mode",
             "base/generate.yaml",
-            "--enable-metrics --api-key",
-            "--disable-radix-cache --enable-metrics --api-key",
+            "--enable-metrics $GENERATE_EXTRA_ARGS",
+            "--disable-radix-cache --enable-metrics $GENERATE_EXTRA_ARGS",
             "names http://generate:30000: Service generate selects "
             "Deployment/generate, SGLang in capture mode (--disable-radix-cache)",
         ),

@@ -368,6 +368,15 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
         lambda r, objects, *_: [(", ".join(d), r["metadata"]["name"]) for d in [_job_drift(r, objects)] if d],
     ),
     (
+        ": ttlSecondsAfterFinished is {0}, not 0: a finished Job kept that long makes `kubectl apply -k` fail after "
+        "any change of its pod template (immutable); 0 removes it once done, and the next apply runs it anew",
+        lambda r, *_: (
+            [dig(r, "spec", "ttlSecondsAfterFinished")]
+            if r.get("kind") == "Job" and dig(r, "spec", "ttlSecondsAfterFinished") != 0
+            else []
+        ),
+    ),
+    (
         ": rollout.strategy is not `gradual`: `kubectl apply` of a changed ScaledJob deletes its running Jobs, "
         "busy workers and all",
         lambda r, *_: r.get("kind") == "ScaledJob" and dig(r, "spec", "rollout", "strategy") != "gradual",

@@ -90,6 +90,31 @@ def differences(services: dict, resources: list[dict], label: str) -> list[str]:
     return problems
 
 
+# compose service -> (k8s kind, name) whose pod runs the same image: same user and group
+IDENTITIES = {"redis": ("StatefulSet", "redis"), "minio": ("StatefulSet", "minio"), "minio-init": ("Job", "minio-init")}
+IDENTITY_PLATFORM = {
+    "minio": "compose's minio-data volume is created root-owned (no fsGroup as in k8s): MinIO runs as the image's root",
+}
+
+
+def identity_differences(services: dict, resources: list[dict], label: str) -> list[str]:
+    objects = {(r.get("kind"), dig(r, "metadata", "name")): r for r in resources}
+    problems = []
+    for service, ref in IDENTITIES.items():
+        if service in IDENTITY_PLATFORM or service not in services or ref not in objects:
+            continue
+        context = dig(objects[ref], "spec", "template", "spec", "securityContext") or {}
+        if "runAsUser" not in context:
+            continue
+        want = f"{context['runAsUser']}:{context.get('runAsGroup', context['runAsUser'])}"
+        if services[service].get("user") != want:
+            problems.append(
+                f"{label}: {ref[0]}/{ref[1]} runs as {want}, compose's {service} as "
+                f'{services[service].get("user") or "the image default (root)"}: set `user: "{want}"`'
+            )
+    return problems
+
+
 def check_parity(repo: Path = REPO) -> list[str]:
     from .compose import Project
     from .k8s import kustomize_build, overlays
@@ -98,5 +123,7 @@ def check_parity(repo: Path = REPO) -> list[str]:
     return [
         p
         for overlay in overlays(repo)
-        for p in differences(services, kustomize_build(overlay), str(overlay.relative_to(repo)))
+        for rendered in [kustomize_build(overlay)]
+        for p in differences(services, rendered, str(overlay.relative_to(repo)))
+        + identity_differences(services, rendered, str(overlay.relative_to(repo)))
     ]

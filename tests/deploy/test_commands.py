@@ -194,6 +194,8 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
         "SGLANG_API_KEY": "a-key",
         "GENERATE_TP_SIZE": "4",
         "GENERATE_EXTRA_ARGS": "--mem-fraction-static 0.85",
+        "GENERATE_MAX_RUNNING": "128",
+        "secret": "/tmp/tmp.sglang",  # the scripts' mktemp file holding the key (test_sglang_api_key.py)
     }
     s = compose_services
     base = yaml.safe_load_all((REPO / "k8s" / "base" / "inference.yaml").read_text())
@@ -219,8 +221,9 @@ def test_inference_command_lines_parse_with_sglangs_own_argument_parser(compose_
     assert lines["compose capture"][lines["compose capture"].index("--return-aux-hidden-state-layer-ids") + 1 :][
         :3
     ] == ["1", "14", "26"]
-    for name, argv in lines.items():  # metrics for Prometheus, and the key every client must send
-        assert "--enable-metrics" in argv and argv[argv.index("--api-key") + 1] == "a-key", name
+    for name, argv in lines.items():  # metrics for Prometheus; the key from a file, never in argv
+        assert "--enable-metrics" in argv and argv[argv.index("--config") + 1] == "/tmp/tmp.sglang", name
+        assert "a-key" not in argv, name
     probe = (
         "import argparse, json, sys\n"
         "from sglang.srt.server_args import ServerArgs\n"

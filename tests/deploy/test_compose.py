@@ -99,7 +99,7 @@ def test_every_aerie_name_the_plugin_reads_is_in_its_env_vars():
 # gets a copy of its own). The batch "services" breaks one service (or anchor) per edit, "variables"
 # one variable of .env.example or one port line; each expected message names its service or variable.
 REGENERATE_URLS = """AERIE_REGENERATE_URLS: '["http://generate:30000"]'"""
-GENERATE_FLAGS = '--enable-metrics --api-key "$${SGLANG_API_KEY}" $${SGLANG_EXTRA_ARGS}\n\n  # Celery workers'
+GENERATE_FLAGS = "--enable-metrics $${SGLANG_EXTRA_ARGS}\n\n  # Celery workers"
 SERVE_TP = "      TP_SIZE: ${TP_SIZE:-8}\n      SERVED_MODEL_NAME: ${SERVED_MODEL_NAME:-target}\n      DRAFTER_NAME"
 COMPOSE_BREAKS = [
     Break(

@@ -178,3 +178,85 @@ def test_k8s_minio_init_script_is_the_compose_one():
     assert filecmp.cmp(SCRIPT, REPO / "k8s" / "base" / "minio_init.sh", shallow=False), (
         "k8s/base/minio_init.sh must be a copy of scripts/minio_init.sh: cp scripts/minio_init.sh k8s/base/"
     )
+
+
+def allowed(policy: dict, action: str, resource: str, prefix: str | None = None) -> bool:
+    """IAM's evaluation of an Allow-only policy for one request: an action and resource of a statement
+    match (`*` wildcards), and its StringLike condition on s3:prefix (ListBucket's) holds."""
+    from fnmatch import fnmatchcase
+
+    for s in policy["Statement"]:
+        if s["Effect"] != "Allow" or action not in s["Action"]:
+            continue
+        if not any(fnmatchcase(resource, r) for r in s["Resource"]):
+            continue
+        like = s.get("Condition", {}).get("StringLike", {}).get("s3:prefix")
+        if like is not None and (prefix is None or not any(fnmatchcase(prefix, p) for p in like)):
+            continue
+        return True
+    return False
+
+
+CAPTURE = {"CAPTURE_ACCESS_KEY": "aerie-capture", "CAPTURE_SECRET_KEY": "capture-secret"}
+
+
+def test_minio_init_gives_sglang_a_key_for_its_capture_prefix_only(minio):
+    out = minio.init(**CAPTURE)
+    assert out.returncode == 0, out.stderr
+    assert "key aerie-capture may list, write and delete objects under aerie/capture/ only" in out.stdout
+    server = minio.server()
+    assert server["users"]["aerie-capture"] == {"policies": ["aerie-capture"], "secret": "capture-secret"}
+    assert server["users"]["aerie-app"]["policies"] == ["aerie-app"]
+    policy = server["policies"]["aerie-capture"]
+    obj = "arn:aws:s3:::aerie/"
+    # what the plugin's s3 sink does
+    assert allowed(policy, "s3:PutObject", obj + "capture/0123.safetensors")
+    assert allowed(policy, "s3:DeleteObject", obj + "capture/0123.safetensors")
+    assert allowed(policy, "s3:ListBucket", "arn:aws:s3:::aerie", prefix="capture/")
+    # and nothing of aerie's own data, nor another bucket
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
+        for key in ("datasets/chat.jsonl", "runs/r/run.json", "drafters/d/latest", "captured/x", "capture"):
+            assert not allowed(policy, action, obj + key), (action, key)
+        assert not allowed(policy, action, "arn:aws:s3:::other/capture/x")
+    assert not allowed(policy, "s3:ListBucket", "arn:aws:s3:::aerie", prefix="runs/")
+    assert not allowed(policy, "s3:ListBucket", "arn:aws:s3:::aerie")
+    # the application's key keeps the whole bucket (the extractors fetch and delete captures)
+    assert allowed(server["policies"]["aerie-app"], "s3:GetObject", obj + "capture/0123.safetensors")
+    again = minio.init(**CAPTURE)  # idempotent, as every later apply
+    assert again.returncode == 0, again.stderr
+
+
+def test_minio_init_refuses_a_capture_key_that_is_not_its_own_or_a_prefix_of_aerie(minio):
+    for env, why in [
+        ({**CAPTURE, "CAPTURE_ACCESS_KEY": "aerie-app"}, "CAPTURE_ACCESS_KEY must be a key of its own"),
+        ({**CAPTURE, "CAPTURE_PREFIX": "runs/"}, "CAPTURE_PREFIX runs/ is not one plain 'name/' segment"),
+        ({**CAPTURE, "CAPTURE_PREFIX": "a/b/"}, "CAPTURE_PREFIX a/b/ is not one plain"),
+        ({**CAPTURE, "CAPTURE_PREFIX": "../"}, "CAPTURE_PREFIX ../ is not one plain"),
+        ({"CAPTURE_ACCESS_KEY": "aerie-capture"}, "CAPTURE_SECRET_KEY is empty"),
+    ]:
+        out = minio.init(**env)
+        assert out.returncode != 0 and why in out.stderr, (env, out.stderr)
+    assert "aerie-capture" not in minio.server()["policies"]
+
+
+def test_k8s_sglang_holds_the_key_minio_init_scopes_to_captures():
+    from scripts.deploy_checks.k8s import kustomize_build
+
+    for overlay in ("single-host", "multi-node"):
+        rendered = kustomize_build(REPO / "k8s/overlays" / overlay)
+
+        def secret_keys(kind, name):
+            r = next(r for r in rendered if r["kind"] == kind and r["metadata"]["name"] == name)
+            (c,) = r["spec"]["template"]["spec"]["containers"]
+            return {
+                e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+                for e in c.get("env") or []
+                if "secretKeyRef" in (e.get("valueFrom") or {})
+            }
+
+        sglang, init = secret_keys("Deployment", "inference"), secret_keys("Job", "minio-init")
+        assert (sglang["AERIE_S3_ACCESS_KEY"], sglang["AERIE_S3_SECRET_KEY"]) == (
+            init["CAPTURE_ACCESS_KEY"],
+            init["CAPTURE_SECRET_KEY"],
+        ), overlay
+        assert sglang["AERIE_S3_ACCESS_KEY"] != init["APP_ACCESS_KEY"], "SGLang holds the application's key"

@@ -22,11 +22,13 @@ def test_a_setting_or_flag_on_one_platform_only_is_reported(deploy_copy):
         "            - name: AERIE_TRAIN_SHARDING",
         "            - name: AERIE_TRAIN_SHARDING_X",
     )
+    deploy_copy.edit("docker-compose.yml", '    user: "999:999"\n', "")
     problems = check_parity(deploy_copy.root)
     for expected in [
         "single-host: Deployment/inference (compose: inference-capture): NCCL_IB_DISABLE is set in compose ('0'), not here",
         "single-host: Deployment/extractor (compose: extractor): AERIE_ENGINE_CONCURRENCY='4' here, '8' in compose",
         "multi-node: Deployment/generate (compose: inference-generate): passes --max-running-requests, compose's command does not",
         "single-host: Deployment/trainer (compose: trainer): AERIE_TRAIN_SHARDING is set in compose ('auto'), not here",
+        "single-host: StatefulSet/redis runs as 999:999, compose's redis as the image default (root)",
     ]:
         assert any(expected in p for p in problems), f"{expected!r} not in {problems}"

@@ -36,7 +36,7 @@ import click
 STACK_DIR = ".aerie-stack"
 WORKER_GRACE_S = 120.0  # compose's EXTRACTOR_STOP_GRACE: a task finishes or goes back to the queue
 SERVER_GRACE_S = 30.0
-SGLANG_START_S = 900.0  # a CPU server on 2 busy cores took 190 s (tests/sglang_server.py)
+SGLANG_START_S = 900.0  # a CPU server on a few busy cores loads for minutes
 
 
 class StackError(click.ClickException):

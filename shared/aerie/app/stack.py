@@ -37,7 +37,7 @@ from aerie.app.launcher import CPU_ARGS, free_port
 STACK_DIR = ".aerie-stack"
 WORKER_GRACE_S = 120.0  # compose's EXTRACTOR_STOP_GRACE: a task finishes or goes back to the queue
 SERVER_GRACE_S = 30.0
-SGLANG_START_S = 900.0  # a CPU server on busy cores can take minutes (tests/sglang_server.py)
+SGLANG_START_S = 900.0  # a CPU server on a few busy cores loads for minutes
 
 
 class StackError(click.ClickException):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.sglang_server import CPU_ARGS, START_TIMEOUT_S, free_port, sglang_python
+from aerie.app.launcher import free_port
+from tests.sglang_server import CPU_ARGS, START_TIMEOUT_S, sglang_python
 
 KEY = "k3y-with-'quote-and-$dollar"
 

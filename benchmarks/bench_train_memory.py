@@ -23,6 +23,11 @@ so the activation terms are an upper bound there. The drafter here has 2 heads o
 head (keys/values H/2 wide; Kimi's drafter: 56/8 heads, H/7): the kept keys are overcounted.
 
     python benchmarks/bench_train_memory.py --out benchmarks/results/cpu-2026-12-05-train-memory.json
+
+On a GPU (prepared, not yet run: the full width, the trainer's bf16 step, one process each):
+
+    for c in "" --checkpoint; do PYTHONPATH=shared:services/trainer python3 benchmarks/bench_train_memory.py \
+      --device cuda --one 7168,16384,32000,4 --vocab 163840 $c; done
 """
 
 from __future__ import annotations
@@ -47,41 +52,50 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def measure(H: int, T: int, VD: int, S: int, checkpoint: bool) -> dict:
+def measure(H: int, T: int, VD: int, S: int, checkpoint: bool, device: str = "cpu", vocab: int | None = None) -> dict:
+    """One measurement. device "cuda": the trainer's GPU scheme (bf16 compute from float32
+    weights, the Kimi drafter's 56/8 heads of 128 at H 7168), peak from the CUDA allocator."""
     import torch
 
     from aerie_trainer.model import DrafterConfig, Eagle3Drafter
+    from aerie_trainer.precision import compute_dtype
     from aerie_trainer.trainer import clip_and_step, make_optimizer
     from aerie_trainer.ttt import TTT
 
+    cuda = device.startswith("cuda")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    V, K = 2 * VD, 3
+    V, K = vocab or 2 * VD, 3
+    heads, kv_heads, head_dim = (56, 8, 128) if cuda and H == 7168 else (2, 1, H // 2)
     cfg = DrafterConfig(
         hidden_size=H,
         target_hidden_size=H,
         num_aux=K,
         intermediate_size=12 * H // 7,  # Kimi's drafter: MLP 12288 at H 7168
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=H // 2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=1e-6,
         max_position_embeddings=4 * T,
         vocab_size=V,
         draft_vocab_size=VD,
     )
     drafter = Eagle3Drafter(cfg)
-    drafter.set_vocab(torch.arange(0, V, 2))
-    ttt = TTT(drafter, S, 0.8, checkpoint=checkpoint)
+    drafter.set_vocab(torch.arange(VD) * (V // VD))
+    drafter.to(device)
+    dtype = compute_dtype(torch.device(device))
+    if dtype is not None:
+        drafter.embed_tokens.to(dtype)
+    ttt = TTT(drafter, S, 0.8, compute_dtype=dtype, checkpoint=checkpoint)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    opt = make_optimizer(trainable, argparse.Namespace(lr=1e-4, weight_decay=0.0), torch.device("cpu"))
-    W = T + S
-    ids = torch.randint(0, V, (1, W))
-    aux = torch.randn(1, T, K * H)
-    t_logits = torch.randn(1, W, VD)
-    t_lse = torch.logsumexp(t_logits, -1)
-    argmax = torch.randint(0, V, (1, W))
-    mask = torch.ones(1, W, dtype=torch.bool)
+    opt = make_optimizer(trainable, argparse.Namespace(lr=1e-4, weight_decay=0.0), torch.device(device))
+    W, act = T + S, dtype or torch.float32
+    ids = torch.randint(0, V, (1, W), device=device)
+    aux = torch.randn(1, T, K * H, device=device, dtype=act)
+    t_logits = torch.randn(1, W, VD, device=device, dtype=act)
+    t_lse = torch.logsumexp(t_logits.float(), -1)
+    argmax = torch.randint(0, V, (1, W), device=device)
+    mask = torch.ones(1, W, dtype=torch.bool, device=device)
 
     def step():
         loss = ttt(ids, aux, t_logits, t_lse, argmax, mask, mask)[0]
@@ -90,13 +104,21 @@ def measure(H: int, T: int, VD: int, S: int, checkpoint: bool) -> dict:
         return float(loss)
 
     step()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status("VmRSS")
     start = time.perf_counter()
     loss = step()
     seconds = time.perf_counter() - start
-    peak = _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
     return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "vocab": V,
+        "total_peak_bytes": peak if cuda else None,
         "H": H,
         "T": T,
         "VD": VD,
@@ -109,9 +131,10 @@ def measure(H: int, T: int, VD: int, S: int, checkpoint: bool) -> dict:
     }
 
 
-def one(spec: str, checkpoint: bool) -> dict:
+def one(spec: str, checkpoint: bool, vocab: int | None = None) -> dict:
     """Measure in a fresh process with the allocator setting (re-executing this script if needed)."""
     cmd = [sys.executable, __file__, "--one", spec, "--child"] + (["--checkpoint"] if checkpoint else [])
+    cmd += ["--vocab", str(vocab)] if vocab else []
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
     if run.returncode:
@@ -170,16 +193,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--one", help="H,T,VD,S: one measurement in a fresh process")
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cuda: measure the GPU step (peak from the CUDA allocator)")
+    ap.add_argument("--vocab", type=int, help="target vocab (default 2 x VD)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--refit", type=Path, help="fit and estimate again from a result file's runs (no measuring)")
     args = ap.parse_args()
     if args.one:
         H, T, VD, S = (int(x) for x in args.one.split(","))
-        if args.child:
-            print(json.dumps(measure(H, T, VD, S, args.checkpoint)))
+        if args.child or args.device != "cpu":
+            row = measure(H, T, VD, S, args.checkpoint, args.device, args.vocab)
+            print(json.dumps(row))
+            if args.out and not args.child:
+                args.out.write_text(json.dumps({"runs": [row]}, indent=1))
             return
-        row = one(args.one, args.checkpoint)
+        row = one(args.one, args.checkpoint, args.vocab)
         print(json.dumps(row))
         if args.out:
             args.out.write_text(json.dumps({"runs": [row]}, indent=1))

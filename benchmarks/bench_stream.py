@@ -1,6 +1,6 @@
 """Extract + train wall time: a streamed training (TrainConfig.stream) against the sequential one.
 
-    .venv/bin/python benchmarks/bench_stream.py --model ~/.cache/aerie/SmolLM2-135M-Instruct \\
+    .venv/bin/python -m benchmarks.bench_stream --model ~/.cache/aerie/SmolLM2-135M-Instruct \\
         --records 48 --json benchmarks/results/cpu-stream.json
 
 The same ShareGPT conversations are ingested twice (runs `seq` and `stream`, the same shards),
@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aerie import stages  # noqa: E402
-from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainConfig, TrainRequest  # noqa: E402
-from aerie.runs import shard_names  # noqa: E402
-from aerie.settings import Settings  # noqa: E402
-from aerie.store import FsStore  # noqa: E402
+from aerie import stages
+from aerie.app.harness import sharegpt_conversations
+from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainConfig, TrainRequest
+from aerie.runs import shard_names
+from aerie.settings import Settings
+from aerie.store import FsStore
 
 
 def main() -> None:
@@ -47,8 +46,6 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()
-
-    from tests.runs import sharegpt_conversations
 
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="aerie-bench-stream-"))

@@ -1,11 +1,11 @@
 """Two training-time-test lengths side by side at equal training wall time (CPU).
 
-    .venv/bin/python benchmarks/bench_ttt_length.py --model ~/.cache/aerie/SmolLM2-135M-Instruct-bf16 \\
+    .venv/bin/python -m benchmarks.bench_ttt_length --model ~/.cache/aerie/SmolLM2-135M-Instruct-bf16 \\
         --budget-s 150 --json benchmarks/results/cpu-ttt-length.json
 
 The serving chain is `--chain` draft steps (SGLang's --speculative-num-steps, default 3); the arms
-train TTT lengths chain + each of `--margins` (default 1 and 4: 4 and 7 steps) on the tests' cached
-ShareGPT run (tests.runs.hidden_run_folder: SmolLM2-135M, `hf` engine; built once if absent). Each
+train TTT lengths chain + each of `--margins` (default 1 and 4: 4 and 7 steps) on one ShareGPT run
+extracted here first (SmolLM2-135M, `hf` engine, the pipeline's own stages: `build_run`). Each
 arm is first timed over `--calibrate` steps, then trained anew for as many steps as fit
 `--budget-s` seconds at that step time, and measured the way the job measures a drafter: the
 project's speculative-decoding loop (chain of `eval_draft_tokens` = the serving chain, greedy, on
@@ -25,12 +25,25 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from aerie import stages
+from aerie.app.harness import sharegpt_conversations
+from aerie.contracts import ExtractRequest, IngestOptions, IngestRequest, TrainConfig, TrainRequest
+from aerie.settings import Settings
+from aerie.store import FsStore
 
-from aerie import stages  # noqa: E402
-from aerie.contracts import TrainConfig, TrainRequest  # noqa: E402
-from aerie.settings import Settings  # noqa: E402
-from aerie.store import FsStore  # noqa: E402
+
+def build_run(store: FsStore, settings: Settings, root: Path, model: str, records: int) -> None:
+    """Run `r`: ShareGPT conversations (user turns cut to 200 characters) ingested and extracted by
+    the pipeline's own stages with the `hf` engine, 96 tokens a sequence, 4 sequences a shard."""
+    dataset = root / "chats.jsonl"
+    with open(dataset, "w") as f:
+        for conv in sharegpt_conversations(records):
+            turns = [{**t, "value": t["value"][:200]} if t.get("from") == "human" else t for t in conv]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    options = IngestOptions(max_tokens=96, shard_tokens=4 * 96, overlong="truncate")
+    request = IngestRequest(run="r", dataset=str(dataset), model=model, engine="hf", options=options)
+    for shard in stages.ingest(store, settings, request).shards:
+        stages.extract(store, settings, ExtractRequest(run="r", shard=shard))
 
 
 def main() -> None:
@@ -45,15 +58,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from tests.runs import hidden_run_folder, upload_run
-
     torch.set_num_threads(args.threads)
-    cache = Path(os.environ.get("AERIE_TEST_CACHE", os.path.expanduser("~/.cache/aerie")))
-    folder = hidden_run_folder(cache, Path(args.model), records=args.records, max_tokens=96, shard_sequences=4)
     root = Path(tempfile.mkdtemp(prefix="aerie-bench-ttt-"))
     store = FsStore(root)
-    upload_run(store, folder, "r")
-    settings = Settings(store=f"file://{root}", device="cpu")
+    settings = Settings(store=f"file://{root}", engine="hf", device="cpu", ingest_local_dirs=[root])
+    build_run(store, settings, root, args.model, args.records)
     base = dict(
         speculative_num_steps=args.chain,
         draft_vocab_size=2048,

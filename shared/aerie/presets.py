@@ -119,6 +119,7 @@ def preset_config(preset: Preset) -> dict[str, Any]:
         "epochs": preset.epochs,
         "ttt_steps": preset.ttt_steps,
         "batch_tokens": preset.batch_tokens,
+        "activation_checkpointing": preset.activation_checkpointing,
         "drafter": preset.drafter,
         "preset": preset.name,
     }

@@ -42,7 +42,14 @@ def test_a_preset_builds_its_drafter_from_the_real_config(name):
     preset, cfg = presets.load(name), config(name)
     presets.check_model(preset, cfg)
     train = presets.train_config(name, model_config=cfg)
-    assert (train.preset, train.lr, train.ttt_steps, train.max_seq_tokens) == (name, preset.lr, 7, 2048)
+    assert (train.preset, train.lr, train.ttt_steps, train.max_seq_tokens, train.epochs) == (
+        name,
+        preset.lr,
+        preset.ttt_steps,
+        preset.max_seq_tokens,
+        preset.epochs,
+    )
+    assert train.activation_checkpointing is preset.activation_checkpointing
     drafter = DrafterConfig.from_target(cfg, len(preset.capture_points), train.draft_vocab_size, train.drafter)
     with torch.device("meta"):
         model = Eagle3Drafter(drafter)
@@ -50,11 +57,42 @@ def test_a_preset_builds_its_drafter_from_the_real_config(name):
     H = preset.hidden_size
     assert shapes["fc.weight"] == [H, len(preset.capture_points) * H] and shapes["lm_head.weight"] == [32000, H]
     assert shapes["t2d"] == [preset.vocab_size]
-    # the GPUs the preset asks for hold the training, by the estimate that picks DDP or FSDP
+    # one GPU of the preset's holds a rank's training unsharded (DDP), by the estimate that picks DDP or FSDP
     memory = training_bytes(drafter, train)
-    assert memory.total <= FIT_FRACTION * preset.train_gpus * preset.gpu_memory_gib * GiB, memory
+    assert memory.total <= FIT_FRACTION * preset.gpu_memory_gib * GiB, memory
     # the published parameter count, within 1%
     assert target_parameters(cfg) / 1e9 == pytest.approx(CONFIGS[name][1], rel=0.01)
+
+
+ANCHORS = {  # preset -> (lr, epochs, TTT steps, sequence tokens, GPUs, checkpointing, the source it names)
+    "deepseek-v3": (5e-5, 10, 7, 2048, 8, False, "SpecForge examples/run_deepseek_v3_671b_eagle3_offline.sh"),
+    "kimi-k2.5": (5e-5, 3, 4, 20000, 8, True, "TorchSpec configs/sglang_kimi_k25_2node.yaml"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANCHORS))
+def test_the_seeds_presets_are_the_anchors_recipes_and_name_them(name):
+    """DeepSeek-V3: SpecForge's recipe; Kimi-K2.5: TorchSpec's (long reasoning traces: 20,000-token
+    sequences, activation checkpointing) — not the 8B recipe."""
+    preset = presets.load(name)
+    lr, epochs, ttt, tokens, gpus, ckpt, source = ANCHORS[name]
+    assert (preset.lr, preset.epochs, preset.ttt_steps, preset.max_seq_tokens) == (lr, epochs, ttt, tokens)
+    assert (preset.train_gpus, preset.activation_checkpointing) == (gpus, ckpt)
+    assert preset.source.startswith(source) and preset.batch_tokens >= preset.max_seq_tokens
+
+
+def test_long_kimi_sequences_fit_one_h200_with_checkpointing():
+    """The measured memory model (aerie_trainer.sizing): a 7,168-wide drafter, 164k target vocab,
+    TTT 7, 16,384 and 20,000 (TorchSpec's) tokens a rank: within 60% of an H200 (141 GB) with
+    activation checkpointing; 20,000 tokens without it do not fit one."""
+    drafter = DrafterConfig.from_target(config("kimi-k2.5"), 3, 32000)
+    h200 = FIT_FRACTION * 141e9
+
+    def need(tokens: int, ckpt: bool) -> int:
+        train = presets.train_config("kimi-k2.5", batch_tokens=tokens, seq_len=tokens, ttt_steps=7)
+        return training_bytes(drafter, train.model_copy(update={"activation_checkpointing": ckpt})).total
+
+    assert need(16384, True) < need(20000, True) < 0.6 * h200 < h200 < need(20000, False)
 
 
 def test_a_preset_for_another_model_is_refused_by_name():

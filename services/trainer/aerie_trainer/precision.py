@@ -23,6 +23,7 @@ import contextvars
 import torch
 
 _CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("aerie_weight_casts", default=None)
+_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("aerie_checkpoint_replay", default=False)
 
 
 def compute_dtype(device: torch.device) -> torch.dtype | None:
@@ -57,7 +58,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     use = casts.get(key)
     if use is None:
         use = casts[key] = _WeightUse(weight.detach().to(x.dtype), weight.dtype)
-    use.uses += 1
+    if not _REPLAY.get():  # a checkpoint's recomputation is not another use
+        use.uses += 1
     return _CastOnceLinear.apply(x, weight, use)
 
 
@@ -123,6 +125,33 @@ def weights_cast_once(enabled: bool = True):
         yield
     finally:
         _CASTS.reset(token)
+
+
+def checkpointed(fn):
+    """`fn` under activation checkpointing (torch.utils.checkpoint, non-reentrant): its saved
+    activations are dropped after the forward and recomputed in backward. The recomputation, which
+    runs after `weights_cast_once` has exited (and on the autograd thread), sees this forward's
+    weight casts again and does not count as another use of them, so it saves exactly the tensors
+    the forward saved and the weight gradients are handed over once, as without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    casts, calls = _CASTS.get(), [0]
+
+    def run(*args):
+        calls[0] += 1
+        if calls[0] == 1 or casts is None:
+            return fn(*args)
+        token, replay = _CASTS.set(casts), _REPLAY.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _REPLAY.reset(replay)
+            _CASTS.reset(token)
+
+    def call(*args):
+        return checkpoint(run, *args, use_reentrant=False)
+
+    return call
 
 
 def triton_available() -> bool:

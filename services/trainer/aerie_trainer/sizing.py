@@ -7,7 +7,8 @@
 - `training_bytes(drafter, train)`: one rank's memory for training a drafter unsharded — trainable
   weights, gradients and AdamW state in float32 (16 bytes a parameter), the frozen target embedding
   (float32) and lm_head (bfloat16 on a GPU), and the activations of one micro-batch through the TTT
-  unroll. An estimate, meant to pick DDP or FSDP, not to size a cluster to the byte.
+  unroll — with or without activation checkpointing, from a measured memory model. An estimate,
+  meant to pick DDP or FSDP and to check a preset fits its GPU, not to size a cluster to the byte.
 - `choose_sharding(...)`: `single` for one rank; else DDP when that fits one device, FSDP2
   (parameters, gradients and optimizer state sharded over the ranks) when not; a setting overrides.
 """
@@ -99,13 +100,25 @@ class Memory:
         return self.weights_and_optimizer // ranks + self.frozen + self.activations
 
 
+# Activation bytes per token of one training step, fitted to measured peaks (benchmarks/
+# bench_train_memory.py; float32 on the CPU, so an upper bound for a GPU's bf16 step): per TTT step
+# (x H, x draft vocab) and once per batch (x H, x draft vocab), without and with activation
+# checkpointing. The fit's negative once-per-batch H term (plain) is taken as 0.
+ACTIVATION_BYTES = {False: (89.4, 4.12, 0.0, 7.3), True: (16.2, 0.064, 86.5, 12.3)}
+
+
 def training_bytes(drafter, train, on_gpu: bool = True) -> Memory:
     trainable, embedding = drafter_parameters(drafter)
     head_bytes = 2 if on_gpu else 4
     T, H, Vd, S = train.batch_tokens, drafter.hidden_size, drafter.draft_vocab_size, train.ttt_steps
-    # per TTT step: logits, log-softmax and the target distribution over the draft vocab (float32),
-    # plus the layer's saved activations (~24 H-wide bf16/float32 tensors per token)
-    activations = S * T * (3 * Vd * 4 + 24 * H * 4) + T * drafter.num_aux * drafter.target_hidden_size * 4
+    step_h, step_vd, once_h, once_vd = ACTIVATION_BYTES[bool(getattr(train, "activation_checkpointing", False))]
+    # the layer's saved activations and the logits of every TTT step (with checkpointing: what the
+    # next steps read, plus one step recomputed), the batch's captured states and the target
+    # distribution over the draft vocab (bf16), and the target head's chunk of full-vocab logits
+    per_token = S * (step_h * H + step_vd * Vd) + once_h * H + once_vd * Vd
+    inputs = T * (drafter.num_aux * drafter.target_hidden_size * 4 + 2 * Vd)
+    head_chunk = 2048 * drafter.vocab_size * head_bytes  # TargetHead.CHUNK_ROWS rows at a time
+    activations = int(T * per_token) + inputs + head_chunk
     return Memory(16 * trainable, 4 * embedding + head_bytes * embedding, activations)
 
 

@@ -155,7 +155,14 @@ class Trainer:
         )
         # float32 parameters are the master weights; the step computes in `dtype`, each weight cast
         # once per forward (per call under FSDP, whose modules gather their weights at each call)
-        self.ttt = TTT(drafter, cfg.ttt_steps, cfg.step_decay, compute_dtype=dtype, cast_once=sharding != "fsdp")
+        self.ttt = TTT(
+            drafter,
+            cfg.ttt_steps,
+            cfg.step_decay,
+            compute_dtype=dtype,
+            cast_once=sharding != "fsdp",
+            checkpoint=cfg.activation_checkpointing,
+        )
         self.model = wrap(self.ttt, sharding, dist)
         self.optimizer = make_optimizer([p for p in drafter.parameters() if p.requires_grad], cfg, dist.device)
         if saved:

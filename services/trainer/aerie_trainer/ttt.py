@@ -24,7 +24,7 @@ import torch
 from aerie_trainer.data import Batch
 from aerie_trainer.loss import soft_cross_entropy
 from aerie_trainer.model import Eagle3Drafter
-from aerie_trainer.precision import acc_dtype, triton_available, weights_cast_once
+from aerie_trainer.precision import acc_dtype, checkpointed, triton_available, weights_cast_once
 from aerie_trainer.vocab import target_to_draft
 
 
@@ -130,7 +130,12 @@ class TTT(torch.nn.Module):
     """The drafter unrolled for `steps` draft steps; one forward per batch (what DDP wraps).
 
     compute_dtype: the activations' dtype (None: the parameters'); cast_once: cast each weight to
-    it once per forward (off under FSDP, whose modules gather their weights at each call)."""
+    it once per forward (off under FSDP, whose modules gather their weights at each call).
+    checkpoint: activation checkpointing per draft step — each step (the drafter layer, its
+    logits and its loss) keeps only what the next steps read (its hidden output and keys/values)
+    and is recomputed in backward: the (tokens x draft vocab) logits and the layer's
+    intermediates of one step at a time instead of all steps' (BENCHMARKS.md, "Kimi-scale
+    training memory"). Same loss and gradients; about one more forward of the layer per step."""
 
     def __init__(
         self,
@@ -139,10 +144,11 @@ class TTT(torch.nn.Module):
         decay: float,
         compute_dtype: torch.dtype | None = None,
         cast_once: bool = True,
+        checkpoint: bool = False,
     ):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
-        self.compute_dtype, self.cast_once = compute_dtype, cast_once
+        self.compute_dtype, self.cast_once, self.checkpoint = compute_dtype, cast_once, checkpoint
 
     def forward(
         self, input_ids, aux, target_logits, target_lse, argmax, trainable, loss_mask, keep_logits: list | None = None
@@ -154,29 +160,57 @@ class TTT(torch.nn.Module):
         """
         drafter, L = self.drafter, aux.shape[1]
         dtype = self.compute_dtype or drafter.fc.weight.dtype
+        keep = keep_logits is not None
         with weights_cast_once(self.cast_once and dtype != drafter.fc.weight.dtype):
             hidden = drafter.project(aux.to(dtype))  # (B, L, H)
             slots = torch.arange(L, device=hidden.device)
             base, chain = None, []
             loss, step_loss, correct, valid = 0.0, [], [], []
             for k in range(self.steps):
-                ids = input_ids[:, k : k + L]  # (B, L): x[t+1+k]
-                if k == 0:
-                    logits, hidden, base = drafter(ids, hidden, slots)
-                else:
-                    logits, hidden, kv = drafter(ids, hidden, slots + k, prefix=base, chain=chain)
-                    chain.append(kv)
-                if keep_logits is not None:
-                    keep_logits.append(logits.detach())
                 m = trainable[:, k : k + L]  # (B, L)
-                weight = m.to(acc_dtype(logits.dtype)) / m.sum().clamp(min=1)
-                step, guess = soft_cross_entropy(logits, target_logits[:, k : k + L], target_lse[:, k : k + L], weight)
+                run = _Step(drafter, k, keep)
+                args = (
+                    input_ids[:, k : k + L],
+                    hidden,
+                    slots,
+                    target_logits[:, k : k + L],
+                    target_lse[:, k : k + L],
+                    m,
+                )
+                if k:
+                    args += (*base, *(t for kv in chain for t in kv))
+                step, guess, hidden, kv, logits = (checkpointed(run) if self.checkpoint else run)(*args)
+                if k == 0:
+                    base = kv
+                else:
+                    chain.append(kv)
+                if keep:
+                    keep_logits.append(logits)
                 step_loss.append(step)
                 loss = loss + self.decay**k * step
                 with torch.no_grad():
                     correct.append((drafter.draft_to_target(guess) == argmax[:, k : k + L]) & m)
                     valid.append(loss_mask[:, k : k + L])
         return loss, torch.stack(step_loss).detach(), torch.stack(correct), torch.stack(valid)
+
+
+class _Step:
+    """One draft step as a function of tensors only (what activation checkpointing recomputes):
+    (ids, hidden, slots, target logits, target lse, trainable[, base k, v, chain k, v ...]) ->
+    (weighted loss, top-1, hidden out, kv, logits or None)."""
+
+    def __init__(self, drafter: Eagle3Drafter, k: int, keep: bool):
+        self.drafter, self.k, self.keep = drafter, k, keep
+
+    def __call__(self, ids, hidden, slots, t_logits, t_lse, m, *kvs):
+        if self.k == 0:
+            logits, hidden, kv = self.drafter(ids, hidden, slots)
+        else:
+            chain = [(kvs[i], kvs[i + 1]) for i in range(2, len(kvs), 2)]
+            logits, hidden, kv = self.drafter(ids, hidden, slots + self.k, prefix=(kvs[0], kvs[1]), chain=chain)
+        weight = m.to(acc_dtype(logits.dtype)) / m.sum().clamp(min=1)
+        step, guess = soft_cross_entropy(logits, t_logits, t_lse, weight)
+        return step, guess, hidden, kv, logits.detach() if self.keep else None
 
 
 def ttt_forward(model: torch.nn.Module, batch: Batch, target: TargetHead) -> TTTOutput:

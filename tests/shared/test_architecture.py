@@ -117,12 +117,14 @@ def test_command_surface():
         "align",
         "bench",
         "capture-ids",
+        "logs",
         "model",
         "prepare-store",
         "pull",
         "retry-failed",
         "run",
         "smoke",
+        "stack",
         "train",
     ], commands
     for service in ("extractor", "trainer"):  # no argparse CLI of their own

@@ -50,6 +50,7 @@ CODE_ROOTS = [
     "docker-compose.yml",
     ".env.example",
 ]
+COMMAND_LINE = re.compile(r"^(\.venv/bin/)?(aerie|celery|python|bash) ")
 EXTERNAL = {"sglang"}  # installed in .venv-sglang, not in .venv
 CELERY_OWN = {"worker", "inspect", "control", "purge", "status", "call", "events", "beat", "result", "report", "shell"}
 
@@ -60,6 +61,8 @@ def snippets(text: str) -> list[str]:
     for block in MarkdownIt().parse(text):
         if block.type == "fence" and block.info.strip() in ("bash", "sh", "shell", "console"):
             found += block.content.replace("\\\n", " ").splitlines()
+        elif block.type == "fence" and not block.info.strip():  # plain text: its unindented command lines
+            found += [line for line in block.content.replace("\\\n", " ").splitlines() if COMMAND_LINE.match(line)]
         elif block.type == "inline":
             found += [t.content for t in block.children or [] if t.type == "code_inline"]
     return found
@@ -109,7 +112,7 @@ def check_aerie(argv: list[str]) -> list[str]:
     known = options(command) | ({"--version", "--debug"} if len(path) == 1 else set())
     return [
         f"`{' '.join(path)} {opt}`: no such option"
-        for opt in (a.split("=")[0] for a in args if a.startswith("--"))
+        for opt in (a.lstrip("[").split("=")[0] for a in args if a.lstrip("[").startswith("--"))
         if opt not in known and opt != "--"
     ]
 
@@ -155,7 +158,21 @@ def module_file(name: str) -> Path | None:
 DOTTED = re.compile(r"^(aerie(?:_extractor|_trainer|_sglang)?(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\(\))?$")
 
 
+@cache
+def entry_point_groups() -> set[str]:
+    """The entry-point groups the repository's packages declare (`aerie.stages`, `aerie.commands`)."""
+    import tomllib
+
+    return {
+        group
+        for p in [REPO / "shared" / "pyproject.toml", *(REPO / "services").glob("*/pyproject.toml")]
+        for group in tomllib.loads(p.read_text()).get("project", {}).get("entry-points", {})
+    }
+
+
 def check_dotted(name: str) -> list[str]:
+    if name in entry_point_groups():
+        return []
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
         path = module_file(".".join(parts[:n]))
@@ -298,3 +315,22 @@ python -m benchmarks.no_such_bench
     assert not problems_of(
         readme, "`shared/aerie/settings.py` `aerie run --quick` `aerie stack up --dir x` `AERIE_STORE`"
     )
+
+
+def two_commands(readme: str) -> list[str]:
+    """The command lines (comments dropped) of the README's "Two commands" block."""
+    section = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in MarkdownIt().parse(section) if b.type == "fence")
+    return [line.split("#", 1)[0].strip() for line in block.content.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_the_readme_keeps_two_commands_and_ci_runs_its_test_command():
+    main_job, tests = two_commands((REPO / "README.md").read_text())
+    assert main_job == "bash scripts/setup.sh && .venv/bin/aerie run", main_job
+    ci = [
+        line
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert ci == [f"exec {tests}"], f".ci/run runs {ci}, the README's test command is {tests!r}"
+    assert (REPO / tests.split()[-1]).is_file()

@@ -11,7 +11,9 @@ services/*/README.md, in fenced blocks and `inline code`:
 - `python -m MODULE`: MODULE is a file of the repository (or an installed module);
 - `aerie...` dotted names (`aerie.settings`, `aerie_trainer.model.own_shape`): the module file
   exists and the attribute, if any, is defined in it;
-- every `AERIE_*` variable is a field of aerie.settings.Settings or named in code.
+- every `AERIE_*` variable is a field of aerie.settings.Settings or named in code; any other
+  VARIABLE_NAME in code is named in the code, docker-compose.yml, .env.example or k8s/;
+- the README's "Two commands" are set-up + `aerie run` and the test command `.ci/run` runs.
 (docs/deploy.md's compose and kubectl lines are tests/deploy/test_docs_and_shell.py's.)
 """
 
@@ -51,6 +53,7 @@ CODE_ROOTS = [
     ".env.example",
 ]
 COMMAND_LINE = re.compile(r"^(\.venv/bin/)?(aerie|celery|python|bash) ")
+OTHER_TOOLS_VARIABLES = {"NVIDIA_VISIBLE_DEVICES", "COMPOSE_PROJECT_NAME"}  # Docker's, read by no aerie file
 EXTERNAL = {"sglang"}  # installed in .venv-sglang, not in .venv
 CELERY_OWN = {"worker", "inspect", "control", "purge", "status", "call", "events", "beat", "result", "report", "shell"}
 
@@ -250,13 +253,15 @@ def code_text() -> str:
 
 
 def check_env(name: str) -> list[str]:
+    """An AERIE_* variable is a setting or a name the code reads; another name (a compose variable,
+    a k8s secret key, a dtype) is named in the code, the compose files or k8s/."""
     from aerie.settings import Settings
 
-    if name.removeprefix("AERIE_").lower() in Settings.model_fields:
+    if name.startswith("AERIE_") and name.removeprefix("AERIE_").lower() in Settings.model_fields:
         return []
-    if name.endswith("_") or re.search(rf"\b{name}\b", code_text()):  # a prefix (AERIE_TEST_) or a name the code reads
+    if name.endswith("_") or re.search(rf"\b{name}\b", code_text()):  # a prefix (AERIE_TEST_) or a name in code
         return []
-    return [f"{name}: neither a setting of aerie.settings nor named in code"]
+    return [f"{name}: neither a setting of aerie.settings nor named in code, compose or k8s/"]
 
 
 def problems_of(doc: Path, text: str | None = None) -> list[str]:
@@ -279,7 +284,9 @@ def problems_of(doc: Path, text: str | None = None) -> list[str]:
                     found += check_dotted(m.group(1))
                 else:
                     found += check_path(token, doc)
-    for name in sorted(set(re.findall(r"\bAERIE_[A-Z0-9_]+", text))):
+    variables = set(re.findall(r"\bAERIE_[A-Z0-9_]+", text))  # anywhere; other names in code only
+    variables |= {v for snippet in snippets(text) for v in re.findall(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b", snippet)}
+    for name in sorted(variables - OTHER_TOOLS_VARIABLES):
         found += check_env(name)
     return [f"{doc.relative_to(REPO)}: {p}" for p in dict.fromkeys(found)]
 
@@ -292,7 +299,7 @@ def test_the_documents_name_only_what_exists():
 def test_the_check_catches_what_it_is_for():
     readme = REPO / "README.md"
     broken = """
-`shared/aerie/nothing.py`, `aerie_trainer.model.no_such_shape`, `AERIE_NO_SUCH_SETTING`
+`shared/aerie/nothing.py`, `aerie_trainer.model.no_such_shape`, `AERIE_NO_SUCH_SETTING`, `EXTRACTOR_QUEUE`
 
 ```bash
 aerie run --no-such-flag
@@ -306,6 +313,7 @@ python -m benchmarks.no_such_bench
         "`shared/aerie/nothing.py`: no such path",
         "`aerie_trainer.model.no_such_shape`: no_such_shape is not defined",
         "AERIE_NO_SUCH_SETTING: neither",
+        "EXTRACTOR_QUEUE: neither",
         "`aerie run --no-such-flag`: no such option",
         "`aerie serve`: no such command",
         "`celery enqueue --no-such-option`: no such option",

@@ -13,6 +13,7 @@ services/*/README.md, in fenced blocks and `inline code`:
   exists and the attribute, if any, is defined in it;
 - every `AERIE_*` variable is a field of aerie.settings.Settings or named in code; any other
   VARIABLE_NAME in code is named in the code, docker-compose.yml, .env.example or k8s/;
+- a relative link's file exists, and its #anchor is one of that file's headings;
 - the README's "Two commands" are set-up + `aerie run` and the test command `.ci/run` runs.
 (docs/deploy.md's compose and kubectl lines are tests/deploy/test_docs_and_shell.py's.)
 """
@@ -264,9 +265,33 @@ def check_env(name: str) -> list[str]:
     return [f"{name}: neither a setting of aerie.settings nor named in code, compose or k8s/"]
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def check_links(doc: Path, text: str) -> list[str]:
+    """Every relative link's file exists, and its #anchor is a heading of that file."""
+    found = []
+    for block in MarkdownIt().parse(text):
+        for token in block.children or []:
+            href = str(token.attrs.get("href", "")) if token.type == "link_open" else ""
+            if not href or re.match(r"^[a-z]+:", href):
+                continue
+            target, _, anchor = href.partition("#")
+            path = (doc.parent / target).resolve() if target else doc
+            if not path.exists():
+                found.append(f"link {href}: no such file")
+            elif anchor and path.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", path.read_text() if target else text, re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    found.append(f"link {href}: no heading #{anchor} in {path.name}")
+    return found
+
+
 def problems_of(doc: Path, text: str | None = None) -> list[str]:
     text = doc.read_text() if text is None else text
-    found: list[str] = []
+    found: list[str] = check_links(doc, text)
     for snippet in snippets(text):
         for argv in commands(snippet):
             head = Path(argv[0]).name
@@ -299,7 +324,8 @@ def test_the_documents_name_only_what_exists():
 def test_the_check_catches_what_it_is_for():
     readme = REPO / "README.md"
     broken = """
-`shared/aerie/nothing.py`, `aerie_trainer.model.no_such_shape`, `AERIE_NO_SUCH_SETTING`, `EXTRACTOR_QUEUE`
+`shared/aerie/nothing.py`, `aerie_trainer.model.no_such_shape`, `AERIE_NO_SUCH_SETTING`, `EXTRACTOR_QUEUE`,
+[gone](docs/gone.md), [no heading](docs/deploy.md#no-such-heading)
 
 ```bash
 aerie run --no-such-flag
@@ -314,6 +340,8 @@ python -m benchmarks.no_such_bench
         "`aerie_trainer.model.no_such_shape`: no_such_shape is not defined",
         "AERIE_NO_SUCH_SETTING: neither",
         "EXTRACTOR_QUEUE: neither",
+        "link docs/gone.md: no such file",
+        "link docs/deploy.md#no-such-heading: no heading #no-such-heading in deploy.md",
         "`aerie run --no-such-flag`: no such option",
         "`aerie serve`: no such command",
         "`celery enqueue --no-such-option`: no such option",

@@ -389,3 +389,10 @@ def test_the_readme_keeps_two_commands_and_ci_runs_its_test_command():
     ]
     assert ci == [f"exec {tests}"], f".ci/run runs {ci}, the README's test command is {tests!r}"
     assert (REPO / tests.split()[-1]).is_file()
+
+
+def test_benchmarks_md_names_every_benchmark_script():
+    """BENCHMARKS.md is the map of benchmarks/: a script it does not name is one nobody finds."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    scripts = [p.name for pattern in ("*.py", "*.sh") for p in sorted((REPO / "benchmarks").glob(pattern))]
+    assert scripts and [s for s in scripts if s != "__init__.py" and s not in text] == []

@@ -98,6 +98,13 @@ def aerie_cli() -> click.Group:
     return main
 
 
+@cache
+def subcommand(path: tuple[str, ...], name: str) -> click.Command | None:
+    """`aerie PATH... NAME`'s click command (None: no such command), each loaded once."""
+    group = subcommand(path[:-1], path[-1]) if path else aerie_cli()
+    return group.get_command(click.Context(group), name) if isinstance(group, click.Group) else None
+
+
 def options(command: click.Command) -> set[str]:
     return {o for p in command.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
 
@@ -109,7 +116,7 @@ def check_aerie(argv: list[str]) -> list[str]:
     while isinstance(command, click.Group) and args and not args[0].startswith("-"):
         if args[0].startswith(("<", "[")) or args[0] in ("COMMAND", "..."):
             return []
-        sub = command.get_command(click.Context(command), args[0])
+        sub = subcommand(tuple(path[1:]), args[0])
         if sub is None:
             return [f"`{' '.join(path)} {args[0]}`: no such command"]
         path.append(args.pop(0))
@@ -241,6 +248,11 @@ def git_files() -> list[str]:
 
 
 @cache
+def code_names() -> set[str]:
+    return set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", code_text()))
+
+
+@cache
 def code_text() -> str:
     texts = []
     for root in CODE_ROOTS:
@@ -261,7 +273,7 @@ def check_env(name: str) -> list[str]:
 
     if name.startswith("AERIE_") and name.removeprefix("AERIE_").lower() in Settings.model_fields:
         return []
-    if name.endswith("_") or re.search(rf"\b{name}\b", code_text()):  # a prefix (AERIE_TEST_) or a name in code
+    if name.endswith("_") or name in code_names():  # a prefix (AERIE_TEST_) or a name in code
         return []
     return [f"{name}: neither a setting of aerie.settings nor named in code, compose or k8s/"]
 

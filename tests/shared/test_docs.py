@@ -13,7 +13,7 @@ services/*/README.md, in fenced blocks and `inline code`:
   exists and the attribute, if any, is defined in it;
 - every `AERIE_*` variable is a field of aerie.settings.Settings or named in code; any other
   VARIABLE_NAME in code is named in the code, docker-compose.yml, .env.example or k8s/;
-- `tests/x.py -k words` and `tests/x.py::name` select a test of that file;
+- `tests/x.py -k words` and `tests/x.py::name` select a test of that file, `test_name` one of the suite;
 - a relative link's file exists, and its #anchor is one of that file's headings;
 - the README's "Two commands" are set-up + `aerie run` and the test command `.ci/run` runs.
 (docs/deploy.md's compose and kubectl lines are tests/deploy/test_docs_and_shell.py's.)
@@ -302,13 +302,22 @@ def check_links(doc: Path, text: str) -> list[str]:
     return found
 
 
+@cache
+def suite_test_names() -> set[str]:
+    return {n for p in (REPO / "tests").rglob("test_*.py") for n in re.findall(r"def (test_\w+)", p.read_text())}
+
+
 def check_tests(snippet: str) -> list[str]:
-    """`tests/x.py -k "a or b"` and `tests/x.py::name`: each name selects a test of that file."""
+    """`tests/x.py -k "a or b"` and `tests/x.py::name`: each name selects a test of that file; a
+    `test_name` (or `test_prefix_*`) alone is a test of the suite."""
     found = []
     for path, quoted, bare in re.findall(r"(tests/[\w/]+\.py) -k (?:\"([^\"]+)\"|(\S+))", snippet):
         words = set(re.findall(r"\w+", quoted or bare)) - {"and", "or", "not"}
         text = (REPO / path).read_text() if (REPO / path).is_file() else ""
         found += [f"`{path} -k {w}`: selects no test" for w in sorted(words) if text and w not in text]
+    for name, star in re.findall(r"^(test_\w+?)(\*?)$", snippet.strip()):
+        if not any(t == name or (star and t.startswith(name)) for t in suite_test_names()):
+            found.append(f"`{name}{star}`: no such test under tests/")
     for path, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", snippet):
         if (REPO / path).is_file() and not re.search(rf"def {name}\b", (REPO / path).read_text()):
             found.append(f"`{path}::{name}`: no such test")
@@ -354,7 +363,8 @@ def test_the_check_catches_what_it_is_for():
     broken = """
 `shared/aerie/nothing.py`, `aerie_trainer.model.no_such_shape`, `AERIE_NO_SUCH_SETTING`, `EXTRACTOR_QUEUE`,
 [gone](docs/gone.md), [no heading](docs/deploy.md#no-such-heading),
-`tests/shared/test_store.py -k "s3 and no_such_story"`, `tests/shared/test_store.py::test_no_such_story`
+`tests/shared/test_store.py -k "s3 and no_such_story"`, `tests/shared/test_store.py::test_no_such_story`,
+`test_no_such_story_anywhere`
 
 ```bash
 aerie run --no-such-flag
@@ -372,6 +382,7 @@ python -m benchmarks.no_such_bench
         "link docs/gone.md: no such file",
         "`tests/shared/test_store.py -k no_such_story`: selects no test",
         "`tests/shared/test_store.py::test_no_such_story`: no such test",
+        "`test_no_such_story_anywhere`: no such test under tests/",
         "link docs/deploy.md#no-such-heading: no heading #no-such-heading in deploy.md",
         "`aerie run --no-such-flag`: no such option",
         "`aerie serve`: no such command",

@@ -431,7 +431,8 @@ def training_config(
     "--storage-dtype",
     type=click.Choice(["float8_e4m3fn"]),
     default=None,
-    help="store the hidden states as fp8 (e4m3, a float32 scale per row): about half the bytes (default: as computed)",
+    help="store the hidden states as fp8 (e4m3, a float32 scale per 128 values where 128 divides the hidden size, "
+    "else per row): about half the bytes (default: as computed)",
 )
 @click.option(
     "--server",

@@ -19,6 +19,7 @@ drafters/<name>/<version>/{config.json,model.safetensors,aerie.json}
 drafters/<name>/<version>/bench/<id>.json  `aerie bench --sweep` of that version (BenchSweep)
 drafters/<name>/latest                    (text: the latest version)
 checkpoints/<train-id>/step-<n>/...  and  checkpoints/<train-id>/latest.json
+checkpoints/<train-id>/best/model.safetensors   the measured step that accepted best (--publish-checkpoint best)
 checkpoints/<train-id>/tensorboard/<events file>   the training's TensorBoard event files
 checkpoints/<train-id>/failed.json        a training job that gave up
 probes/<token>                            `aerie prepare-store`'s round trip (deleted at once)

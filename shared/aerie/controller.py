@@ -34,7 +34,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from aerie import drafters, layout, runs
 from aerie.contracts import (
@@ -553,7 +553,7 @@ class OnWorkers(Dispatcher):
 
     def __init__(self, app: Celery, settings: Settings, owner: str) -> None:
         self.app, self.settings, self.owner = app, settings, owner
-        self.results: list[tuple[Step, str, object]] = []  # (step, task name, its AsyncResult)
+        self.results: list[tuple[Step, str, Any]] = []  # (step, task name, its AsyncResult: Celery's, untyped)
 
     def claim(self, names: list[str]) -> list[str]:
         from aerie.queue import claim

@@ -65,8 +65,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import ssl
 import time
 from pathlib import Path
+from typing import cast
 
 import httpx
 import numpy as np
@@ -233,7 +235,7 @@ class SGLangEngine(Engine):
         self.readers: dict[str, CaptureReader] = {}  # per server: where its binary captures are read
         self._checked = False
         self._outages: dict[str, asyncio.Lock] = {}
-        self._tls = None  # the TLS context of capture()'s clients, made once
+        self._tls: ssl.SSLContext | None = None  # the TLS context of capture()'s clients, made once
 
     # ----------------------------------------------------------------------------------
     @classmethod
@@ -702,4 +704,4 @@ class SGLangEngine(Engine):
             sum(len(s) for s in sequences),
             time.monotonic() - started,
         )
-        return out
+        return cast(list[Captured], out)  # without `into`, every sequence's slot holds its capture

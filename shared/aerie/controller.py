@@ -263,7 +263,7 @@ class RunsView:
         return bool(shards.hidden) and shards.every <= shards.tokens | shards.hidden
 
 
-def start_rule(config: TrainConfig) -> str:
+def start_rule(config: TrainConfig) -> Literal["extracted", "first_shards"]:
     """The start rule of a training of this TrainConfig: a streamed one starts on the first shards."""
     return "first_shards" if config.stream else "extracted"
 

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -299,7 +299,7 @@ def _store_hidden(
         tokens=record.tokens,
         bytes=record.bytes,
         seconds=seconds,
-        capture_seconds=capture_seconds,
+        capture_seconds=cast(float, capture_seconds),  # set: by the caller, or by the engine's future above
         store_seconds=time.monotonic() - stored,
     )
 

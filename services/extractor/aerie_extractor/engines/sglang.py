@@ -68,7 +68,7 @@ import os
 import ssl
 import time
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import httpx
 import numpy as np
@@ -248,7 +248,7 @@ class SGLangEngine(Engine):
         wait_for_server(url, settings.engine_outage_wait_s)  # an ingest may start before SGLang too
         with http_client(settings, 30.0) as client:
             info = server_info(client, url)
-            transport = "json"
+            transport: Literal["json", "binary"] = "json"
             if settings.engine_transport != "json":
                 transport = cls._transport(settings, {url: advertised(info)})
             if transport == "binary":
@@ -289,7 +289,7 @@ class SGLangEngine(Engine):
         return None
 
     @staticmethod
-    def _transport(settings: Settings, ads: dict[str, dict | None]) -> str:
+    def _transport(settings: Settings, ads: dict[str, dict | None]) -> Literal["json", "binary"]:
         """binary when wanted and every server in `ads` advertises the plugin; json otherwise."""
         if settings.engine_transport == "json":
             return "json"

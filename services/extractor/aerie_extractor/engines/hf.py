@@ -296,7 +296,7 @@ class HFEngine(Engine):
         self._host_buffers(
             max(self.settings.tokens_per_batch, *(sum(len(sequences[i]) for i in idx) for idx in batches)), shapes
         )
-        # the scales are set exactly when block is (the caller passes both or neither)
+        # block is set iff aux_scale is, and final_scale comes with it (capture_into: both or neither)
         outs: list[tuple[Any, Any]] = [(_np_bits(aux), _np_bits(final))]
         outs += [] if block is None else [(aux_scale, final_scale)]
 

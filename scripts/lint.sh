@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --no-cache --check .
-.venv/bin/python -m mypy   # strict on the shared core; its cache in .cache/mypy (mypy.ini)
+.venv/bin/python -m mypy   # strict on the core, checked on the app and services; cache in .cache/mypy (mypy.ini)

@@ -34,7 +34,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from aerie import drafters, layout, runs
 from aerie.contracts import (
@@ -263,7 +263,7 @@ class RunsView:
         return bool(shards.hidden) and shards.every <= shards.tokens | shards.hidden
 
 
-def start_rule(config: TrainConfig) -> str:
+def start_rule(config: TrainConfig) -> Literal["extracted", "first_shards"]:
     """The start rule of a training of this TrainConfig: a streamed one starts on the first shards."""
     return "first_shards" if config.stream else "extracted"
 
@@ -553,7 +553,7 @@ class OnWorkers(Dispatcher):
 
     def __init__(self, app: Celery, settings: Settings, owner: str) -> None:
         self.app, self.settings, self.owner = app, settings, owner
-        self.results: list[tuple[Step, str, object]] = []  # (step, task name, its AsyncResult)
+        self.results: list[tuple[Step, str, Any]] = []  # (step, task name, its AsyncResult: Celery's, untyped)
 
     def claim(self, names: list[str]) -> list[str]:
         from aerie.queue import claim

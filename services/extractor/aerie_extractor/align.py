@@ -72,6 +72,7 @@ from aerie_extractor.engines.base import EngineError, EngineMismatch
 from aerie_extractor.engines.sglang import model_info, server_info, topk_rows
 from aerie_extractor.engines.sglang_binary import (
     BinaryCaptureError,
+    CaptureReader,
     advertised,
     capture_body,
     choose_sink,
@@ -203,7 +204,7 @@ class Client:
         self.settings, self.url, self.H, self.k = settings, url, hidden_size, k
         # the key only if `url` is a configured server: the request's URL comes from a message
         self.http = sglang_client.http_client(settings, url, settings.engine_timeout_s)
-        self.sinks = None
+        self.sinks: CaptureReader | None = None
         self.note = ""
 
     def choose(self, info: dict) -> str:
@@ -361,7 +362,7 @@ class LmHead:
             for path in files:
                 if path.resolve().parent != folder.resolve():  # an index naming a file outside the folder
                     continue
-                tensors, _ = read_safetensors(np.memmap(path, mode="r", dtype=np.uint8))
+                tensors, _ = read_safetensors(np.memmap(path, mode="r", dtype=np.uint8).data)
                 if name in tensors:
                     self.weight, self.name = tensors[name], f"{path.name}:{name}"
                     return
@@ -410,8 +411,8 @@ def cosine_stats(pairs: list[tuple[np.ndarray, np.ndarray]]) -> CosineStats:
 def thresholds(settings: Settings, run_dtype: str, server_dtype: str) -> tuple[str, float, float]:
     """(precision, least mean cosine, least p1 cosine): the less precise dtype of the two decides."""
     defaults = Settings.model_fields
-    mean = {**defaults["align_min_cosine"].default_factory(), **settings.align_min_cosine}  # type: ignore[misc]
-    p1 = {**defaults["align_min_cosine_p1"].default_factory(), **settings.align_min_cosine_p1}  # type: ignore[misc]
+    mean = {**defaults["align_min_cosine"].default_factory(), **settings.align_min_cosine}  # type: ignore[misc, call-arg]
+    p1 = {**defaults["align_min_cosine_p1"].default_factory(), **settings.align_min_cosine_p1}  # type: ignore[misc, call-arg]
     known = [d for d in (run_dtype, server_dtype) if d in PRECISION] or ["bfloat16"]
     precision = max(known, key=PRECISION.index)
     return precision, mean[precision], p1[precision]
@@ -484,7 +485,7 @@ def diagnose(
             d = p.best_point - p.point  # type: ignore[operator]
             own = "not captured by the server" if p.at_point is None else f"cos {p.at_point.mean:.4f}"
             causes.append(
-                f"point {p.point} matches the server's point {p.best_point} (cos {p.cosines[p.best_point]:.5f}; "
+                f"point {p.point} matches the server's point {p.best_point} (cos {p.cosines[p.best_point]:.5f}; "  # type: ignore[index]
                 f"at its own point {own}): an off-by-{_ORDINAL.get(abs(d), abs(d))} in the layer ids"
             )
         if len(deltas) == 1 and len(shifted) == len(points):
@@ -565,7 +566,9 @@ def run_align(store: ObjectStore, settings: Settings, request: AlignRequest) -> 
         picks = draw_sample(store, request.run, request.samples, request.seed)
         names = ("input_ids", "aux", "final", "topk_ids", "topk_logprobs")
         opened: dict[str, ShardRows] = {}
-        stored, served, samples = [], [], []
+        stored: list[dict] = []
+        served: list[Served] = []
+        samples: list[SampledSequence] = []
         for record, s in picks:
             rows = opened.setdefault(record.key, ShardRows(store, record.key)).sequence(s, request.max_tokens, names)
             ids = [int(t) for t in rows["input_ids"]]
@@ -667,7 +670,7 @@ def compare_signal(
         )
     final = None
     if all(o.final is not None for o in served):
-        final = cosine_stats([(r["final"].astype(np.float32), o.final) for r, o in zip(stored, served)])
+        final = cosine_stats([(r["final"].astype(np.float32), o.final) for r, o in zip(stored, served)])  # type: ignore[misc]
     try:
         head = LmHead(run.target.model)
     except (FileNotFoundError, OSError, ValueError) as e:
@@ -682,18 +685,19 @@ def compare_signal(
                 passed=final.mean >= min_cos and final.p1 >= min_p1,
             )
         )
-    agree, errors = [], []
+    agreed: list[np.ndarray] = []
+    errs: list[np.ndarray] = []
     for r, o in zip(stored, served):
         top, logprobs = head.logits_stats(r["final"], o.topk_ids)
-        agree.append(top == o.topk_ids[:, 0])
-        errors.append(np.abs(logprobs - o.topk_logprobs).ravel())
-    top1 = float(np.concatenate(agree).mean())
+        agreed.append(top == o.topk_ids[:, 0])
+        errs.append(np.abs(logprobs - o.topk_logprobs).ravel())
+    top1 = float(np.concatenate(agreed).mean())
     passed = top1 >= settings.align_min_top1 and (final is None or (final.mean >= min_cos and final.p1 >= min_p1))
     return SignalAlignment(
         signal="final",
         final=final,
         top1_agreement=top1,
-        logprob_mae=float(np.concatenate(errors).mean()),
+        logprob_mae=float(np.concatenate(errs).mean()),
         passed=passed,
     )
 

@@ -134,7 +134,7 @@ def _points(value: str | None) -> list[int] | None:
 @one_line_failures
 @click.pass_context
 def enqueue(
-    ctx,
+    ctx: click.Context,
     dataset,
     run_name,
     model,

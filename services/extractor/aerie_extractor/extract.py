@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
 import numpy as np
 
@@ -111,7 +112,8 @@ def run_extract(
     engine: Engine | None = None,
 ) -> ExtractResult:
     """Extract one shard of a run; skip it when a valid hidden shard already exists."""
-    started, taken = time.monotonic(), []
+    started = time.monotonic()
+    taken: list[np.ndarray] = []  # the spare arrays this shard took
     try:
         captured = _capture(
             store,
@@ -160,7 +162,8 @@ def extract_shards(
             collect(max(1, writers))
             if error is not None:
                 break
-            started, taken = time.monotonic(), []
+            started = time.monotonic()
+            taken: list[np.ndarray] = []  # the spare arrays this shard took
             try:
                 captured = _capture(
                     store,
@@ -229,7 +232,7 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
     capture_seconds = time.monotonic() - t0
     if len(captured) != len(sequences):
         raise EngineMismatch(f"engine returned {len(captured)} results for {len(sequences)} sequences of shard {name}")
-    rows = []
+    rows: list[dict[str, Any]] = []  # the signal's arrays are set for the run's signal
     for i, (seq, cap) in enumerate(zip(tokens.sequences(), captured)):
         T = len(seq["input_ids"])
         if cap.aux.shape != (T, K, H):
@@ -237,7 +240,7 @@ def _capture(store: ObjectStore, settings: Settings, request: ExtractRequest, en
                 f"shard {name} sequence {i}: engine returned aux {list(cap.aux.shape)}, expected [{T}, {K}, {H}] "
                 f"(tokens x capture points {spec.capture_points} x hidden size): wrong layer ids or wrong model?"
             )
-        row = {"input_ids": seq["input_ids"], "loss_mask": seq["loss_mask"], "aux": cap.aux}
+        row: dict[str, Any] = {"input_ids": seq["input_ids"], "loss_mask": seq["loss_mask"], "aux": cap.aux}
         if spec.target_signal == "final":
             row["final"] = cap.final
         else:
@@ -296,7 +299,7 @@ def _store_hidden(
         tokens=record.tokens,
         bytes=record.bytes,
         seconds=seconds,
-        capture_seconds=capture_seconds,
+        capture_seconds=cast(float, capture_seconds),  # set: by the caller, or by the engine's future above
         store_seconds=time.monotonic() - stored,
     )
 

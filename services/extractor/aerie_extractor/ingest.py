@@ -158,6 +158,7 @@ def iter_records(
     A record of more than `max_record_bytes` is refused without being held: its bytes are
     skipped as they stream by. Bytes that are not UTF-8 refuse their record (never replaced)."""
     chunks = iter(chunks)
+    head: bytes | None
     head, lines_before = next(chunks, b"").removeprefix(b"\xef\xbb\xbf"), 0  # a UTF-8 byte order mark is not data
     while True:
         first = len(head) - len(head.lstrip(_JSON_SPACE))
@@ -268,7 +269,7 @@ class _Text:
         while True:
             buf = self.buf
             if in_string:
-                j = _STRING_BODY.match(buf, i).end()
+                j = _STRING_BODY.match(buf, i).end()  # type: ignore[union-attr]  # it matches the empty string
                 if j < len(buf) and buf[j] == '"':
                     in_string, i = False, j + 1
                     if depth == 0:
@@ -331,7 +332,7 @@ def _iter_array(text: _Text, line: int, cap: int) -> Iterator[tuple[int, object]
     text.pos = text.buf.index("[") + 1
     while True:
         while True:  # whitespace and the separating comma
-            end = _SEPARATORS.match(text.buf, text.pos).end()
+            end = _SEPARATORS.match(text.buf, text.pos).end()  # type: ignore[union-attr]  # matches the empty string
             line += text.buf.count("\n", text.pos, end)
             text.pos = end
             if text.pos < len(text.buf) or not text.more():

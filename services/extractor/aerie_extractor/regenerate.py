@@ -406,7 +406,8 @@ async def answer_all(
                 out[i] = {**base, "reject": str(e)}
             meter.done += 1
 
-    async def report() -> None:
+    async def report() -> None:  # started only with a `progress`
+        assert progress is not None
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
             progress(
@@ -428,8 +429,8 @@ async def answer_all(
         if tasks:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
+                if (error := t.exception()) is not None:
+                    raise error
     finally:
         for t in [*tasks, *([reporter] if reporter else [])]:
             t.cancel()

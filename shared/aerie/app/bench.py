@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import click
 import httpx
@@ -274,7 +275,7 @@ def summarize(server: Server, completions: list[Completion]) -> RunSummary:
         summary.acceptance_length = tokens / verify if verify else None
         summary.accept_rate = sum(c.accepted_drafts or 0 for c in completions) / proposed if proposed else None
         summary.per_prompt_acceptance = {
-            f"{c.prompt_id}/{c.turn}": c.acceptance_length for c in completions if c.verify_steps
+            f"{c.prompt_id}/{c.turn}": cast(float, c.acceptance_length) for c in completions if c.verify_steps
         }
     return summary
 
@@ -292,9 +293,11 @@ def benchmark(
 ) -> dict:
     """The whole measurement as a JSON-ready dict (what `--json` writes)."""
     prompts = prompts if prompts is not None else load_prompts()
-    options = dict(max_tokens=max_tokens, turns=turns, concurrency=concurrency, timeout_s=timeout_s, api_key=api_key)
+    options: dict[str, Any] = dict(
+        max_tokens=max_tokens, turns=turns, concurrency=concurrency, timeout_s=timeout_s, api_key=api_key
+    )
     server, completions = run(url, prompts, **options)
-    report = {
+    report: dict[str, Any] = {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "turns": turns,
@@ -397,7 +400,9 @@ def run_sweep(
     from aerie.contracts import SweepPoint
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sweep-"))
-    options = dict(max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s, api_key=api_key)
+    options: dict[str, Any] = dict(
+        max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s, api_key=api_key
+    )
 
     def measure(url: str, setting, start_s: float) -> SweepPoint:
         server, completions = run(url, prompts, **options)
@@ -437,10 +442,10 @@ def run_sweep(
         except BenchError as e:
             point = SweepPoint(setting=setting, error=str(e)[-3000:])
         if point.error is None and baseline is not None and baseline.tokens_per_s:
-            point = point.model_copy(update={"speedup": point.tokens_per_s / baseline.tokens_per_s})
+            point = point.model_copy(update={"speedup": cast(float, point.tokens_per_s) / baseline.tokens_per_s})
         points.append(point)
     measured = [p for p in points if p.error is None]
-    best = max(measured, key=lambda p: p.tokens_per_s).setting if measured else None
+    best = max(measured, key=lambda p: cast(float, p.tokens_per_s)).setting if measured else None  # measured: set
     return {
         "launch": launch,
         "prompts": len(prompts),
@@ -683,8 +688,8 @@ def bench(
             from aerie.settings import Settings
             from aerie.store import open_store
 
-            key = record_sweep(open_store(Settings.load()), record_ref, report)
-            click.echo(f"recorded: {key}")
+            recorded = record_sweep(open_store(Settings.load()), record_ref, report)
+            click.echo(f"recorded: {recorded}")
         return
     Console().print(render(report))
     if report["drafter"]["speculative_algorithm"] is None:

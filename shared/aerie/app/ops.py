@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from typing import Literal
 
 import click
 
@@ -85,7 +86,9 @@ def smoke_dataset() -> bytes:
 @click.option("--target-signal", type=click.Choice(["final", "topk"]), default="final", show_default=True)
 @click.option("--timeout", type=float, default=1800.0, show_default=True, help="seconds to wait for the run")
 @click.option("--keep", is_flag=True, help="keep the smoke run and its dataset in the store")
-def smoke(model: str, capture_points: str | None, target_signal: str, timeout: float, keep: bool) -> None:
+def smoke(
+    model: str, capture_points: str | None, target_signal: Literal["final", "topk"], timeout: float, keep: bool
+) -> None:
     """After `up`: enqueue a 10-record dataset, wait for the workers to ingest and extract it, report."""
     from aerie import controller
     from aerie.contracts import IngestOptions, IngestRequest

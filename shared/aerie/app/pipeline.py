@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import click
 from rich.console import Console
@@ -42,11 +43,13 @@ from aerie.app.options import train_options
 from aerie.contracts import (
     AlignGate,
     AlignmentReport,
+    AlignRequest,
     ExtractRequest,
     IngestOptions,
     IngestRequest,
     PlannedTraining,
     ProgressEvent,
+    RegenerateResult,
     RunPlan,
     RunSize,
     RunStatus,
@@ -140,7 +143,7 @@ class StepsHere:
 
     def _ingest(self, steps: list[Step]) -> None:
         (step,) = steps
-        request: IngestRequest = step.request
+        request = cast(IngestRequest, step.request)
         self.watch.start("ingest")
         with console.status(f"ingesting {request.options.max_records} conversations from {Path(request.dataset).name}"):
             controller.run_here(self.store, self.settings, step)
@@ -156,7 +159,7 @@ class StepsHere:
                 bar.update(task, description=f"regenerate: {event.message}")
 
             for step in steps:
-                result = controller.run_here(self.store, self.settings, step, report)
+                result = cast(RegenerateResult, controller.run_here(self.store, self.settings, step, report))
                 tokens, seconds = tokens + result.completion_tokens, seconds + result.seconds
                 bar.update(
                     task,
@@ -167,7 +170,8 @@ class StepsHere:
 
     def _extract(self, steps: list[Step]) -> None:
         self.watch.start("extract")
-        extract_in_process(self.store, self.settings, steps[0].request.run, [s.request.shard for s in steps])
+        requests = [cast(ExtractRequest, s.request) for s in steps]
+        extract_in_process(self.store, self.settings, requests[0].run, [r.shard for r in requests])
 
     def _align(self, steps: list[Step]) -> None:
         """`--server`: the run against the serving server before training (a failed check stops the run)."""
@@ -175,13 +179,14 @@ class StepsHere:
 
         self.watch.start("align")
         for step in steps:
-            with console.status(f"aerie align: run {step.request.run} against {step.request.server}"):
-                report = controller.run_here(self.store, self.settings, step)
+            request = cast(AlignRequest, step.request)
+            with console.status(f"aerie align: run {request.run} against {request.server}"):
+                report = cast(AlignmentReport, controller.run_here(self.store, self.settings, step))
             print_report(report)  # its own console: one line a row in a log too
 
     def _train(self, steps: list[Step]) -> None:
         for step in steps:
-            request: TrainRequest = step.request
+            request = cast(TrainRequest, step.request)
             self.trained[request.resolved_train_id] = _train_with_bar(
                 request,
                 self.watch,
@@ -531,7 +536,7 @@ def run(
         gate = AlignGate(server=server, allow_misaligned=allow_misaligned) if server else None
     except ValueError:
         raise click.UsageError(f"--server {server!r}: give the serving SGLang's http(s)://host:port") from None
-    plan, training = (
+    plan, planned = (
         controller.new_plan(ingest_request),
         PlannedTraining(train=train_request, align=gate, start=controller.start_rule(config)),
     )
@@ -544,9 +549,9 @@ def run(
         settings = settings.model_copy(
             update={"ingest_local_dirs": [*settings.ingest_local_dirs, Path(dataset_path).parent]}
         )
-        result = run_in_process(store, settings, plan, training, watch)
+        result = run_in_process(store, settings, plan, planned, watch)
     else:
-        result = run_on_workers(store, settings, plan, training, watch, timeout_s)
+        result = run_on_workers(store, settings, plan, planned, watch, timeout_s)
 
     watch.start("pull")
     dest = Path(out or Path("drafters") / drafter).resolve()

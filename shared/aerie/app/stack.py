@@ -487,6 +487,7 @@ def up(
         redis_base, redis_service = start_redis(folder / "redis", password=secrets.token_hex(16), log_dir=logs)
         state.add(redis_service)
         s3 = start_s3(folder / "s3", log_dir=logs)
+        assert s3.service is not None  # start_s3 started it
         state.add(s3.service)
         env = aerie_env(s3.endpoint, "aerie", s3.access_key, s3.secret_key, redis_base)
         prepared = subprocess.run(
@@ -504,7 +505,7 @@ def up(
             service = spawn(name, argv, logs, {**base_env(), **env, **extra}, grace_s=WORKER_GRACE_S)
             state.add(service)
         for service in state.services[-2:]:
-            wait_ready(service, lambda s=service: " ready." in s.log.read_text(errors="replace"), 120)
+            wait_ready(service, lambda s=service: " ready." in s.log.read_text(errors="replace"), 120)  # type: ignore[misc]
         click.echo(f"stack: waiting for SGLang at {url} (log: {sglang.log})", err=True)
         wait_sglang(url, sglang)
 

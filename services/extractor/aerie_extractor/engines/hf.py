@@ -25,7 +25,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
@@ -148,7 +150,7 @@ class HFEngine(Engine):
             raise EngineMismatch(f"hf engine cannot load the target from {self.model_path}: {e}") from e
         self.model = model.to(self.device).eval()
         self.base = getattr(model, model.base_model_prefix)
-        self._pinned = None  # capture_into's host buffers (CUDA), grown on demand
+        self._pinned: Any = None  # capture_into's host buffers (CUDA torch tensors), grown on demand
         self._lock = threading.Lock()
         # the thread every capture runs on (_one_at_a_time), for the life of the engine
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="aerie-hf-launch")
@@ -294,7 +296,9 @@ class HFEngine(Engine):
         self._host_buffers(
             max(self.settings.tokens_per_batch, *(sum(len(sequences[i]) for i in idx) for idx in batches)), shapes
         )
-        outs = [(_np_bits(aux), _np_bits(final))] + ([] if block is None else [(aux_scale, final_scale)])
+        # block is set iff aux_scale is, and final_scale comes with it (capture_into: both or neither)
+        outs: list[tuple[Any, Any]] = [(_np_bits(aux), _np_bits(final))]
+        outs += [] if block is None else [(aux_scale, final_scale)]
 
         def place(hosts: list[np.ndarray], idx: list[int]) -> None:  # host (n, K+1, ...): the sequences of idx in order
             p = 0
@@ -316,12 +320,14 @@ class HFEngine(Engine):
                     tensors = [rows] if block is None else list(quantize_e4m3(rows, block))
                     slot = self._next_slot
                     self._next_slot = 1 - slot
-                    if self._placing[slot] is not None:
-                        self._placing[slot].exception()  # buffer `slot` is free again (its batch placed, or failed)
+                    placing = self._placing[slot]
+                    if placing is not None:
+                        placing.exception()  # buffer `slot` is free again (its batch placed, or failed)
                     hosts, event = self._stage(tensors, slot)
                     job = (event, [_host_bits(h) for h in hosts], idx)
-                    self._placing[slot] = self._placer.submit(self._place_when_ready, place, *job)
-                    jobs.append(self._placing[slot])
+                    placing = self._placer.submit(self._place_when_ready, place, *job)
+                    self._placing[slot] = placing
+                    jobs.append(placing)
                 flag, event = self._stage([bad.reshape(1)], None)
         except BaseException:
             wait(jobs)  # nothing writes into the caller's arrays once this raises
@@ -336,7 +342,7 @@ class HFEngine(Engine):
 
         return self._placer.submit(finite)
 
-    def _host_buffers(self, rows: int, shapes: list[tuple[tuple[int, ...], object]]) -> None:
+    def _host_buffers(self, rows: int, shapes: Sequence[tuple[tuple[int, ...], object]]) -> None:
         """CUDA: two sets of pinned buffers, one per (row shape, dtype) of `shapes`, each of at
         least `rows` rows (the device fills one set while the host empties the other), grown on demand."""
         import torch

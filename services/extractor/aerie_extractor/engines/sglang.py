@@ -65,8 +65,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import ssl
 import time
 from pathlib import Path
+from typing import Literal, cast
 
 import httpx
 import numpy as np
@@ -233,7 +235,7 @@ class SGLangEngine(Engine):
         self.readers: dict[str, CaptureReader] = {}  # per server: where its binary captures are read
         self._checked = False
         self._outages: dict[str, asyncio.Lock] = {}
-        self._tls = None  # the TLS context of capture()'s clients, made once
+        self._tls: ssl.SSLContext | None = None  # the TLS context of capture()'s clients, made once
 
     # ----------------------------------------------------------------------------------
     @classmethod
@@ -246,7 +248,7 @@ class SGLangEngine(Engine):
         wait_for_server(url, settings.engine_outage_wait_s)  # an ingest may start before SGLang too
         with http_client(settings, 30.0) as client:
             info = server_info(client, url)
-            transport = "json"
+            transport: Literal["json", "binary"] = "json"
             if settings.engine_transport != "json":
                 transport = cls._transport(settings, {url: advertised(info)})
             if transport == "binary":
@@ -287,7 +289,7 @@ class SGLangEngine(Engine):
         return None
 
     @staticmethod
-    def _transport(settings: Settings, ads: dict[str, dict | None]) -> str:
+    def _transport(settings: Settings, ads: dict[str, dict | None]) -> Literal["json", "binary"]:
         """binary when wanted and every server in `ads` advertises the plugin; json otherwise."""
         if settings.engine_transport == "json":
             return "json"
@@ -702,4 +704,4 @@ class SGLangEngine(Engine):
             sum(len(s) for s in sequences),
             time.monotonic() - started,
         )
-        return out
+        return cast(list[Captured], out)  # without `into`, every sequence's slot holds its capture

@@ -317,7 +317,7 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
                 f"capture {where}: tensor {name!r} ({dt} {shape}) cannot be read into a "
                 f"{'' if arr.flags.c_contiguous else 'non-contiguous '}{arr.dtype} array of shape {list(arr.shape)}"
             )
-        view = memoryview(arr.reshape(-1).view(np.uint8))
+        view = arr.reshape(-1).view(np.uint8).data
         try:
             _pread_into(fd, view, base + start)
         except ShardError as e:
@@ -327,7 +327,7 @@ def _read_into(descriptor: CaptureDescriptor, fd: int, out: dict[str, np.ndarray
 
 
 def _check_header(
-    descriptor: CaptureDescriptor, where: str, metadata: dict, found: dict[str, tuple[list[int], str]]
+    descriptor: CaptureDescriptor, where: str | None, metadata: dict, found: dict[str, tuple[list[int], str]]
 ) -> None:
     """The capture id in the header, and each promised tensor's (shape, dtype) in `found`, are the descriptor's."""
     if metadata.get("aerie_capture_id") != descriptor.id:
@@ -342,7 +342,7 @@ def _check_header(
             )
 
 
-def _check_digest(where: str, digest: str, metadata: dict) -> None:
+def _check_digest(where: str | None, digest: str, metadata: dict) -> None:
     if digest != metadata.get("sha256"):
         raise BinaryCaptureError(
             f"capture {where}: sha256 {digest[:12]} of its tensors != {str(metadata.get('sha256'))[:12]} in its header: corrupted"
@@ -447,10 +447,11 @@ def fetch_binary(descriptor: CaptureDescriptor, sink_config: CaptureReader) -> d
         store = sink_config.store
         if store is None:
             raise BinaryCaptureError(f"capture {descriptor.key} is in S3 but CaptureReader.store is not set")
-        if getattr(store, "bucket", descriptor.bucket) != descriptor.bucket:
+        bucket = getattr(store, "bucket", descriptor.bucket)
+        if bucket != descriptor.bucket:
             raise BinaryCaptureError(
                 f"capture {descriptor.key} is in bucket {descriptor.bucket!r}, CaptureReader.store reads "
-                f"{store.bucket!r}: use the plugin's bucket"
+                f"{bucket!r}: use the plugin's bucket"
             )
         key = capture_object(descriptor, sink_config)
         buf = _wait_s3(store, key, sink_config.timeout_s)

@@ -206,6 +206,7 @@ def before_add_request_to_queue(scheduler, req, *args, **kwargs):
 
 
 def _admit(scheduler, req, sink: str) -> None:
+    assert _rel is not None
     refusal = _refusal(scheduler, req, sink)
     if refusal is not None:
         compat.abort(_rel, req, refusal[0], refusal[1])
@@ -257,6 +258,7 @@ def around_append_prefill_hidden_states(
 
 
 def _take_rows(req, state: _RequestCapture, logits_output, start: int, end: int, store: bool) -> None:
+    assert _rel is not None
     final = compat.final_state(_rel, logits_output)
     if final is None:
         _answer(

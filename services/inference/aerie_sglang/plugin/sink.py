@@ -240,7 +240,7 @@ class Capture:
     tensors: dict[str, torch.Tensor]  # contiguous CPU tensors (or pinned, with `ready` event)
     metadata: dict[str, str]
     nbytes: int
-    ready: object | None = None  # a torch.cuda.Event to wait on before reading device copies
+    ready: torch.cuda.Event | None = None  # to wait on before reading device copies
 
 
 @dataclass

@@ -44,7 +44,7 @@ def _split(root: Path, target: str) -> tuple[Path, list[str]] | None:
 
 
 def _member(body: list[ast.stmt], name: str) -> ast.AST | None:
-    found = None
+    found: ast.AST | None = None
     for node in body:  # the last definition wins, as at import time
         if isinstance(node, (*_FUNCS, ast.ClassDef)) and node.name == name:
             found = node

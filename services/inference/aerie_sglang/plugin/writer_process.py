@@ -95,6 +95,7 @@ class Ring:
         """A region of n bytes, or None while the ring lacks that much contiguous space."""
         if n > self.size:
             return None
+        start: int | None
         if not self._regions:
             start = 0
         else:
@@ -331,6 +332,7 @@ class ProcessWriter:
             return
         for capture in group:
             capture.tensors = {}  # the host buffers may go: the ring holds the rows
+        assert channel.proc.stdin is not None  # started with stdin=PIPE
         try:
             channel.proc.stdin.write(line)
             channel.proc.stdin.flush()
@@ -339,6 +341,7 @@ class ProcessWriter:
 
     # --- reader thread, one per writer process ------------------------------------------------
     def _read(self, channel: _Channel) -> None:
+        assert channel.proc.stdout is not None  # started with stdout=PIPE
         for raw in channel.proc.stdout:
             try:
                 reply = json.loads(raw)
@@ -368,20 +371,20 @@ class ProcessWriter:
         code = channel.proc.wait()
         with self._cond:
             channel.dead = True
-            held = list(channel.inflight.values())
+            left = list(channel.inflight.values())
             channel.inflight.clear()
-            for region, _ in held:
+            for region, _ in left:
                 assert self.ring is not None
                 self.ring.give_back(region)
             self._cond.notify_all()
-        if held:
+        if left:
             logger.error(
                 "aerie capture: the writer process ended (exit code %s) holding %d captures: they get "
                 "error notes; the next batch starts a new one",
                 code,
-                sum(len(g) for _, g in held),
+                sum(len(g) for _, g in left),
             )
-        for _, group in held:
+        for _, group in left:
             self._fail(group, f"the SGLang server's capture writer process ended (exit code {code}) before writing it")
 
     def _fail(self, group: list, reason: str) -> None:

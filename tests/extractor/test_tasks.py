@@ -66,7 +66,9 @@ def test_cli_surface():
         "--preset",
         "--publish-checkpoint",
         "--seq-len",
+        "--speculative-num-steps",
         "--steps",
+        "--stream",
         "--train-config",
         "--ttt-steps",
     ]  # aerie.presets.train_options

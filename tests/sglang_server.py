@@ -107,7 +107,9 @@ def sglang_server(
     python = sglang_python()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
     cmd = launcher.cpu_command(python, args, serve_eagle=serve_eagle)
-    child_env = launcher.clean_env(env)
+    # this checkout's plugin and CPU harness before the venv's editable install (which may be another
+    # checkout's): SGLang imports the entry point's module by name, so the path decides which runs
+    child_env = launcher.clean_env({"PYTHONPATH": str(REPO / "services" / "inference")} | (env or {}))
     with launcher.launch(
         cmd,
         timeout_s=timeout_s,

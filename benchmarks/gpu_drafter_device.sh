@@ -7,7 +7,7 @@
 #  bash .devtools/sglang_on_device/fetch_wheels.sh`: .devwheels/chunk1..3). Then, each with its carry:
 #
 #   carry                                              command
-#   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps
+#   .devcarry/gguf1 .devcarry/wheels .devtools         bash benchmarks/gpu_drafter_device.sh deps [memory]
 #   .devcarry/gguf2 .devwheels/chunk3 .devtools        bash benchmarks/gpu_drafter_device.sh target
 #   .devwheels/chunk1 .devcarry/data .devtools         bash benchmarks/gpu_drafter_device.sh sglang1 [probe]
 #   .devwheels/chunk2 .devtools                        bash benchmarks/gpu_drafter_device.sh run STAGES [ARGS...]
@@ -34,6 +34,17 @@ deps)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/wheels/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  if [ "${1:-}" = memory ]; then
+    # issue 40 item 3: one Kimi-width (H 7168, 56/8 heads, vocab 163,840) drafter step per process, the
+    # trainer's bf16 scheme, plain and with activation checkpointing (bench_train_memory.py --device cuda)
+    for spec in ${MEMORY_SPECS:-7168,16384,32000,4 7168,20000,32000,4 7168,16384,32000,7 7168,32768,32000,4}; do
+      for c in "" --checkpoint; do
+        python3 benchmarks/bench_train_memory.py --device cuda --one "$spec" --vocab 163840 $c 2>"$OUT/mem-err.txt" \
+          | tail -1 | tee -a "$OUT/train-memory.jsonl" \
+          || echo "{\"spec\": \"$spec\", \"checkpoint\": \"$c\", \"error\": \"$(tail -1 "$OUT/mem-err.txt" | tr -d '"')\"}" | tee -a "$OUT/train-memory.jsonl"
+      done
+    done
+  fi
   ;;
 target)
   cold /tmp/aerie-carry/part1

@@ -243,9 +243,13 @@ w4a16)
   sglang_site
   cold /tmp/tokenizer/tokenizer.json
   python3 benchmarks/plugin_on_device.py make-model --tokenizer /tmp/tokenizer --intermediate-size 768 --out /tmp/aerie-model-768
-  PYTHONPATH=/tmp/sgsite:$PYTHONPATH python3 benchmarks/make_w4a16.py --source /tmp/aerie-model-768 --out /tmp/aerie-model-w4a16
+  PYTHONPATH=/tmp/sgsite:$PYTHONPATH python3 benchmarks/make_w4a16.py --source /tmp/aerie-model-768 --out /tmp/aerie-model-w4a16 \
+    --dequantized /tmp/aerie-model-w4a16-ref
   python3 -c "import json; print(json.load(open('/tmp/aerie-model-w4a16/config.json'))['quantization_config']['format'])"
+  # the reference is HF on the int4 values times their scales (transformers' own compressed-tensors
+  # loading keeps weight_packed and has no forward for it)
   PYTHONPATH=/tmp/sgsite:$PYTHONPATH python3 benchmarks/plugin_on_device.py run --model /tmp/aerie-model-w4a16 \
+    --reference /tmp/aerie-model-w4a16-ref \
     --site /tmp/sgsite:/tmp/site_dg --out "$OUT/w4a16" --server plugin=services/inference --budget-s "${BUDGET_S:-300}" 2>&1 | tail -20
   python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(json.dumps({n: s.get('verdict', s.get('error')) for n, s in r['servers'].items()}))" \
     "$OUT/w4a16/results.json"

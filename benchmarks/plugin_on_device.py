@@ -419,7 +419,7 @@ def run(args) -> None:
     def dump():
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
-    ref = Reference(args.model)
+    ref = Reference(args.reference or args.model)
     floor_ids = random.Random(7).sample(range(100, 40000), 512)
     r = ref.of(floor_ids)
     results["hf_bf16_vs_fp32"] = {
@@ -471,6 +471,9 @@ def main() -> None:
     )
     r = sub.add_parser("run")
     r.add_argument("--model", default="/tmp/aerie-model")
+    r.add_argument(
+        "--reference", help="the HF model to compare with (default --model), e.g. a quantized one's plain bf16"
+    )
     r.add_argument("--site", default="/tmp/site", help="SGLang and its pins, for the servers' PYTHONPATH")
     r.add_argument("--out", default=os.environ.get("OUT", "/tmp/plugin-out"))
     r.add_argument("--server", action="append", default=[], help="NAME=DIR holding aerie_sglang (repeatable)")

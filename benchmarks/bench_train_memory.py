@@ -24,7 +24,8 @@ head (keys/values H/2 wide; Kimi's drafter: 56/8 heads, H/7): the kept keys are 
 
     python benchmarks/bench_train_memory.py --out benchmarks/results/cpu-2026-12-05-train-memory.json
 
-On a GPU (prepared, not yet run: the full width, the trainer's bf16 step, one process each):
+On a GPU (the full width, the trainer's bf16 step, one process each; `bash
+benchmarks/gpu_drafter_device.sh deps memory` runs this on the lent device):
 
     for c in "" --checkpoint; do PYTHONPATH=shared:services/trainer python3 benchmarks/bench_train_memory.py \
       --device cuda --one 7168,16384,32000,4 --vocab 163840 $c; done

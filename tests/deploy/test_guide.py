@@ -110,3 +110,21 @@ def test_the_guides_gpu_split_gives_each_service_its_own_device_list(tmp_path):
         "inference-capture": [{"capabilities": ["gpu"], "driver": "nvidia", "device_ids": ["0", "1", "2", "3"]}],
         "trainer": [{"capabilities": ["gpu"], "driver": "nvidia", "device_ids": ["4", "5", "6", "7"]}],
     }
+
+
+def test_the_guides_docker_volume_commands_name_volumes_compose_makes():
+    """Issue 37, finding 9 (retuning CAPTURE_SHM_SIZE): the guide removes the capture volume by
+    name. Compose names a volume `<project>_<volume>`, the project being docker-compose.yml's `name:`
+    (not the folder's, as the guide once assumed): every volume the guide's commands remove is one
+    that Compose's own render of the file names."""
+    from scripts.deploy_checks.docs import shell_commands
+
+    names = {v["name"] for v in Project().render()["volumes"].values()}
+    removed = [
+        a
+        for _, argv in shell_commands(GUIDE)
+        if argv[:3] == ["docker", "volume", "rm"]
+        for a in argv[3:]
+        if a[0] != "-"
+    ]
+    assert removed and set(removed) <= names, (removed, sorted(names))

@@ -196,6 +196,15 @@ def _root_problems(s: dict) -> list[str]:
     return [f"runs as root without {', '.join(missing)}: run it as a non-zero uid"] if missing else []
 
 
+def _tp_beyond_devices(s: dict) -> list[tuple[str, int]]:
+    """(TP_SIZE, GPUs) where a service's SGLang tensor-parallel size exceeds the GPUs its device_ids
+    give it (SGLang refuses to start: a GPU split in compose.override.yml that left TP_SIZE as it was)."""
+    devices = dig(s, "deploy", "resources", "reservations", "devices") or []
+    ids = [i for d in devices for i in d.get("device_ids") or []]
+    tp = str((s.get("environment") or {}).get("TP_SIZE") or "")
+    return [(tp, len(ids))] if ids and tp.isdigit() and int(tp) > len(ids) else []
+
+
 def _shell_vars_unset(s: dict) -> list[tuple[str, str]]:
     """Variables a container's shell reads that neither its environment nor the script sets."""
     return [
@@ -266,6 +275,11 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
         lambda s, *_: [s.get("image")] if s.get("build") and s.get("pull_policy") != "never" else [],
     ),
     (".build: {0}", lambda s, *_: _build_problems(s)),
+    (
+        ".environment.TP_SIZE: {0}, but its device_ids give it {1} GPU(s): SGLang refuses a --tp above the GPUs "
+        "it sees; set TP_SIZE (GENERATE_TP_SIZE) in .env to at most {1}",
+        lambda s, *_: _tp_beyond_devices(s),
+    ),
     (
         ".environment.AERIE_REGENERATE_URLS: {0}: {1}: point it at a plain SGLang server (radix cache on, no capture: "
         "inference-generate)",

@@ -349,3 +349,24 @@ def test_aerie_train_on_a_run_deleted_and_created_again_trains_again(s3_store, s
     line = one_line(_train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "mine"), "training mine")
     assert "before run 'r1' was created again" in line and "another --train-id" in line, line
     assert len(versions()) == 3  # v1, v2, mine: none added by the refusal
+
+
+def test_the_same_training_started_twice_at_once_trains_once(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 3: the same training started twice trained twice in one checkpoint
+    namespace and published twice. Two real `aerie train` processes of one request, started
+    together (real S3; no broker, so the train id's lease is a lock file of this host): one trains
+    and publishes, the other waits for it and answers "already published"; one version, one
+    checkpoint namespace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.runs import upload_run
+
+    upload_run(s3_store, small_run, "r1")
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: _train_cli(s3_store, smollm2_path, "--runs", "r1"), range(2)))
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
+    waited = [o for o in outs if "already published" in o.stdout]
+    assert len(waited) == 1, [o.stdout[-1500:] for o in outs]
+    versions = {k.split("/")[2] for k in s3_store.list("drafters/d/") if k.count("/") == 3}
+    namespaces = {k.split("/")[1] for k in s3_store.list("checkpoints/")}
+    assert len(versions) == 1 and namespaces == {f"d-{next(iter(versions))}"}, (versions, namespaces)

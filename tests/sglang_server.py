@@ -53,13 +53,8 @@ def sglang_python() -> Path:
 
 
 def capture_args(model_path: str | os.PathLike, layer_ids: Sequence[int], dtype: str = "float32") -> list[str]:
-    """Capture mode (SGLANG_CPU.md): aux hidden states at `layer_ids` (SGLang's numbering)."""
-    return [
-        "--model-path", str(model_path), "--dtype", dtype,
-        "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-        "--return-aux-hidden-state-layer-ids", *map(str, layer_ids),
-        "--disable-radix-cache",
-    ]  # fmt: skip
+    """Capture mode as compose and `aerie stack` run it (launcher.capture_args), float32 on the CPU."""
+    return launcher.capture_args(model_path, layer_ids, dtype)
 
 
 def serve_args(
@@ -100,10 +95,12 @@ def sglang_server(
     env: dict[str, str] | None = None,
     graceful: bool = False,
     port: int | None = None,
+    api_key: str | None = None,
 ) -> Iterator[SGLangServer]:
     """Start `aerie_sglang.cpu.launch` with SGLang `args` (+ CPU flags; host and a free port by the
-    launcher, or `port`); yield when healthy. A test's server holds nothing to save, and SGLang's
-    own shutdown costs ~6 s a stop, so it is stopped by SIGKILL; `graceful`: SIGTERM first."""
+    launcher, or `port`; `api_key` as the launcher hands it over); yield when healthy. A test's
+    server holds nothing to save, and SGLang's own shutdown costs ~6 s a stop, so it is stopped by
+    SIGKILL; `graceful`: SIGTERM first."""
     python = sglang_python()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sglang-"))
     cmd = launcher.cpu_command(python, args, serve_eagle=serve_eagle)
@@ -118,6 +115,7 @@ def sglang_server(
         cwd=REPO,
         graceful=graceful,
         port=port,
+        api_key=api_key,
         server_type=SGLangServer,
     ) as server:
         yield server  # type: ignore[misc]

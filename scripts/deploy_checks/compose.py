@@ -31,7 +31,7 @@ from .common import (
     embedded_scripts,
     regeneration_hosts,
 )
-from .dockerfiles import dockerfile_args
+from .dockerfiles import dockerfile_args, dockerfile_instructions
 
 SHELL_BUILTIN_VARS = {"HOSTNAME", "HOME", "PATH", "PWD", "USER"}
 
@@ -159,6 +159,52 @@ def _build_problems(s: dict) -> list[str]:
     ]
 
 
+# What a container that must run as root (to give a volume to the user of another) may keep: it is
+# a one-shot with no network, every capability dropped but these.
+ROOT_CAPABILITIES = {"CHOWN", "DAC_READ_SEARCH", "FOWNER"}
+
+
+def _image_user(s: dict) -> str | None:
+    """The last USER of the Dockerfile a service builds (None: pulled, or no USER)."""
+    build = s.get("build") or {}
+    dockerfile = Path(build.get("context", ".")) / build.get("dockerfile", "Dockerfile")
+    if not build or not dockerfile.is_file():
+        return None
+    users = [c.value[0] for c in dockerfile_instructions(dockerfile.read_text()) if c.cmd == "USER"]
+    return users[-1] if users else None
+
+
+def _root_problems(s: dict) -> list[str]:
+    """Why a service may run as root: its `user` (or, built here, its Dockerfile's last USER) is not a
+    non-zero numeric uid. A pulled image's own USER cannot be read here, so a pulled one sets `user`.
+    Root is accepted only confined (ROOT_CAPABILITIES): a one-shot, no network, capabilities dropped."""
+    user = s.get("user") or _image_user(s)
+    if user is None:
+        return ["no `user`: a pulled image may run as root; set `user: UID:GID` (the image's own non-root user)"]
+    uid = str(user).split(":")[0]
+    if not uid.isdigit():
+        return [f"user {user!r} is not numeric: give the uid (a name may be root's, or unknown to the image)"]
+    if int(uid):
+        return []
+    confined = {
+        'restart: "no"': s.get("restart") in (None, "no"),
+        "network_mode: none": s.get("network_mode") == "none",
+        "cap_drop: [ALL]": "ALL" in (s.get("cap_drop") or []),
+        f"cap_add within {sorted(ROOT_CAPABILITIES)}": set(s.get("cap_add") or []) <= ROOT_CAPABILITIES,
+    }
+    missing = [k for k, ok in confined.items() if not ok]
+    return [f"runs as root without {', '.join(missing)}: run it as a non-zero uid"] if missing else []
+
+
+def _tp_beyond_devices(s: dict) -> list[tuple[str, int]]:
+    """(TP_SIZE, GPUs) where a service's SGLang tensor-parallel size exceeds the GPUs its device_ids
+    give it (SGLang refuses to start: a GPU split in compose.override.yml that left TP_SIZE as it was)."""
+    devices = dig(s, "deploy", "resources", "reservations", "devices") or []
+    ids = [i for d in devices for i in d.get("device_ids") or []]
+    tp = str((s.get("environment") or {}).get("TP_SIZE") or "")
+    return [(tp, len(ids))] if ids and tp.isdigit() and int(tp) > len(ids) else []
+
+
 def _shell_vars_unset(s: dict) -> list[tuple[str, str]]:
     """Variables a container's shell reads that neither its environment nor the script sets."""
     return [
@@ -230,6 +276,11 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
     ),
     (".build: {0}", lambda s, *_: _build_problems(s)),
     (
+        ".environment.TP_SIZE: {0}, but its device_ids give it {1} GPU(s): SGLang refuses a --tp above the GPUs "
+        "it sees; set TP_SIZE (GENERATE_TP_SIZE) in .env to at most {1}",
+        lambda s, *_: _tp_beyond_devices(s),
+    ),
+    (
         ".environment.AERIE_REGENERATE_URLS: {0}: {1}: point it at a plain SGLang server (radix cache on, no capture: "
         "inference-generate)",
         lambda s, every, _: _regeneration_servers(s, every),
@@ -238,6 +289,7 @@ SERVICE_RULES = [  # (message, test(service, every service, compose folder))
         ".{0}: the container shell reads ${1}, the service's environment does not set it",
         lambda s, *_: _shell_vars_unset(s),
     ),
+    (": {0}", lambda s, *_: _root_problems(s)),
     (
         ": no log limit: add `logging: *logging` (json-file, max-size)",
         lambda s, *_: not dig(s, "logging", "options", "max-size"),

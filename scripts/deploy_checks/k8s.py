@@ -491,7 +491,24 @@ RESOURCE_RULES = [  # (message, test(resource, objects by (kind, name), document
         lambda r, objects, _, every: _regeneration_servers(r, objects, every),
     ),
 ]
+
+
+def _root_settings(c: dict, pod: dict) -> list[str]:
+    """What lets a container run as root: its securityContext over its pod's must say runAsNonRoot
+    (the kubelet then refuses a root image) and a non-zero numeric runAsUser (a named USER of the
+    image cannot be checked by the kubelet, which then refuses to start it)."""
+    sc = {**(pod.get("securityContext") or {}), **(c.get("securityContext") or {})}
+    problems = [] if sc.get("runAsNonRoot") is True else ["runAsNonRoot is not true"]
+    uid = sc.get("runAsUser")
+    problems += [] if isinstance(uid, int) and uid > 0 else [f"runAsUser is {uid!r}, not a non-zero uid"]
+    return ["; ".join(problems)] if problems else []
+
+
 POD_RULES = [  # (message, test(container, its group, pod spec, workload))
+    (
+        ": may run as root ({0}): set securityContext runAsNonRoot: true and runAsUser (the pod's or its own)",
+        lambda c, _, pod, __: _root_settings(c, pod),
+    ),
     (
         ": volumeMount {0!r} names no volume of the pod",
         lambda c, _, pod, r: [

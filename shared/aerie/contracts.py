@@ -385,8 +385,9 @@ class TrainRequest(Contract):
     follows: str | None = Field(
         None,
         pattern=r"^[0-9a-f]{32}$",
-        description="the id of the run creation (RunPlan.id) a planned training follows, set by the controller: "
-        "part of the derived train id, so a deleted and re-created run is trained anew, not found published",
+        description="the id of the run creation (RunPlan.id) a training follows (of several runs, a digest of "
+        "theirs), set by the controller and by a direct training (aerie.controller.following): part of the "
+        "derived train id, so a deleted and re-created run is trained anew, not found published",
     )
 
     @field_validator("runs")

@@ -84,6 +84,13 @@ class NoPlan(ExpectedError, LookupError):
     """A run without a plan: the controller has nothing to advance."""
 
 
+class StaleTrainId(ExpectedError, ValueError):
+    """A train id the user chose, published before a run of the request was created again: its
+    drafter was not trained on the run's data. Refused, never retried."""
+
+    retryable = False
+
+
 # --------------------------------------------------------------------------------------
 # Steps and state
 # --------------------------------------------------------------------------------------
@@ -284,9 +291,7 @@ def _training(store: ObjectStore, plan: RunPlan, planned: PlannedTraining, view:
         return TrainingState(
             planned,
             "failed",
-            failure=f"training {request.train_id}: drafter {request.drafter}:{request.version} was published at "
-            f"{lineage.created_at}, before run {run!r} was created again at {plan.created_at}: it was not trained "
-            "on this run's data; give the training another --train-id (or leave it out) to train on it",
+            failure=_stale(request, plan, lineage.created_at),
             stale=True,
         )
     if lineage is not None:
@@ -420,6 +425,39 @@ def follow(planned: PlannedTraining, plan: RunPlan) -> PlannedTraining:
     if planned.train.train_id is not None or planned.train.follows == plan.id:
         return planned  # a train id the user chose is kept as given
     return planned.model_copy(update={"train": planned.train.model_copy(update={"follows": plan.id})})
+
+
+def _stale(request: TrainRequest, plan: RunPlan, published_at: str) -> str:
+    return (
+        f"training {request.train_id}: drafter {request.drafter}:{request.version} was published at "
+        f"{published_at}, before run {plan.run!r} was created again at {plan.created_at}: it was not trained "
+        "on this run's data; give the training another --train-id (or leave it out) to train on it"
+    )
+
+
+def following(store: ObjectStore, request: TrainRequest) -> TrainRequest:
+    """A training asked directly (`aerie train`, a train message without `follows`) as `follow`
+    makes a planned one: following the current creation of its runs, so that a run deleted and
+    created again is trained again (a new train id and version), not answered "already published"
+    with the old data's drafter; the same request on the same creation is the same training (and
+    the controller's own, for one run). Several runs follow a digest of their plans' ids. A run
+    without a plan leaves the request as given (its creation cannot be told). A train id the user
+    chose that was published before a run's creation: StaleTrainId naming --train-id."""
+    if request.follows is not None:
+        return request
+    try:
+        plans = [load_plan(store, run) for run in request.runs]
+    except NoPlan:
+        return request
+    if request.train_id is not None:
+        lineage = drafters.published_lineage(store, request.drafter, request.version) if request.publish else None
+        newest = max(plans, key=lambda p: p.created_at)
+        if lineage is not None and lineage.created_at < newest.created_at:
+            raise StaleTrainId(_stale(request, newest, lineage.created_at))
+        return request
+    ids = [p.id for p in plans]
+    follows = ids[0] if len(ids) == 1 else hashlib.sha256(" ".join(ids).encode()).hexdigest()[:32]
+    return request.model_copy(update={"follows": follows})
 
 
 def new_plan(ingest: IngestRequest, fan_out: bool = True) -> RunPlan:

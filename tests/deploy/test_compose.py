@@ -248,7 +248,7 @@ COMPOSE_BREAKS = [
     Break(
         "a restarting service without a healthcheck",
         "docker-compose.yml",
-        '    healthcheck:\n      test: ["CMD", "mc", "ready", "local"]',
+        '    healthcheck:\n      test: ["CMD", "mc", "--config-dir", "/tmp/.mc", "ready", "local"]',
         '    x-healthcheck:\n      test: ["CMD", "mc"]',
         "services.minio: restarts automatically but has no healthcheck",
         batch="services",

@@ -7,7 +7,8 @@ import re
 import shutil
 import subprocess
 
-from scripts.deploy_checks.compose import Project
+from scripts.deploy_checks.common import apply
+from scripts.deploy_checks.compose import SERVICE_RULES, Project
 from scripts.deploy_checks.k8s import kustomize_build
 from tests.services import REPO
 
@@ -110,3 +111,32 @@ def test_the_guides_gpu_split_gives_each_service_its_own_device_list(tmp_path):
         "inference-capture": [{"capabilities": ["gpu"], "driver": "nvidia", "device_ids": ["0", "1", "2", "3"]}],
         "trainer": [{"capabilities": ["gpu"], "driver": "nvidia", "device_ids": ["4", "5", "6", "7"]}],
     }
+    # Issue 37, finding 8: TP_SIZE against the devices the split gives. Left at its default (8) the
+    # compose check names it; set as the guide says (TP_SIZE=4), nothing is reported.
+    said = re.search(r"set `TP_SIZE=(\d+)` in `.env`", GUIDE).group(1)
+    project = Project()
+    for tp, expected in ((None, ["TP_SIZE: 8, but its device_ids give it 4 GPU(s)"]), (said, [])):
+        env = project.stand_ins | ({"TP_SIZE": tp} if tp else {})
+        services = project.render(files=(override,), env=env)["services"]
+        found = [p for name, s in services.items() for p in apply(SERVICE_RULES, name, s, services, REPO)]
+        reported = [p for p in found if "TP_SIZE" in p]
+        assert len(reported) == len(expected), found
+        assert all(p.startswith(f"inference-capture.environment.{e}") for p, e in zip(reported, expected)), reported
+
+
+def test_the_guides_docker_volume_commands_name_volumes_compose_makes():
+    """Issue 37, finding 9 (retuning CAPTURE_SHM_SIZE): the guide removes the capture volume by
+    name. Compose names a volume `<project>_<volume>`, the project being docker-compose.yml's `name:`
+    (not the folder's, as the guide once assumed): every volume the guide's commands remove is one
+    that Compose's own render of the file names."""
+    from scripts.deploy_checks.docs import shell_commands
+
+    names = {v["name"] for v in Project().render()["volumes"].values()}
+    removed = [
+        a
+        for _, argv in shell_commands(GUIDE)
+        if argv[:3] == ["docker", "volume", "rm"]
+        for a in argv[3:]
+        if a[0] != "-"
+    ]
+    assert removed and set(removed) <= names, (removed, sorted(names))

@@ -430,6 +430,13 @@ K8S_BREAKS = [
             "multi-node: Deployment/extractor: runs 2 pod(s) beside ScaledJob extractor's Jobs",
             batch="a",
         ),
+        Break(  # issue 35, finding 10: the NetworkPolicy covered SGLang only (Redis: the break below)
+            "MinIO reachable from any pod",
+            "base/network-policy.yaml",
+            "      app.kubernetes.io/component: minio\n",
+            "      app.kubernetes.io/component: nothing\n",
+            "pods of component 'minio' are reachable from any pod",
+        ),
         Break(
             "SGLang reachable from any pod",
             "base/network-policy.yaml",
@@ -533,3 +540,20 @@ def test_k8s_check_reports_a_missing_probe(deploy_copy):
 def test_k8s_check_reports_no_overlay(deploy_copy):
     shutil.rmtree(deploy_copy.root / "k8s" / "overlays")
     assert any("no overlay with a kustomization.yaml" in p for p in check_k8s(deploy_copy.root))
+
+
+def test_minios_claim_holds_the_100m_tokens_the_guide_sizes():
+    """Issue 37, finding 9: MinIO's claim (4 Ti) was below the guide's own figure for 100 M tokens
+    at H = 7168. The claim each overlay renders holds the guide's bytes per token x 100 M."""
+    import re
+
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    per_token = int(re.search(r"= ([\d,]+) B ≈ \d+ KB per token", guide).group(1).replace(",", ""))
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+    for overlay in overlays():
+        minio = next(
+            r for r in kustomize_build(overlay) if r["kind"] == "StatefulSet" and r["metadata"]["name"] == "minio"
+        )
+        size = minio["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+        number, unit = re.fullmatch(r"(\d+)([KMGTP]i)", size).groups()
+        assert int(number) * units[unit] >= per_token * 100_000_000, f"{overlay.name}: MinIO's claim {size}"

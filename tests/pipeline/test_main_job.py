@@ -130,6 +130,26 @@ def test_aerie_run_on_workers_stops_on_a_refused_credential(s3_store, redis_url,
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_aerie_run_on_workers_prints_the_broker_without_its_password(s3_store, smollm2_path, tmp_path):
+    """Issue 35, finding 6: `aerie run --broker` printed the broker URL with its password on every
+    line ("enqueued ... on redis://:<password>@..."). Against a real Redis that requires the
+    password (no worker: the run is enqueued, then the wait times out), nothing it prints holds it."""
+    import secrets
+
+    from aerie.app import stack
+
+    password = "pw-" + secrets.token_hex(12)
+    base, redis_service = stack.start_redis(tmp_path / "redis", password=password)
+    try:
+        env = clean_env(**store_env(s3_store), AERIE_CACHE_DIR=str(smollm2_path.parent))
+        out = _aerie_run(["--broker", f"{base}/0", "--timeout", "5"], env, tmp_path)
+    finally:
+        redis_service.stop()
+    printed = " ".join((out.stdout + out.stderr).split())  # rich wraps at 80 columns
+    assert "enqueued aerie.ingest on redis://***@127.0.0.1:" in printed, printed[-3000:]
+    assert password not in printed and out.returncode == 1, printed[-3000:]
+
+
 def test_aerie_run_on_workers_stops_when_a_task_fails(s3_store, private_redis, smollm2_path, workers, tmp_path):
     """A real extractor worker refuses the ingest (capture point 99 of a 30-layer target): `aerie run`
     stops with the worker's reason instead of waiting for a run that will never complete."""

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from aerie.app import launcher
+
+STARTED = time.time()
 
 # --port P --host H appended by the launcher; a child in the same group, whose pid is printed
 FAKE = r"""
@@ -84,3 +88,64 @@ def test_a_server_started_again_on_its_port_answers_there(tmp_path):
         port = first.port
     with launcher.launch([sys.executable, "-c", FAKE], timeout_s=30, log_path=tmp_path / "b.log", port=port) as again:
         assert again.port == port and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+# reports its argv and what SGLang's ConfigArgumentMerger would read from --config (YAML), the file's
+# mode and its folder's, then serves /health; a child in its group
+KEYED = r"""
+import http.server, json, os, stat, subprocess, sys
+import yaml
+argv = sys.argv[1:]
+path = argv[argv.index("--config") + 1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(json.dumps({"argv": argv, "config": yaml.safe_load(open(path)), "path": path,
+                  "mode": stat.S_IMODE(os.stat(path).st_mode),
+                  "folder": stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)}), flush=True)
+port = int(argv[argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+KEY = 'k3y-with-\'quote-"double"-$dollar-\\back-: colon #hash'
+
+
+def _cmdlines(pgid: int) -> list[str]:
+    found = []
+    for proc in os.listdir("/proc"):
+        if proc.isdigit():
+            try:
+                if os.getpgid(int(proc)) == pgid:
+                    with open(f"/proc/{proc}/cmdline", "rb") as f:
+                        found.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+            except (OSError, ProcessLookupError):
+                pass
+    return found
+
+
+def test_the_api_key_goes_in_a_private_yaml_file_that_is_gone_once_the_server_runs(tmp_path):
+    """The key as compose and k8s hand it to SGLang: a `.yaml` --config file (SGLang refuses another
+    suffix) only this user reads, in a folder only this user enters, read back as the same key; in
+    no command line of the server's group; the file removed once the server is healthy."""
+    import json
+
+    server = launcher.begin([sys.executable, "-c", KEYED], log_path=tmp_path / "s.log", api_key=KEY)
+    try:
+        assert server.key_file is not None and server.key_file.is_file()
+        server.wait_healthy(30)
+        report = json.loads(next(line for line in server.log_tail().splitlines() if line.startswith("{")))
+        assert report["config"] == {"api-key": KEY}
+        assert oct(server.log_path.stat().st_mode)[-3:] == "600"  # SGLang logs its arguments
+        assert report["path"].endswith(".yaml") and report["mode"] == 0o600 and report["folder"] == 0o700
+        assert "--config" in report["argv"] and not [a for a in report["argv"] if "k3y" in a]
+        lines = _cmdlines(server.process.pid)
+        assert len(lines) == 2 and not [line for line in lines if "k3y" in line], lines
+        assert server.key_file is None and not os.path.exists(os.path.dirname(report["path"]))
+    finally:
+        server.stop()
+    # a server that never gets healthy leaves no key behind either
+    silent = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with pytest.raises(launcher.LaunchError):
+        launcher.start(silent, timeout_s=1, log_path=tmp_path / "b.log", api_key=KEY)
+    assert not [p for p in Path(tempfile.gettempdir()).glob("aerie-sglang-key-*") if p.stat().st_mtime > STARTED]

@@ -73,13 +73,73 @@ def test_compose_runs_the_worker_commands_and_settings_the_stack_runs(service):
     assert set(ours_env) == set(aerie)
     timeout = "AERIE_BROKER_VISIBILITY_TIMEOUT_S"
     assert ours_env[timeout] == defaults(aerie[timeout])
-    extra = stack.extractor_env("http://x:1") if service == "extractor" else stack.trainer_env("cuda")
+    extra = stack.extractor_env("http://x:1", "key") if service == "extractor" else stack.trainer_env("cuda")
     assert set(extra) <= compose_names, f"aerie stack sets {set(extra) - compose_names}, compose does not"
-    per_machine = {"AERIE_ENGINE_URLS", "AERIE_DEVICE"} if service == "extractor" else set()
+    # per machine: addresses, the device, and SGLang's key (made for each stack, as .env's for compose)
+    per_machine = {"AERIE_ENGINE_URLS", "AERIE_DEVICE", "AERIE_ENGINE_API_KEY"} if service == "extractor" else set()
     for name in set(extra) - per_machine:
         assert extra[name] == env[name], f"{service} {name}: compose {env[name]!r}, aerie stack {extra[name]!r}"
     capture = compose_services()["inference-capture"]["environment"]
     assert stack.capture_env("/c")["AERIE_SGLANG_BINARY"] == capture["AERIE_SGLANG_BINARY"]
+
+
+def _cmdlines(pgid: int) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if os.getpgid(int(proc.name)) == pgid:
+                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except (OSError, ProcessLookupError):
+                pass
+    return found
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(900)
+def test_the_stacks_sglang_requires_its_key_which_is_in_no_command_line(smollm2_path, tmp_path):
+    """The stack's SGLang is compose's inference-capture: started through the one launcher with an
+    API key (a private --config YAML, as compose hands SGLang's key over), which it then requires
+    (401 without it, or with another); the key is in no command line of its processes, its file is
+    gone once the server runs, its log (where SGLang prints its arguments) is private, and the
+    extractors are given it."""
+    import secrets
+
+    import httpx
+
+    from aerie.capture import convention_for, default_capture_points, to_engine_ids
+    from aerie.target import describe
+
+    target = describe(smollm2_path)
+    ids = to_engine_ids(
+        default_capture_points(target.num_layers), convention_for("sglang", target.architecture), target.num_layers
+    )
+    key = secrets.token_urlsafe(32)
+    capture = tmp_path / "capture"
+    capture.mkdir()
+    service = stack.start_sglang(str(sglang_python()), smollm2_path, ids, "cpu", tmp_path / "logs", capture, key)
+    try:
+        assert service.server is not None
+        key_file = service.server.key_file
+        assert key_file is not None and key_file.suffix == ".yaml" and oct(key_file.stat().st_mode)[-3:] == "600"
+        stack.wait_sglang(service, timeout_s=600)
+        assert not key_file.exists()
+        url = service.server.url
+        with httpx.Client(timeout=60) as client:
+            assert client.get(url + "/v1/models").status_code == 401, "the key is not enforced"
+            assert client.get(url + "/v1/models", headers={"Authorization": "Bearer other"}).status_code == 401
+            assert client.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        lines = _cmdlines(service.proc.pid)
+        assert len(lines) >= 2 and "--config" in lines[0], lines  # the server and its scheduler/detokenizer
+        assert not [line for line in lines if key in line], "the key is in a command line"
+        # SGLang logs its arguments, the key among them: the log is this user's alone
+        assert oct(service.log.stat().st_mode)[-3:] == "600"
+        for flag in ("--enable-return-aux-hidden-states", "--disable-radix-cache", "--enable-metrics"):
+            assert flag in lines[0]
+        assert stack.extractor_env(url, key)["AERIE_ENGINE_API_KEY"] == key
+    finally:
+        service.stop()
+    assert _cmdlines(service.proc.pid) == []
 
 
 def test_stack_refuses_an_unknown_model_in_one_line(tmp_path):
@@ -152,6 +212,9 @@ def test_the_guides_without_docker_section_gets_a_pulled_drafter_and_leaves_no_p
         printed = (tmp_path / "up.out").read_text()
         assert "export AERIE_STORE=" in printed and "AERIE_TEST" not in printed
         assert printed == (state_dir / "stack.env").read_text()
+        # SGLang's key: printed for the user, in no process's command line
+        key = dict(line.removeprefix("export ").split("=", 1) for line in printed.splitlines())["AERIE_ENGINE_API_KEY"]
+        assert len(key) > 20 and key not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
         session = block_with("source .aerie-stack/stack.env")
         started = time.monotonic()

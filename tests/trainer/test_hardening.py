@@ -298,3 +298,75 @@ def test_the_best_checkpoint_is_checked_before_it_is_published(s3_store):
     s3_store.put_bytes(key, nan)
     with pytest.raises(CheckpointRefused, match=f"{key} tensor weight holds non-finite"):
         _load_best(s3_store, "t", full, {**metrics, "best_sha256": hashlib.sha256(nan).hexdigest()})
+
+
+def test_aerie_train_on_a_run_deleted_and_created_again_trains_again(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 10 (the once claim), for a training asked directly: `aerie train` on a run
+    deleted and created again (same name, a new plan) answered "already published" with the old
+    data's drafter, as its train id was derived from the request alone. Now the request follows the
+    run's creation (controller.following), as a planned training does: the same command on the
+    same creation finds its drafter published, on the new creation trains a new version, which
+    `latest` then names. A train id the user chose, published before the run was created again, is
+    refused in one line naming --train-id; nothing is trained under it."""
+    import time
+
+    from aerie import controller, layout
+    from aerie.contracts import IngestRequest
+    from tests.runs import upload_run
+    from tests.shared.test_cli_errors import one_line
+
+    def create() -> None:
+        s3_store.delete_prefix(layout.run_prefix("r1"))
+        ingest = IngestRequest(
+            run="r1", dataset="datasets/a.jsonl", model=str(smollm2_path), capture_points=[2, 15, 27]
+        )
+        controller.create_plan(s3_store, controller.new_plan(ingest))
+        upload_run(s3_store, small_run, "r1")
+
+    def versions() -> set[str]:
+        return {k.split("/")[2] for k in s3_store.list("drafters/d/") if k.count("/") == 3}
+
+    create()
+    first = _train_cli(s3_store, smollm2_path, "--runs", "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (v1,) = versions()
+    again = _train_cli(s3_store, smollm2_path, "--runs", "r1")  # the same creation: the same training
+    assert again.returncode == 0 and f"drafter d:{v1} already published" in again.stdout, again.stdout[-2000:]
+    assert versions() == {v1}
+
+    time.sleep(1.1)  # created_at has a resolution of a second at worst
+    create()
+    second = _train_cli(s3_store, smollm2_path, "--runs", "r1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "already published" not in second.stdout, second.stdout[-2000:]
+    (v2,) = versions() - {v1}
+    assert s3_store.get_bytes(layout.drafter_latest("d")).decode() == v2
+
+    mine = _train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "mine")
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    time.sleep(1.1)
+    create()
+    line = one_line(_train_cli(s3_store, smollm2_path, "--runs", "r1", "--train-id", "mine"), "training mine")
+    assert "before run 'r1' was created again" in line and "another --train-id" in line, line
+    assert len(versions()) == 3  # v1, v2, mine: none added by the refusal
+
+
+def test_the_same_training_started_twice_at_once_trains_once(s3_store, small_run, smollm2_path):
+    """Issue 35, finding 3: the same training started twice trained twice in one checkpoint
+    namespace and published twice. Two real `aerie train` processes of one request, started
+    together (real S3; no broker, so the train id's lease is a lock file of this host): one trains
+    and publishes, the other waits for it and answers "already published"; one version, one
+    checkpoint namespace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.runs import upload_run
+
+    upload_run(s3_store, small_run, "r1")
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: _train_cli(s3_store, smollm2_path, "--runs", "r1"), range(2)))
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
+    waited = [o for o in outs if "already published" in o.stdout]
+    assert len(waited) == 1, [o.stdout[-1500:] for o in outs]
+    versions = {k.split("/")[2] for k in s3_store.list("drafters/d/") if k.count("/") == 3}
+    namespaces = {k.split("/")[1] for k in s3_store.list("checkpoints/")}
+    assert len(versions) == 1 and namespaces == {f"d-{next(iter(versions))}"}, (versions, namespaces)

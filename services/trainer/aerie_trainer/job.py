@@ -21,7 +21,7 @@ from pathlib import Path
 
 from safetensors.torch import save as st_save
 
-from aerie import drafters, layout, sglang_client
+from aerie import controller, drafters, layout, sglang_client
 from aerie.capture import convention_for, to_engine_ids
 from aerie.contracts import ProgressEvent, TrainFailure, TrainRequest, TrainResult
 from aerie.datasets import DatasetRefused, allowed_local_path, is_local_form, refusal
@@ -61,8 +61,11 @@ def run_train(
     (aerie.queue.held: on the broker, or a lock of this host in-process) while it trains, so the
     same training started twice trains once, in one checkpoint namespace, and publishes once (the
     second start waits, then finds it published); a redelivered task of a killed holder takes the
-    lease over once it lapses, and resumes from the last checkpoint."""
+    lease over once it lapses, and resumes from the last checkpoint. A request without `follows`
+    (`aerie train`) follows its runs' current creation first (controller.following): a run deleted
+    and created again is trained again, and a chosen train id published before is refused."""
     progress = progress or (lambda event: None)
+    request = controller.following(store, request)  # a re-created run trains again (aerie train)
     if "WORLD_SIZE" in os.environ:  # a rank of a job its launcher holds
         return _published(request, progress, store) or train_here(store, settings, request, progress)
     with held(settings, f"train:{request.resolved_train_id}"):

@@ -1,25 +1,34 @@
 """Start an SGLang server from a command line, wait for it, stop it for sure: the one launcher of
-`aerie bench --sweep`, the tests' CPU servers and the benchmarks.
+`aerie stack`, `aerie bench --sweep`, the tests' CPU servers and the benchmarks.
 
     with launch([python, "-m", "sglang.launch_server", "--model-path", M], timeout_s=600,
-                log_path=Path("server.log")) as server:
+                log_path=Path("server.log"), api_key=KEY) as server:
         server.url   # http://127.0.0.1:<free port>
 
 - The command gets `--host 127.0.0.1 --port <free port>` appended and runs in its own process
   group (SGLang's scheduler and detokenizer are children of the launcher process), its output to
   `log_path`. `/health` (it needs no key) is polled until it answers 200.
+- `api_key`: SGLang's `--api-key`, handed over as compose and Kubernetes hand it: in a YAML file
+  only this user reads (0600, in a folder of its own), named by `--config` (SGLang reads a config by
+  its `.yaml` suffix), so the key is in no command line (`ps` shows every user's); the file is
+  removed once the server is healthy (SGLang read it as it started) or stopped. SGLang logs its
+  arguments at start, the key among them: the log is created readable by this user only.
 - A server that exits first, or is not healthy within `timeout_s`, raises `LaunchError` with the
-  log's tail; it is stopped before the error leaves.
+  log's tail; it is stopped before the error leaves. `begin` starts without waiting (the caller
+  starts other things meanwhile, then `Server.wait_healthy`).
 - Stop: SIGKILL to the whole group; `graceful` sends SIGTERM first (SGLang's own shutdown, as a
   deployment stops it) and SIGKILL after `STOP_GRACE_S` if anything lingers.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,6 +59,29 @@ def cpu_command(python: str | os.PathLike, args: Sequence[str], *, serve_eagle: 
     return [str(python), "-m", "aerie_sglang.cpu.launch", *eagle, *args, *CPU_ARGS]
 
 
+def capture_args(model: str | os.PathLike, layer_ids: Sequence[int], dtype: str = "auto") -> list[str]:
+    """Capture mode, as compose's inference-capture runs it (SGLang's own flags): aux hidden states
+    at `layer_ids` (SGLang's numbering), radix cache off (a prompt sharing a prefix with an earlier
+    one would lose that prefix's states). On the CPU, dtype float32."""
+    return [
+        "--model-path", str(model), "--dtype", dtype,
+        "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+        "--return-aux-hidden-state-layer-ids", *map(str, layer_ids),
+        "--disable-radix-cache",
+    ]  # fmt: skip
+
+
+def write_api_key(key: str) -> Path:
+    """`key` as SGLang's --config YAML (`api-key: "..."`: a JSON string is a YAML one) in a new
+    folder only this user enters, the file only this user reads; the caller removes the folder."""
+    folder = Path(tempfile.mkdtemp(prefix="aerie-sglang-key-"))  # 0700
+    path = folder / "api-key.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(key)}\n")
+    return path
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without aerie's settings and this venv's Python variables (the
     server runs in another venv and must not read them), plus `extra`."""
@@ -78,6 +110,40 @@ class Server:
     graceful: bool = False
     start_s: float = 0.0  # seconds from the start to the first healthy answer
     extra: dict = field(default_factory=dict)  # whatever a caller keeps beside the server
+    key_file: Path | None = None  # the --config file holding the API key, until the server read it
+    started_at: float = field(default_factory=time.monotonic)
+
+    def forget_key(self) -> None:
+        """Remove the API key's file and its folder (SGLang read it as it started)."""
+        if self.key_file is not None:
+            shutil.rmtree(self.key_file.parent, ignore_errors=True)
+            self.key_file = None
+
+    def wait_healthy(self, timeout_s: float) -> Server:
+        """Return once /health answers 200 (the key's file then removed); LaunchError with the
+        log's tail if the server exits first or is not healthy `timeout_s` after its start (the
+        server is stopped before the error leaves)."""
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise LaunchError(
+                        f"server {' '.join(self.cmd)} exited with {self.process.returncode} before it was healthy; "
+                        f"its log ends:\n{self.log_tail(30)}"
+                    )
+                if sglang_client.healthy(self.url):
+                    break
+                if time.monotonic() - self.started_at > timeout_s:
+                    raise LaunchError(
+                        f"server {' '.join(self.cmd)} not healthy after {timeout_s:.0f} s; its log ends:\n"
+                        f"{self.log_tail(30)}"
+                    )
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - self.started_at
+        self.forget_key()
+        return self
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -106,26 +172,29 @@ class Server:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        self.forget_key()
 
 
-def start(
+def begin(
     cmd: Sequence[str],
     *,
-    timeout_s: float,
     log_path: str | os.PathLike,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     graceful: bool = False,
     port: int | None = None,
+    api_key: str | None = None,
     server_type: type[Server] = Server,
 ) -> Server:
     """Start `cmd` + host and `port` (default: a free one; a given one restarts a server where its
-    clients expect it); return once /health answers (the caller stops it)."""
+    clients expect it), `api_key` in a private --config file; return at once (`wait_healthy`)."""
     port = port or free_port()
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full = [*cmd, "--host", HOST, "--port", str(port)]
-    with open(log_path, "wb") as log:
+    key_file = write_api_key(api_key) if api_key else None
+    full = [*cmd, *(["--config", str(key_file)] if key_file else []), "--host", HOST, "--port", str(port)]
+    log_path.unlink(missing_ok=True)  # created anew, private: SGLang logs its arguments, the key among them
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as log:
         try:
             proc = subprocess.Popen(
                 full,
@@ -137,30 +206,23 @@ def start(
                 start_new_session=True,
             )
         except OSError as e:
+            if key_file is not None:
+                shutil.rmtree(key_file.parent, ignore_errors=True)
             raise LaunchError(f"{full[0]!r} could not start: {e}") from None
-    server = server_type(
-        cmd=full, url=f"http://{HOST}:{port}", port=port, log_path=log_path, process=proc, graceful=graceful
+    return server_type(
+        cmd=full,
+        url=f"http://{HOST}:{port}",
+        port=port,
+        log_path=log_path,
+        process=proc,
+        graceful=graceful,
+        key_file=key_file,
     )
-    started = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise LaunchError(
-                    f"server {' '.join(full)} exited with {proc.returncode} before it was healthy; "
-                    f"its log ends:\n{server.log_tail(30)}"
-                )
-            if sglang_client.healthy(server.url):
-                break
-            if time.monotonic() - started > timeout_s:
-                raise LaunchError(
-                    f"server {' '.join(full)} not healthy after {timeout_s:.0f} s; its log ends:\n{server.log_tail(30)}"
-                )
-            time.sleep(0.5)
-    except BaseException:
-        server.stop()
-        raise
-    server.start_s = time.monotonic() - started
-    return server
+
+
+def start(cmd: Sequence[str], *, timeout_s: float, **kwargs) -> Server:
+    """`begin(cmd, **kwargs)`, returned once /health answers (the caller stops it)."""
+    return begin(cmd, **kwargs).wait_healthy(timeout_s)
 
 
 @contextmanager

@@ -12,8 +12,11 @@ process group of its own, logging to `<dir>/logs/<service>.log`; the stack recor
 `<dir>/stack.json`, and stopping it (Ctrl-C, SIGTERM, `aerie stack down`) stops every group:
 SIGTERM, then SIGKILL to what is left after its grace period. A service that dies stops the stack.
 
-The servers are started by the functions below (`start_s3`, `start_redis`, `start_sglang`), which
-the tests' own fixtures use too (tests/services.py).
+The servers are started by the functions below (`start_s3`, `start_redis`), which the tests' own
+fixtures use too (tests/services.py), and SGLang by the one launcher (aerie.app.launcher), as
+compose starts it: capture mode, the plugin's settings, and an API key made for this stack, handed
+to SGLang in a private `--config` file and to the extractors as AERIE_ENGINE_API_KEY, in no command
+line; the printed settings carry it for the user's own commands (`aerie bench`, `aerie smoke`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from pathlib import Path
 
 import click
 
-from aerie.app.launcher import CPU_ARGS, free_port
+from aerie.app import launcher
+from aerie.app.launcher import free_port
 
 STACK_DIR = ".aerie-stack"
 WORKER_GRACE_S = 120.0  # compose's EXTRACTOR_STOP_GRACE: a task finishes or goes back to the queue
@@ -90,9 +94,10 @@ def aerie_env(endpoint: str, bucket: str, access_key: str, secret_key: str, redi
     }
 
 
-def extractor_env(engine_url: str, concurrency: int = EXTRACTOR_CONCURRENCY) -> dict[str, str]:
+def extractor_env(engine_url: str, api_key: str, concurrency: int = EXTRACTOR_CONCURRENCY) -> dict[str, str]:
     """compose's extractor settings beyond x-aerie-env: the capture server's captures read from
-    its shared-memory folder (same host), binary when the server advertises aerie's plugin."""
+    its shared-memory folder (same host), binary when the server advertises aerie's plugin;
+    `api_key`, the server's --api-key."""
     return {
         "REMAP_SIGTERM": "SIGQUIT",
         "AERIE_WORKER_CONCURRENCY": str(concurrency),
@@ -100,6 +105,7 @@ def extractor_env(engine_url: str, concurrency: int = EXTRACTOR_CONCURRENCY) -> 
         "AERIE_ENGINE_URLS": json.dumps([engine_url]),
         "AERIE_ENGINE_TRANSPORT": "auto",
         "AERIE_ENGINE_SINK": "shm",
+        "AERIE_ENGINE_API_KEY": api_key,
         "AERIE_DEVICE": "cpu",
     }
 
@@ -115,17 +121,6 @@ def capture_env(capture_dir: str | os.PathLike) -> dict[str, str]:
     return {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(capture_dir)}
 
 
-def capture_args(model: str | os.PathLike, layer_ids: list[int], dtype: str) -> list[str]:
-    """compose's inference-capture flags (SGLang's own): aux hidden states at `layer_ids`, radix
-    cache off (a prompt sharing a prefix with an earlier one would lose that prefix's states)."""
-    return [
-        "--model-path", str(model), "--dtype", dtype,
-        "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-        "--return-aux-hidden-state-layer-ids", *map(str, layer_ids),
-        "--disable-radix-cache",
-    ]  # fmt: skip
-
-
 # --------------------------------------------------------------------------------------
 # Processes: one group each, stopped for sure
 # --------------------------------------------------------------------------------------
@@ -137,6 +132,7 @@ class Service:
     proc: subprocess.Popen
     log: Path
     grace_s: float = SERVER_GRACE_S
+    server: launcher.Server | None = None  # SGLang's, from the launcher (its key file goes on stop)
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -147,6 +143,8 @@ class Service:
     def stop(self) -> None:
         """SIGTERM to the group, SIGKILL to what is left after the grace period."""
         stop_group(self.proc.pid, self.grace_s, self.proc)
+        if self.server is not None:
+            self.server.forget_key()
 
 
 def process_alive(pid: int) -> bool:
@@ -349,32 +347,41 @@ def find_sglang_python(given: str | None) -> str:
     return python
 
 
-def start_sglang(
-    python: str, model: Path, layer_ids: list[int], device: str, log_dir: Path, capture_dir: Path
-) -> tuple[str, Service]:
-    """The capture-mode server (compose's inference-capture) on a free loopback port; on a CPU
-    through aerie's launcher (aerie_sglang.cpu.launch). Not waited for: `wait_sglang`."""
-    port = free_port()
+def sglang_command(python: str, model: Path, layer_ids: list[int], device: str) -> list[str]:
+    """compose's inference-capture command (launcher.capture_args, metrics on); on a CPU through
+    aerie's CPU launcher (aerie_sglang.cpu.launch, float32)."""
     if device == "cpu":
-        argv = [python, "-m", "aerie_sglang.cpu.launch", *capture_args(model, layer_ids, "float32"), *CPU_ARGS]
-    else:
-        argv = [python, "-m", "sglang.launch_server", *capture_args(model, layer_ids, "auto")]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--enable-metrics"]
-    env = {k: v for k, v in base_env().items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
-    service = spawn("sglang", argv, log_dir, {**env, **capture_env(capture_dir)}, grace_s=SERVER_GRACE_S)
-    return f"http://127.0.0.1:{port}", service
+        return launcher.cpu_command(python, [*launcher.capture_args(model, layer_ids, "float32"), "--enable-metrics"])
+    return [python, "-m", "sglang.launch_server", *launcher.capture_args(model, layer_ids, "auto"), "--enable-metrics"]
 
 
-def wait_sglang(url: str, service: Service, timeout_s: float = SGLANG_START_S) -> None:
-    import httpx
+def start_sglang(
+    python: str, model: Path, layer_ids: list[int], device: str, log_dir: Path, capture_dir: Path, api_key: str
+) -> Service:
+    """The capture-mode server (compose's inference-capture) on a free loopback port, through the
+    one launcher, requiring `api_key` (in a private --config file, never in argv). Not waited for:
+    `wait_sglang`."""
+    env = launcher.clean_env(capture_env(capture_dir))
+    try:
+        server = launcher.begin(
+            sglang_command(python, model, layer_ids, device),
+            log_path=log_dir / "sglang.log",
+            env=env,
+            graceful=True,
+            api_key=api_key,
+        )
+    except launcher.LaunchError as e:
+        raise StackError(f"sglang: {e}") from None
+    return Service("sglang", server.process, server.log_path, grace_s=SERVER_GRACE_S, server=server)
 
-    def healthy() -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=25).status_code == 200
-        except httpx.HTTPError:
-            return False
 
-    wait_ready(service, healthy, timeout_s)
+def wait_sglang(service: Service, timeout_s: float = SGLANG_START_S) -> None:
+    """Until SGLang answers /health (its key file then removed); StackError with its log's tail."""
+    assert service.server is not None
+    try:
+        service.server.wait_healthy(timeout_s)
+    except launcher.LaunchError as e:
+        raise StackError(f"sglang: {e}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -481,9 +488,11 @@ def up(
     signal.signal(signal.SIGHUP, on_signal)
     try:
         state.capture = shared_memory_dir(folder)
+        api_key = secrets.token_urlsafe(32)  # this stack's SGLang --api-key
         # SGLang first: it takes longest to start, and the rest starts meanwhile
-        url, sglang = start_sglang(python, target, layer_ids, device, logs, state.capture)
-        state.add(sglang)
+        sglang = state.add(start_sglang(python, target, layer_ids, device, logs, state.capture, api_key))
+        assert sglang.server is not None
+        url = sglang.server.url
         redis_base, redis_service = start_redis(folder / "redis", password=secrets.token_hex(16), log_dir=logs)
         state.add(redis_service)
         s3 = start_s3(folder / "s3", log_dir=logs)
@@ -497,7 +506,11 @@ def up(
             raise StackError(f"aerie prepare-store failed: {prepared.stderr.strip() or prepared.stdout.strip()}")
         click.echo(prepared.stdout.strip(), err=True)
         workers = [
-            ("extractor", extractor_command(celery, extractor_concurrency), extractor_env(url, extractor_concurrency)),
+            (
+                "extractor",
+                extractor_command(celery, extractor_concurrency),
+                extractor_env(url, api_key, extractor_concurrency),
+            ),
             ("trainer", trainer_command(celery, str(folder / "trainer-alive")), trainer_env(device)),
         ]
         for name, argv, extra in workers:
@@ -507,14 +520,18 @@ def up(
         for service in state.services[-2:]:
             wait_ready(service, lambda s=service: " ready." in s.log.read_text(errors="replace"), 120)  # type: ignore[misc]
         click.echo(f"stack: waiting for SGLang at {url} (log: {sglang.log})", err=True)
-        wait_sglang(url, sglang)
+        wait_sglang(sglang)
 
+        # what a user exports: the store, the broker, and SGLang's key (aerie bench, aerie smoke)
+        exported = {**env, "AERIE_ENGINE_API_KEY": api_key}
         env_path = folder / "stack.env"
-        env_path.write_text(env_file_text(env))
-        env_path.chmod(0o600)
-        click.echo(env_file_text(env), nl=False)
+        env_path.touch(mode=0o600)
+        env_path.chmod(0o600)  # before the secrets go in
+        env_path.write_text(env_file_text(exported))
+        click.echo(env_file_text(exported), nl=False)
         click.echo(
-            f"stack: ready. target {target}, capture points {','.join(map(str, pts))}, device {device}\n"
+            f"stack: ready. target {target}, capture points {','.join(map(str, pts))}, device {device}, "
+            f"SGLang at {url} (its key: AERIE_ENGINE_API_KEY)\n"
             f"stack: the settings above are in {env_path}: `source {env_path}` in another shell\n"
             f"stack: logs in {logs}/; Ctrl-C or `aerie stack down --dir {stack_dir}` stops it all",
             err=True,

@@ -52,7 +52,8 @@ PROMPTS = [
     "Name three prime numbers.",
     "How do I boil an egg?",
 ]
-MAX_NEW_TOKENS, STEPS = 32, 3
+MAX_NEW_TOKENS, STEPS = 32, 3  # the drafter's served text (32 tokens of plain greedy as well)
+GREEDY_TOKENS, BF16_GREEDY_TOKENS = 16, 8  # the capture servers' own greedy text (bf16 decoding is slow here)
 EAGLE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 RUN_RECORDS, RUN_TOKENS = 96, 128
 SAMPLES, ALIGN_TOKENS = 4, 96
@@ -138,14 +139,15 @@ def equal_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def capture_diffs(server, points: list[int], model, prompt_ids, other=None) -> tuple[dict, dict]:
-    """Max abs difference per point (and "final") between the server's binary capture and `model`'s
-    hidden states over the prompts; and between `other`'s and `model`'s (for scale), when given."""
+def capture_diffs(server, points: list[int], model, prompt_ids, other=None) -> dict[str, dict]:
+    """Per point (and "final"), over the prompts: the max abs difference and the relative L2
+    (||a - b|| / ||b||) between the server's binary capture and `model`'s hidden states ("max",
+    "rel"), and between `other`'s states and `model`'s when given ("other_max", "other_rel")."""
     from aerie_extractor.engines.sglang_binary import capture_body, descriptor_of, fetch_binary, reader_for
 
     shm = reader_for(httpx.get(server.url + "/server_info", timeout=60).json(), "shm")
     keys = [*points, "final"]
-    worst, apart = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
+    sums = {k: dict.fromkeys(("max", "num", "other_max", "other_num", "den"), 0.0) for k in keys}
     for ids in prompt_ids:
         captured = fetch_binary(descriptor_of(generate(server, capture_body(ids, "shm"))), shm)
         assert captured["aux"].shape[:2] == (len(ids), len(points))
@@ -159,11 +161,27 @@ def capture_diffs(server, points: list[int], model, prompt_ids, other=None) -> t
         got = {p: torch.from_numpy(np.asarray(captured["aux"][:, j], dtype=np.float32)) for j, p in enumerate(points)}
         got["final"] = torch.from_numpy(np.asarray(captured["final"], dtype=np.float32))
         for key in keys:
-            layer = N if key == "final" else key
-            worst[key] = max(worst[key], (got[key] - hf[layer]).abs().max().item())
+            ref, s = hf[N if key == "final" else key], sums[key]
+            s["max"] = max(s["max"], (got[key] - ref).abs().max().item())
+            s["num"] += ((got[key] - ref) ** 2).sum().item()
+            s["den"] += (ref**2).sum().item()
             if far is not None:
-                apart[key] = max(apart[key], (far[layer] - hf[layer]).abs().max().item())
-    return worst, apart
+                apart = far[N if key == "final" else key] - ref
+                s["other_max"] = max(s["other_max"], apart.abs().max().item())
+                s["other_num"] += (apart**2).sum().item()
+    return {
+        k: {
+            "max": s["max"],
+            "rel": (s["num"] / s["den"]) ** 0.5,
+            "other_max": s["other_max"],
+            "other_rel": (s["other_num"] / s["den"]) ** 0.5,
+        }
+        for k, s in sums.items()
+    }
+
+
+def brief(diffs: dict[str, dict], *fields: str) -> dict:
+    return {k: tuple(float(f"{d[f]:.2g}") for f in fields) for k, d in diffs.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,11 +258,11 @@ def test_the_int4_target_serves_transformers_greedy_text(int4_server, reference,
     # SGLang detected the method from config.json and left its argument unset
     assert info.get("quantization") is None and info.get("dtype") == DTYPE, info
     assert "quant=compressed-tensors" in int4_server.log_path.read_text()  # SGLang's loader took the INT4 path
-    body = {"sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    body = {"sampling_params": {"max_new_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}}
     outputs = [generate(int4_server, {**body, "input_ids": ids})["output_ids"] for ids in prompt_ids]
-    matched = [equal_prefix(out, greedy(reference, ids)) for out, ids in zip(outputs, prompt_ids)]
+    matched = [equal_prefix(out, greedy(reference, ids, GREEDY_TOKENS)) for out, ids in zip(outputs, prompt_ids)]
     print(f"\n[int4 greedy, {DTYPE}] tokens equal to transformers' before any difference, per prompt: {matched}")
-    assert matched == [MAX_NEW_TOKENS] * len(prompt_ids)
+    assert matched == [GREEDY_TOKENS] * len(prompt_ids)
 
 
 def test_capture_through_the_int4_target_equals_transformers_at_every_point(
@@ -255,15 +273,15 @@ def test_capture_through_the_int4_target_equals_transformers_at_every_point(
 
     points = from_engine_ids(server_ids, "sglang-llama", N)
     assert points == [1, 2, 3, 14, 15, 16, 26, 27, 28]
-    worst, apart = capture_diffs(int4_server, points, reference, prompt_ids, load_reference(smollm2_path))
+    diffs = capture_diffs(int4_server, points, reference, prompt_ids, load_reference(smollm2_path))
     print(
-        f"\n[int4 capture, {DTYPE}] max abs diff to transformers on the dequantized weights, per point: "
-        f"{ {p: float(f'{d:.2g}') for p, d in worst.items()} }\n"
-        f"[int4 capture] the unquantized target's states from the same: { {p: round(d, 3) for p, d in apart.items()} }"
+        f"\n[int4 capture, {DTYPE}] to transformers on the dequantized weights, per point (max abs, rel L2): "
+        f"{brief(diffs, 'max', 'rel')}\n"
+        f"[int4 capture] the unquantized target's states from the same: {brief(diffs, 'other_max', 'other_rel')}"
     )
-    for p, d in worst.items():
-        assert d <= CAPTURE_TOLERANCE, (p, d)
-        assert d < 1e-3 * apart[p], (p, d, apart[p])  # the INT4 numbers, not the unquantized model's
+    for p, d in diffs.items():
+        assert d["max"] <= CAPTURE_TOLERANCE, (p, d)
+        assert d["max"] < 1e-3 * d["other_max"], (p, d)  # the INT4 numbers, not the unquantized model's
 
 
 def test_align_names_the_quantization_and_tells_the_int4_run_from_the_bf16_one(
@@ -301,16 +319,20 @@ def test_align_names_the_quantization_and_tells_the_int4_run_from_the_bf16_one(
 
 
 @pytest.fixture(scope="module")
-def trained(w4a16, int4_run, tmp_path_factory):
-    """The pipeline's own stages on the INT4 target's states: train -> publish -> pull."""
+def trained(w4a16, int4_run, cache_dir):
+    """The pipeline's own stages on the INT4 target's states: train -> publish -> pull. Cached under
+    `<cache>/test-drafters/` like tests/trained.py's, keyed by the run, the config and the trainer's
+    and library's source (training takes ~4 minutes on 2 loaded cores)."""
+    import fcntl
+    import hashlib
+    import shutil
+
     from aerie import stages
     from aerie.contracts import TrainConfig, TrainRequest
     from aerie.settings import Settings
     from aerie.store import FsStore
+    from tests.trained import source_digest
 
-    root = tmp_path_factory.mktemp("int4-trained")
-    store = FsStore(root / "store")
-    upload_run(store, int4_run, "int4")
     config = TrainConfig(
         draft_vocab_size=1024,
         ttt_steps=3,
@@ -324,12 +346,23 @@ def trained(w4a16, int4_run, tmp_path_factory):
         eval_prompts=0,
         holdout_fraction=0.1,
     )
-    result = stages.train(
-        store,
-        Settings(store=f"file://{store.root}"),
-        TrainRequest(runs=["int4"], drafter="int4-eagle3", model=str(w4a16), config=config),
-    )
-    return stages.pull(store, "int4-eagle3", root / "pulled"), result
+    key = hashlib.sha256(json.dumps([int4_run.name, config.model_dump(), source_digest()]).encode()).hexdigest()[:16]
+    root = Path(cache_dir) / "test-drafters" / f"smollm2-w4a16-{key}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "train.json").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            store = FsStore(root / "store")
+            upload_run(store, int4_run, "int4")
+            result = stages.train(
+                store,
+                Settings(store=f"file://{store.root}"),
+                TrainRequest(runs=["int4"], drafter="int4-eagle3", model=str(w4a16), config=config),
+            )
+            stages.pull(store, "int4-eagle3", root / "pulled")
+            (root / "train.json").write_text(result.model_dump_json())  # last: marks the folder complete
+    return root / "pulled", json.loads((root / "train.json").read_text())
 
 
 def test_a_drafter_trained_on_the_int4_states_serves_on_it_as_the_project_loop_predicts(
@@ -368,7 +401,7 @@ def test_a_drafter_trained_on_the_int4_states_serves_on_it_as_the_project_loop_p
         f"\n[int4 drafter] sglang {sglang:.4f} project {project['acceptance']:.4f} per prompt "
         f"{[round(o['meta_info']['spec_accept_length'], 3) for o in outputs]} vs {project['acceptance_per_prompt']}; "
         f"text equal to greedy per prompt {equal_text}; train "
-        f"{json.dumps({k: result.model_dump().get(k) for k in ('steps', 'final_loss', 'simulated_acceptance')})}"
+        f"{json.dumps({k: result.get(k) for k in ('steps', 'final_loss', 'simulated_acceptance')})}"
     )
     assert all(equal_text)
     assert project["completion_tokens"] == sum(o["meta_info"]["completion_tokens"] for o in outputs)
@@ -388,15 +421,15 @@ def test_in_bfloat16_w4a16_proper_the_states_are_transformers_up_to_rounding(
     reference, plain = load_reference(w4a16, torch.bfloat16), load_reference(smollm2_path, torch.bfloat16)
     env = {"AERIE_SGLANG_BINARY": "1", "AERIE_CAPTURE_DIR": str(tmp_path / "shm")}
     with sglang_server(capture_args(w4a16, server_ids, dtype="bfloat16"), env=env, log_dir=tmp_path) as server:
-        worst, apart = capture_diffs(server, points, reference, prompt_ids, plain)
-        body = {"sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        diffs = capture_diffs(server, points, reference, prompt_ids, plain)
+        body = {"sampling_params": {"max_new_tokens": BF16_GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}}
         outputs = [generate(server, {**body, "input_ids": ids})["output_ids"] for ids in prompt_ids]
-    matched = [equal_prefix(out, greedy(reference, ids, 16)) for out, ids in zip(outputs, prompt_ids)]
+    matched = [equal_prefix(out, greedy(reference, ids, BF16_GREEDY_TOKENS)) for out, ids in zip(outputs, prompt_ids)]
     print(
-        f"\n[int4 bf16] max abs diff to transformers bf16 per point: { {p: round(d, 4) for p, d in worst.items()} }\n"
-        f"[int4 bf16] the unquantized target's bf16 states from the same: { {p: round(d, 3) for p, d in apart.items()} }\n"
-        f"[int4 bf16] greedy tokens equal to transformers' before any difference (of 16), per prompt: {matched}"
+        f"\n[int4 bf16] to transformers bf16 per point (max abs, rel L2): {brief(diffs, 'max', 'rel')}\n"
+        f"[int4 bf16] the unquantized target's bf16 states from the same: {brief(diffs, 'other_max', 'other_rel')}\n"
+        f"[int4 bf16] greedy tokens equal to transformers' before any difference (of {BF16_GREEDY_TOKENS}): {matched}"
     )
-    for p, d in worst.items():
-        assert d < 0.25 * apart[p], (p, d, apart[p])  # bf16 rounding, well under what 4 bits move
+    for p, d in diffs.items():
+        assert d["rel"] < 0.25 * d["other_rel"], (p, d)  # bf16 rounding, well under what 4 bits move
     assert all(m >= 1 for m in matched), matched  # the first token at least; after it, ties in bf16 logits

@@ -29,6 +29,9 @@ machine without CUDA this module gives the scheme:
 Not supported (refused naming the setting, never computed wrong): activation ordering
 (`actorder: group`, a `weight_g_idx` permutation), as SGLang's own later CPU path refuses it.
 
+compressed-tensors is SGLang 0.5.23's own pin (`compressed-tensors==0.18.0` in its metadata; the
+scheme imports it), so the unpacking is the very code that wrote the checkpoint's format.
+
 Applied in every SGLang process of the CPU harness: the `sgl_kernel` shim and the launcher import
 this module, which patches the two SGLang modules when they are imported (`install`; at once if
 they already are). With CUDA present nothing is patched (Marlin serves the checkpoint).

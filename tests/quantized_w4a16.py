@@ -11,8 +11,9 @@ SmolLM2 ties it to the embeddings anyway). The scales are each group's min/max r
 config.json carries the library's `quantization_config`, which SGLang and transformers read.
 
 Unlike `tests/quantized.py` (weights quantized and dequantized back, served as a plain model), this
-folder needs an INT4 kernel: SGLang 0.5.23 has none on the CPU for it (BENCHMARKS.md / README's
-Kimi-K2.5 section); `benchmarks/gpu_capture_device.sh w4a16` serves it on a GPU.
+folder needs an INT4 kernel: SGLang 0.5.23's is Marlin-only (GPU; `benchmarks/gpu_capture_device.sh
+w4a16`); on the CPU aerie's test harness supplies it (`aerie_sglang/cpu/int4.py`, proven in
+tests/inference/test_sglang_int4.py). transformers loads it dequantized (`aerie.target.hf_load_kwargs`).
 """
 
 from __future__ import annotations

@@ -131,13 +131,19 @@ def deepseek_v3_tiny(cache_dir: str | os.PathLike, smollm2_path: str | os.PathLi
     return out
 
 
-def load_reference(folder: str | os.PathLike):
-    """transformers' DeepseekV3ForCausalLM from the folder, float32, eval; refuses a partial load
-    (a checkpoint name transformers does not map would leave a layer at its random init)."""
+def load_reference(folder: str | os.PathLike, dtype=None):
+    """transformers' model of the folder (the tiny DeepSeek-V3, the W4A16 SmolLM2 dequantized),
+    `dtype` (default float32), eval; refuses a partial load (a checkpoint name transformers does
+    not map would leave a layer at its random init)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    dtype = dtype or torch.float32
+    from aerie.target import hf_load_kwargs
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, output_loading_info=True, **hf_load_kwargs(folder)
+    )
     unloaded = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if unloaded:
         raise AssertionError(f"transformers did not load {folder} completely: {unloaded}")

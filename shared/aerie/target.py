@@ -97,6 +97,24 @@ def quantization_of(config: dict[str, Any]) -> str | None:
     return " ".join([method, *details])
 
 
+def hf_load_kwargs(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Extra `from_pretrained` arguments with which transformers computes what a serving engine
+    computes from the folder: a compressed-tensors checkpoint (Kimi-K2.5's INT4 `pack-quantized`)
+    is dequantized once at load (`CompressedTensorsConfig(dequantize=True)`: the compressed-tensors
+    library's own unpacking, `(q - zero_point) * scale` in the scale's dtype; the package must be
+    installed) instead of kept packed and decompressed in every forward; {} for any other folder."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 def default_cache_dir() -> Path:
     """AERIE_CACHE_DIR as aerie.settings reads it, without loading (and checking) every other setting."""
     from aerie.settings import ENV_PREFIX, Settings

@@ -403,3 +403,31 @@ def test_the_w4a16_checkpoint_holds_the_int4_weights_compressed_tensors_defines(
     got = (q.reshape(shape[0], -1, 32) * scale[..., None]).reshape(shape)
     err = (got - want).abs().reshape(shape[0], -1, 32)
     assert err.max() > 0 and (err <= scale[..., None] * 0.55).all()  # half a step, and bf16 scales' rounding
+
+
+def test_transformers_loads_the_w4a16_target_dequantized_once(smollm2_path, cache_dir):
+    """`hf_load_kwargs`: what the hf engine, the trainer's evaluation and the tests pass to
+    `from_pretrained`: a compressed-tensors folder comes back as plain Linear weights holding the
+    library's dequantization, `q * scale` (exact in float32), and forwards as a plain matmul; a plain
+    folder gets nothing."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from aerie.target import hf_load_kwargs
+    from tests.quantized_w4a16 import smollm2_w4a16
+
+    assert hf_load_kwargs(smollm2_path) == {}
+    w4a16 = smollm2_w4a16(cache_dir, smollm2_path)
+    (config,) = hf_load_kwargs(w4a16).values()
+    assert config.quant_method == "compressed-tensors" and config.dequantize is True
+    model = AutoModelForCausalLM.from_pretrained(w4a16, dtype=torch.float32, **hf_load_kwargs(w4a16))
+    layer = model.model.layers[3].mlp.down_proj
+    stored = load_file(str(w4a16 / "model.safetensors"))
+    name = "model.layers.3.mlp.down_proj"
+    q = unpack_from_int32(stored[f"{name}.weight_packed"], 4, layer.weight.shape).float()
+    scale = stored[f"{name}.weight_scale"].float()
+    assert torch.equal(layer.weight, (q.reshape(q.shape[0], -1, 32) * scale[..., None]).reshape(q.shape))
+    x = torch.randn(2, layer.in_features)
+    assert torch.equal(layer(x), x @ layer.weight.T)  # no quantize-dequantize of the activations

@@ -58,6 +58,7 @@ from aerie.contracts import (
 from aerie.runs import load_run
 from aerie.settings import Settings
 from aerie.store import NotFound, ObjectStore
+from aerie.target import hf_load_kwargs
 from aerie_extractor.engines.base import EngineError, EngineMismatch
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,10 @@ class HFChat:
         self.torch, self.options, self.device = torch, options, device
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32 if device == "cpu" else torch.bfloat16, use_safetensors=True
+            model_path,
+            dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+            use_safetensors=True,
+            **hf_load_kwargs(model_path),
         )
         self.model.to(device).eval()
         self.lock = threading.Lock()

@@ -68,7 +68,11 @@ def load_target(model_dir: str | os.PathLike, device: str | torch.device = "cpu"
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True).to(device)
+    from aerie.target import hf_load_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, use_safetensors=True, **hf_load_kwargs(model_dir)
+    ).to(device)
     model.eval()
     return model
 

@@ -35,7 +35,7 @@ from aerie.capture import hf_hidden_state_indices, to_engine_ids
 from aerie.contracts import EngineSpec, RunSpec, TargetSpec
 from aerie.settings import Settings
 from aerie.shard import E4M3_MAX, np_dtype
-from aerie.target import describe
+from aerie.target import describe, hf_load_kwargs
 from aerie_extractor.engines.base import Captured, Engine, EngineError, EngineMismatch
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class HFEngine(Engine):
         started = time.monotonic()
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=self.compute_dtype, use_safetensors=True
+                self.model_path, dtype=self.compute_dtype, use_safetensors=True, **hf_load_kwargs(self.model_path)
             )
         except (OSError, ValueError) as e:
             raise EngineMismatch(f"hf engine cannot load the target from {self.model_path}: {e}") from e

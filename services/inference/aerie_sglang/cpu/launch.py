@@ -36,7 +36,9 @@ What it does before handing over to SGLang's `launch_server`:
   falls back to its gloo groups, as on a machine without NCCL.
 - Hook for those ops: the module `aerie_sglang.cpu.ops`, when it exists, is imported here and by
   the shim in every SGLang process; it registers plain-torch implementations with
-  `torch.library`. Its import errors are not swallowed.
+  `torch.library`. Its import errors are not swallowed. `aerie_sglang.cpu.int4` is imported the
+  same way: compressed-tensors W4A16/W8A16 checkpoints (Kimi-K2.5's INT4) through SGLang's own
+  scheme, its missing CPU kernel supplied (dequantized once, 16-bit matmul).
   On a machine without CUDA it also makes `torch.cuda.synchronize()` a no-op: SGLang's MLA EAGLE-3
   drafter (`Eagle3DeepseekV2ForCausalLM`) calls it unconditionally when it shares the target's
   embedding.
@@ -95,10 +97,14 @@ def _cpu_list(cpus: list[int]) -> str:
 
 
 def import_cpu_ops() -> bool:
-    """Import `aerie_sglang.cpu.ops` (plain-torch sgl_kernel CPU ops) when it exists."""
+    """Import `aerie_sglang.cpu.ops` (plain-torch sgl_kernel CPU ops) and `aerie_sglang.cpu.int4`
+    (compressed-tensors' INT4 scheme on the CPU) when they exist."""
     if importlib.util.find_spec("aerie_sglang.cpu.ops") is None:
         return False
     import aerie_sglang.cpu.ops  # noqa: F401
+
+    if importlib.util.find_spec("aerie_sglang.cpu.int4") is not None:
+        import aerie_sglang.cpu.int4  # noqa: F401
 
     return True
 

@@ -13,7 +13,8 @@ fails with `libcuda.so.1: cannot open shared object file`. This package, put FIR
    SGLang imports from `sgl_kernel` exists;
 4. imports `aerie_sglang.cpu.ops` when that module exists: it registers plain-torch versions of
    the `torch.ops.sgl_kernel.*_cpu` ops the EAGLE3 serving path calls. Doing it here puts them
-   in every SGLang process (main, scheduler, detokenizer), since each one imports `sgl_kernel`.
+   in every SGLang process (main, scheduler, detokenizer), since each one imports `sgl_kernel`;
+   and `aerie_sglang.cpu.int4` likewise (a CPU path for compressed-tensors' INT4 scheme).
 
 Tied to `sglang==0.5.23` / `sglang-kernel==0.4.10` (pinned in scripts/sglang_env.sh): the
 shim refuses other `sglang-kernel` versions, whose `__init__` it has not been checked against.
@@ -66,3 +67,5 @@ if importlib.util.find_spec("aerie_sglang") and importlib.util.find_spec("aerie_
     # Not guarded by try/except: an ops module that fails to import must stop the server,
     # not leave it running without the ops it promised.
     import aerie_sglang.cpu.ops  # noqa: F401,E402
+if importlib.util.find_spec("aerie_sglang") and importlib.util.find_spec("aerie_sglang.cpu.int4"):
+    import aerie_sglang.cpu.int4  # noqa: F401,E402  # compressed-tensors WNA16 on the CPU (patched on import)

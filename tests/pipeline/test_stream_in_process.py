@@ -1,0 +1,132 @@
+"""`aerie run --stream` without a broker: the extraction and the training overlap in this process.
+
+The embedded run (`aerie run --quick --stream`, a filesystem store) extracts its shards in a thread
+while the training follows the ones stored. The run's last shard is held back (the real
+extraction, started only once the training has written its first checkpoint, or after 240 s):
+the training must have started and checkpointed while the run still missed that shard, which a
+run that extracts everything before training never does. The result equals a job trained here on
+the complete run: the steps a non-streamed job plans, the same epoch-0 windows, equal weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load as st_load
+
+from aerie import controller, drafters, layout, stages
+from aerie.runs import shard_names
+from aerie.settings import Settings
+from aerie.store import FsStore
+
+pytestmark = pytest.mark.slow
+
+TRAIN_CONFIG = {
+    "draft_vocab_from": "data",  # counted on the token shards: the same vocabulary whenever the job starts
+    "checkpoint_every": 2,
+}
+
+
+@pytest.mark.timeout(1200)
+def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(tmp_path, smollm2_path, monkeypatch):
+    from aerie.app.cli import main
+    from aerie_trainer.data import HiddenData, load_runs
+
+    for name in [k for k in os.environ if k.startswith("AERIE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AERIE_CACHE_DIR", str(smollm2_path.parent))
+    root = tmp_path / "store"
+    store = FsStore(root)
+    run = "chat"
+    real_extract = stages.extract
+    seen: dict = {}
+
+    def extract_holding_the_last_shard(store_, settings, request):
+        names = shard_names(store, run, "tokens")
+        if request.shard == names[-1]:
+            (planned,) = controller.planned_trainings(store, run)
+            latest = layout.checkpoint_latest(planned.train.resolved_train_id)
+            deadline = time.monotonic() + 240
+            while not store.exists(latest) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            seen.update(
+                checkpoint=json.loads(store.get_bytes(latest)) if store.exists(latest) else None,
+                hidden=shard_names(store, run, "hidden"),
+                tokens=names,
+                threads=torch.get_num_threads(),
+            )
+        return real_extract(store_, settings, request)
+
+    monkeypatch.setattr(stages, "extract", extract_holding_the_last_shard)
+    out = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--quick",
+            "--stream",
+            "--run",
+            run,
+            "--drafter",
+            "d",
+            "--epochs",
+            "2",
+            "--store",
+            f"file://{root}",
+            "--out",
+            str(tmp_path / "drafter"),
+            "--train-config",
+            json.dumps(TRAIN_CONFIG),
+        ],
+    )
+    assert out.exit_code == 0, out.output[-3000:] + repr(out.exception)
+    assert "aerie run: summary" in out.output
+
+    # the training had started and checkpointed while the last shard was not extracted yet
+    assert seen["checkpoint"] is not None, f"no checkpoint within 240 s of holding the last shard: {seen}"
+    assert seen["checkpoint"]["step"] >= 2 and seen["hidden"] == seen["tokens"][:-1], seen
+    assert shard_names(store, run, "hidden") == seen["tokens"]
+
+    (planned,) = controller.planned_trainings(store, run)
+    request = planned.train
+    assert planned.start == "first_shards" and request.config.stream
+    lineage = drafters.published_lineage(store, "d", request.version)
+    assert lineage is not None
+    latest = json.loads(store.get_bytes(layout.checkpoint_latest(request.resolved_train_id)))["prefix"]
+    streamed = json.loads(store.get_bytes(latest + "trainer.json"))
+
+    # the steps a non-streamed job on the complete run plans
+    cfg = request.config
+    sequential = HiddenData(
+        store,
+        load_runs(store, [run]),
+        batch_tokens=cfg.batch_tokens,
+        max_seq_tokens=cfg.max_seq_tokens,
+        ttt_steps=cfg.ttt_steps,
+        seed=cfg.seed,
+        holdout_fraction=cfg.holdout_fraction,
+    )
+    steps = math.ceil(cfg.epochs * len(sequential.epoch_plan(0)))
+    assert lineage.metrics["steps"] == streamed["step"] == steps
+
+    # the same streamed job on the complete run, here, with the run's torch threads: equal weights
+    reference = request.model_copy(update={"train_id": "reference", "publish": False})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(seen["threads"])
+    try:
+        stages.train(store, Settings(store=f"file://{root}"), reference)
+    finally:
+        torch.set_num_threads(threads)
+    ref_latest = json.loads(store.get_bytes(layout.checkpoint_latest("reference")))["prefix"]
+    ref_state = json.loads(store.get_bytes(ref_latest + "trainer.json"))
+    assert ref_state["step"] == steps and ref_state["stream_windows"] == streamed["stream_windows"]
+    ours = st_load(store.get_bytes(latest + "model.safetensors"))
+    theirs = st_load(store.get_bytes(ref_latest + "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)

@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=48, help="ShareGPT conversations in the run")
     ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts the loop decodes")
     ap.add_argument("--eval-new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0, help="TrainConfig.seed: the drafter's init and data order")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args()
     if args.quick:
@@ -95,6 +96,7 @@ def main() -> None:
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
         eval_draft_tokens=args.chain,
+        seed=args.seed,
     )
 
     def train(tag: str, ttt: int, steps: int, evaluate: bool = True) -> dict:

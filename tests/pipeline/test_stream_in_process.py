@@ -6,6 +6,7 @@ extraction, started only once the training has written its first checkpoint, or 
 the training must have started and checkpointed while the run still missed that shard, which a
 run that extracts everything before training never does. The result equals a job trained here on
 the complete run: the steps a non-streamed job plans, the same epoch-0 windows, equal weights.
+A shard that fails under a streamed run stops it in one line; the same command again finishes it.
 """
 
 from __future__ import annotations
@@ -33,23 +34,21 @@ TRAIN_CONFIG = {
 }
 
 
-@pytest.mark.timeout(1200)
-def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(tmp_path, smollm2_path, monkeypatch):
+def aerie_run_stream(root, run: str, out):
     from aerie.app.cli import main
-    from aerie_trainer.data import HiddenData, load_runs
 
-    for name in [k for k in os.environ if k.startswith("AERIE_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AERIE_CACHE_DIR", str(smollm2_path.parent))
-    root = tmp_path / "store"
-    store = FsStore(root)
-    run = "chat"
+    args = ["run", "--quick", "--stream", "--run", run, "--drafter", "d", "--epochs", "2", "--store", f"file://{root}"]
+    return CliRunner().invoke(main, [*args, "--out", str(out), "--train-config", json.dumps(TRAIN_CONFIG)])
+
+
+def holding_the_last_shard(store, run: str, seen: dict, before=None):
+    """The real extract stage, the run's last shard started only once the training has written its
+    first checkpoint (240 s at most); `before(name)` then, if given. What was seen goes in `seen`."""
     real_extract = stages.extract
-    seen: dict = {}
 
-    def extract_holding_the_last_shard(store_, settings, request):
+    def extract(store_, settings, request):
         names = shard_names(store, run, "tokens")
-        if request.shard == names[-1]:
+        if request.shard == names[-1] and "hidden" not in seen:
             (planned,) = controller.planned_trainings(store, run)
             latest = layout.checkpoint_latest(planned.train.resolved_train_id)
             deadline = time.monotonic() + 240
@@ -61,29 +60,29 @@ def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(t
                 tokens=names,
                 threads=torch.get_num_threads(),
             )
+            if before is not None:
+                before(request.shard)
         return real_extract(store_, settings, request)
 
-    monkeypatch.setattr(stages, "extract", extract_holding_the_last_shard)
-    out = CliRunner().invoke(
-        main,
-        [
-            "run",
-            "--quick",
-            "--stream",
-            "--run",
-            run,
-            "--drafter",
-            "d",
-            "--epochs",
-            "2",
-            "--store",
-            f"file://{root}",
-            "--out",
-            str(tmp_path / "drafter"),
-            "--train-config",
-            json.dumps(TRAIN_CONFIG),
-        ],
-    )
+    return extract
+
+
+def no_aerie_settings(monkeypatch, smollm2_path) -> None:
+    for name in [k for k in os.environ if k.startswith("AERIE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AERIE_CACHE_DIR", str(smollm2_path.parent))
+
+
+@pytest.mark.timeout(1200)
+def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(tmp_path, smollm2_path, monkeypatch):
+    from aerie_trainer.data import HiddenData, load_runs
+
+    no_aerie_settings(monkeypatch, smollm2_path)
+    root = tmp_path / "store"
+    store = FsStore(root)
+    run, seen = "chat", {}
+    monkeypatch.setattr(stages, "extract", holding_the_last_shard(store, run, seen))
+    out = aerie_run_stream(root, run, tmp_path / "drafter")
     assert out.exit_code == 0, out.output[-3000:] + repr(out.exception)
     assert "aerie run: summary" in out.output
 
@@ -130,3 +129,51 @@ def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(t
     assert sorted(ours) == sorted(theirs)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.timeout(1200)
+def test_a_shard_that_fails_under_a_streamed_run_stops_it_in_one_line_and_a_rerun_finishes(
+    tmp_path, smollm2_path, monkeypatch
+):
+    """The last shard's token file is damaged once the training has checkpointed: its real
+    extraction fails, the failure is recorded, the training that waits for the shard stops, and
+    the run ends in one line naming the shard's error. The same command again, the file restored,
+    retries the shard, resumes the training from its checkpoint and publishes."""
+    no_aerie_settings(monkeypatch, smollm2_path)
+    root = tmp_path / "store"
+    store = FsStore(root)
+    run, seen, kept = "chat", {}, {}
+
+    def damage(name: str) -> None:
+        key = layout.shard(run, "tokens", name)
+        kept[key] = store.get_bytes(key)
+        store.put_bytes(key, kept[key][:-8] + b"\x00" * 8)
+
+    monkeypatch.setattr(stages, "extract", holding_the_last_shard(store, run, seen, before=damage))
+    out = aerie_run_stream(root, run, tmp_path / "drafter")
+    assert out.exit_code == 1, out.output[-3000:] + repr(out.exception)
+    assert seen["checkpoint"] is not None and seen["hidden"] == seen["tokens"][:-1], seen
+    last = seen["tokens"][-1]
+    error = out.output.strip().splitlines()[-1]
+    assert error.startswith("Error: ") and "does not match its record's sha256" in error, out.output[-3000:]
+    assert f"tokens/{last}" in error and "Traceback" not in out.output
+    assert store.exists(layout.shard_failure(run, last)) and not store.exists(layout.shard_record(run, "hidden", last))
+    (planned,) = controller.planned_trainings(store, run)
+    request = planned.train
+    assert drafters.published_lineage(store, "d", request.version) is None
+    checkpoint = json.loads(store.get_bytes(layout.checkpoint_latest(request.resolved_train_id)))["step"]
+    assert checkpoint >= 2
+
+    ((key, good),) = kept.items()
+    store.put_bytes(key, good)
+    again = aerie_run_stream(root, run, tmp_path / "drafter")
+    assert again.exit_code == 0, again.output[-3000:] + repr(again.exception)
+    assert shard_names(store, run, "hidden") == seen["tokens"] and not store.exists(layout.shard_failure(run, last))
+    lineage = drafters.published_lineage(store, "d", request.version)
+    assert lineage is not None
+    state = json.loads(
+        store.get_bytes(
+            json.loads(store.get_bytes(layout.checkpoint_latest(request.resolved_train_id)))["prefix"] + "trainer.json"
+        )
+    )
+    assert lineage.metrics["steps"] == state["step"] > checkpoint

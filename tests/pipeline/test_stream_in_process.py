@@ -5,8 +5,8 @@ while the training follows the ones stored. The run's last shard is held back (t
 extraction, started only once the training has written its first checkpoint, or after 240 s):
 the training must have started and checkpointed while the run still missed that shard, which a
 run that extracts everything before training never does. The result equals a job trained here on
-the complete run: the steps a non-streamed job plans, the same epoch-0 windows, equal weights.
-A shard that fails under a streamed run stops it in one line; the same command again finishes it.
+the complete run: the steps a non-streamed job plans, the same epoch-0 windows, equal weights,
+and the same figures before and after training (the same held-out prompts). A shard that fails under a streamed run stops it in one line; the same command again finishes it.
 """
 
 from __future__ import annotations
@@ -118,9 +118,16 @@ def test_aerie_run_stream_trains_while_it_extracts_and_equals_the_complete_job(t
     threads = torch.get_num_threads()
     torch.set_num_threads(seen["threads"])
     try:
-        stages.train(store, Settings(store=f"file://{root}"), reference)
+        ref = stages.train(store, Settings(store=f"file://{root}"), reference)
     finally:
         torch.set_num_threads(threads)
+    # measured as a job on the complete run measures: the same held-out prompts and batches, before
+    # and after (the streamed job measures its starting weights once the run is complete)
+    m = lineage.metrics
+    assert m["eval_prompts"] == 4 and m["acceptance_untrained"] is not None and m["acceptance"] is not None, m
+    for key in ("acceptance", "simulated_acceptance"):
+        assert m[key] == getattr(ref, key) and m[f"{key}_untrained"] == getattr(ref, f"{key}_untrained"), key
+    assert m["heldout_loss"] == ref.heldout_loss
     ref_latest = json.loads(store.get_bytes(layout.checkpoint_latest("reference")))["prefix"]
     ref_state = json.loads(store.get_bytes(ref_latest + "trainer.json"))
     assert ref_state["step"] == steps and ref_state["stream_windows"] == streamed["stream_windows"]

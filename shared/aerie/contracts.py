@@ -285,7 +285,8 @@ class DrafterShape(Contract):
     )
 
 
-# Training-time-test steps beyond the serving chain's draft steps (TrainConfig.ttt_steps unset).
+# Training-time-test steps beyond the serving chain's draft steps (TrainConfig.ttt_steps unset);
+# why this margin: BENCHMARKS.md, "Training-time-test length at equal wall time".
 TTT_MARGIN = 4
 
 

@@ -648,19 +648,24 @@ def drive(
     trainings: Iterable[PlannedTraining],
     run_steps: Callable[[list[Step]], None],
     on_state: Callable[[RunState], None] | None = None,
+    wait: Callable[[], bool] | None = None,
 ) -> RunState:
     """The run in this process: `start`, then run what was dispatched (`run_steps`, the stage
-    functions), advance again, until nothing is due. The state reached is returned (done, failed,
-    or waiting for something outside this process)."""
+    functions), advance again, until nothing is due. `run_steps` may leave work running in the
+    background (a streamed training's extraction, which the training follows): with nothing due,
+    `wait()` blocks until that work moved on (a shard stored, or it ended) and says whether to
+    advance again; False (or no `wait`) ends the drive. The state reached is returned (done,
+    failed, or waiting for something outside this process)."""
     dispatcher = InProcess()
     st = start(store, settings, plan, trainings, dispatcher)
     while True:
         if on_state is not None:
             on_state(st)
-        if not dispatcher.pending:
+        if dispatcher.pending:
+            steps, dispatcher.pending = dispatcher.pending, []
+            run_steps(steps)
+        elif wait is None or not wait():
             return st
-        steps, dispatcher.pending = dispatcher.pending, []
-        run_steps(steps)
         st = advance(store, settings, plan.run, dispatcher)
 
 

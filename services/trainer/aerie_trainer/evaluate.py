@@ -481,13 +481,20 @@ class Evaluator:
             )
 
     def prompts(self) -> list[list[int]]:
-        if self._prompts is None:
-            n = self.cfg.eval_prompts
-            if self.prompts_jsonl is not None:
-                self._prompts = prompts_from_file(self.prompts_jsonl, self.model_dir)[:n]
-            else:
-                self._prompts = prompts_from_sequences(self.data.holdout_sequences(4 * n + 8))[:n]
-        return self._prompts
+        """The eval prompts: the file's, else the held-out conversations'. While a streamed job's
+        runs are still being extracted, those of the shards there so far, read again next time
+        (kept once the runs are complete: the prompts a job on the complete runs reads)."""
+        if self._prompts is not None:
+            return self._prompts
+        n = self.cfg.eval_prompts
+        if self.prompts_jsonl is not None:
+            self._prompts = prompts_from_file(self.prompts_jsonl, self.model_dir)[:n]
+            return self._prompts
+        complete = not self.data.stream or self.data.arrived
+        prompts = prompts_from_sequences(self.data.holdout_sequences(4 * n + 8))[:n]
+        if complete:
+            self._prompts = prompts
+        return prompts
 
     def target_forward(self):
         if self._target_model is None:

@@ -123,15 +123,17 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             message=f"{sharding} on {dist.world_size} rank(s): {why}",
             force=True,
         )
+    start = f"drafter from {request.config.init_from}" if request.config.init_from else "untrained drafter"
+    initial = None
     try:
         if evaluator is not None and "evaluated_with_untrained" not in st.metrics:  # once, not again on resume
-            start = f"drafter from {request.config.init_from}" if request.config.init_from else "untrained drafter"
-            progress(ProgressEvent(stage="evaluate", message=f"{start} ({evaluator.note})"))
-            tracking.progress(stage="evaluate", message=start)
-            untrained = evaluator.run()
-            st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k != "evaluation_note"})
-            _log_eval(tracking, untrained, 0)
-            tracking.progress(stage="train", message="")
+            if st.step > 0:
+                pass  # a streamed job resumed before its runs were complete: its starting weights are gone
+            elif request.config.stream and not trainer.data.arrived:
+                # measured once the runs are complete, on the held-out data the trained drafter is measured on
+                initial = {k: v.detach().to("cpu", copy=True) for k, v in trainer.full_drafter.state_dict().items()}
+            else:
+                _evaluate_untrained(evaluator, st, start, progress, tracking)
         trainer.train(lambda state: _measure(trainer, evaluator, state))
         if request.config.stream:  # the final evaluation reads the complete runs' held-out shards
             trainer.data.wait_arrived()
@@ -139,6 +141,12 @@ def train_here(store: ObjectStore, settings: Settings, request: TrainRequest, pr
             drafter=request.drafter, version=version, train_id=train_id, resumed_from=trainer.resumed_from
         )
         full = trainer.sync_full_drafter()  # every rank: FSDP gathers the weights to rank 0
+        if evaluator is not None and initial is not None:
+            trained_weights = {k: v.detach().clone() for k, v in full.state_dict().items()}
+            full.load_state_dict(initial)
+            _evaluate_untrained(evaluator, st, start, progress, tracking)
+            full.load_state_dict(trained_weights)
+            del trained_weights, initial
         last = None
         if evaluator is not None and request.config.publish_checkpoint == "best":
             last = _load_best(store, train_id, full, st.metrics)
@@ -245,6 +253,19 @@ def _load_best(store: ObjectStore, train_id: str, full, metrics: dict) -> dict:
     full.load_state_dict(best, strict=False)  # copied into the parameters, on their device
     metrics.update(published_step=metrics["best_step"], published_acceptance=metrics["best_acceptance"])
     return last
+
+
+def _evaluate_untrained(evaluator: Evaluator, st, start: str, progress: Progress, tracking) -> None:
+    """The starting drafter's figures (`*_untrained`), logged at step 0. A streamed job that starts
+    before its runs are complete measures a copy of its starting weights (kept in memory) once they
+    are, so that both figures read the held-out prompts and batches a job on the complete runs
+    reads; one resumed before that has no starting weights left and no `*_untrained` figures."""
+    progress(ProgressEvent(stage="evaluate", message=f"{start} ({evaluator.note})"))
+    tracking.progress(stage="evaluate", message=start)
+    untrained = evaluator.run()
+    st.metrics.update({f"{k}_untrained": v for k, v in untrained.items() if k != "evaluation_note"})
+    _log_eval(tracking, untrained, 0)
+    tracking.progress(stage="train", message="")
 
 
 def _log_eval(tracking, metrics: dict, step: int) -> None:

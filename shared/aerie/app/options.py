@@ -80,7 +80,7 @@ OPTIONS = {
         is_flag=True,
         default=None,
         help="start training on the run's first hidden shards and follow the extraction (same steps as "
-        "waiting); the extraction and training overlap on workers (--broker), the embedded run does one at a time",
+        "waiting); the extraction and training overlap, on workers (--broker) as in this process",
     ),
     "train_config": click.option(
         "--train-config", default=None, help="any TrainConfig field as JSON, e.g. '{\"grad_accum\": 4}'"

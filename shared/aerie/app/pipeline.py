@@ -10,7 +10,8 @@ Stages (aerie.stages): prepare the target -> ingest -> [regenerate, shard by sha
 loop, export, publish) -> pull. The run controller (aerie.controller) decides what runs next from the
 run's plan and the store, on both ways: on the embedded default (`memory://` broker, a filesystem
 store with the bucket's layout) every step runs in this process (`controller.drive` with the stage
-functions the Celery workers run); with `--broker redis://...` this command writes the plan, enqueues
+functions the Celery workers run; with `--stream` the extraction runs in a thread while the training
+follows the shards it stores); with `--broker redis://...` this command writes the plan, enqueues
 the first step and watches the store: the workers (`celery -A aerie_extractor.worker worker -Q
 ingest,extract`, `celery -A aerie_trainer.worker worker -Q train`) do the work and advance the run; a
 failed step or a refused credential stops it with the reason, and the wait has a deadline
@@ -25,9 +26,11 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -120,6 +123,7 @@ class StepsHere:
     def __init__(self, store: ObjectStore, settings: Settings, watch: Stopwatch):
         self.store, self.settings, self.watch = store, settings, watch
         self.trained: dict[str, TrainResult] = {}
+        self.extraction: BackgroundExtraction | None = None
         self._seen: RunState | None = None
         self._shown_ingest = False
 
@@ -169,9 +173,36 @@ class StepsHere:
                 )
 
     def _extract(self, steps: list[Step]) -> None:
+        """The shards, here; in the background when a streamed training follows the run (it starts
+        as soon as the first shard is stored, while the rest are extracted)."""
         self.watch.start("extract")
         requests = [cast(ExtractRequest, s.request) for s in steps]
-        extract_in_process(self.store, self.settings, requests[0].run, [r.shard for r in requests])
+        run, shards = requests[0].run, [r.shard for r in requests]
+        streamed = self._seen is not None and any(t.planned.start == "first_shards" for t in self._seen.trainings)
+        if not streamed:
+            extract_in_process(self.store, self.settings, run, shards)
+            return
+        if self.extraction is not None:  # an earlier batch's shards first: one engine, one pool
+            self.extraction.close()
+        self.extraction = BackgroundExtraction(self.store, self.settings, run, shards)
+
+    def wait(self) -> bool:
+        """`controller.drive`'s wait: with nothing due, until the background extraction stored a
+        shard or ended (its error raised) -> whether there is anything to advance on."""
+        if self.extraction is None:
+            return False
+        if self.extraction.wait():
+            return True
+        ended, self.extraction = self.extraction, None
+        ended.close()
+        return True
+
+    def close(self) -> None:
+        """On the way out, whatever happened: a background extraction starts no more shards, the
+        ones in flight end (nothing is left half-written by an exiting process)."""
+        if self.extraction is not None:
+            ended, self.extraction = self.extraction, None
+            ended.close()
 
     def _align(self, steps: list[Step]) -> None:
         """`--server`: the run against the serving server before training (a failed check stops the run)."""
@@ -191,6 +222,7 @@ class StepsHere:
                 request,
                 self.watch,
                 lambda report, step=step: controller.run_here(self.store, self.settings, step, report),
+                bar=self.extraction.bar if self.extraction is not None else None,  # one live display
             )
 
 
@@ -199,7 +231,10 @@ def run_in_process(
 ) -> TrainResult:
     """Every stage here, as the run controller dispatches them (the embedded default)."""
     here = StepsHere(store, settings, watch)
-    st = controller.drive(store, settings, plan, [training], here, on_state=here.on_state)
+    try:
+        st = controller.drive(store, settings, plan, [training], here, on_state=here.on_state, wait=here.wait)
+    finally:
+        here.close()
     training = controller.follow(training, st.plan)  # as the controller planned it
     return _trained(store, st, training.train, here.trained.get(training.train.resolved_train_id))
 
@@ -226,24 +261,97 @@ def shards_in_flight(settings: Settings) -> int:
     return settings.worker_concurrency
 
 
-def extract_in_process(store: ObjectStore, settings: Settings, run: str, shards: list[str]) -> int:
+def extract_in_process(
+    store: ObjectStore,
+    settings: Settings,
+    run: str,
+    shards: list[str],
+    bar: Progress | None = None,
+    landed: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
+    failed: Callable[[str, BaseException], None] | None = None,
+) -> int:
     """The extract stage over `shards`, `shards_in_flight` at once on one engine (as a threads-pool
     worker of that concurrency runs them) -> how many were already extracted. The first error is
-    raised once the shards in flight end; shards not yet started are not started."""
+    raised once the shards in flight end (`failed(shard, error)` told first); shards not yet started
+    are not started. `bar`: a live display to draw on (default: one of its own); `landed(shard)`:
+    after each shard is stored, in order; `stop` set: no further shard starts, and it returns once
+    those in flight end."""
     n = shards_in_flight(settings)
     worker = settings.model_copy(update={"worker_concurrency": n})
     reused = 0
-    with _bar() as bar, ThreadPoolExecutor(max_workers=n, thread_name_prefix="aerie-extract") as pool:
+    with (
+        nullcontext(bar) if bar is not None else _bar() as bar,
+        ThreadPoolExecutor(max_workers=n, thread_name_prefix="aerie-extract") as pool,
+    ):
         task = bar.add_task("extract hidden states (shards)", total=len(shards))
         futures = [pool.submit(stages.extract, store, worker, ExtractRequest(run=run, shard=shard)) for shard in shards]
         try:
-            for future in futures:  # in order: the first failing shard's error is the one raised
-                reused += future.result().skipped
+            for shard, future in zip(shards, futures):  # in order: the first failing shard's error is raised
+                if stop is not None and stop.is_set():
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    break
+                try:
+                    reused += future.result().skipped
+                except BaseException as error:
+                    if failed is not None and not isinstance(error, KeyboardInterrupt):
+                        failed(shard, error)
+                    raise
                 bar.advance(task)
+                if landed is not None:
+                    landed(shard)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return reused
+
+
+class BackgroundExtraction:
+    """A run's extract stage in a thread of this process while this process trains on what it
+    stores: the embedded run of a streamed training, whose extraction and training overlap as an
+    extractor worker's and a trainer worker's do. It draws on its own live display (`bar`), which
+    the training's bar joins. A shard that fails is recorded as failed for good (as a worker records
+    its last attempt), so a streamed training waiting for it stops and names it instead of waiting
+    forever; a later `aerie run` retries it. `close` raises the extraction's error."""
+
+    def __init__(self, store: ObjectStore, settings: Settings, run: str, shards: list[str]) -> None:
+        self.bar = _bar()
+        self.bar.start()
+        self.error: BaseException | None = None
+        self._changed, self._stop, self._done = threading.Event(), threading.Event(), False
+        self._thread = threading.Thread(
+            target=self._extract, args=(store, settings, run, shards), name="aerie-extract-run", daemon=True
+        )
+        self._thread.start()
+
+    def _extract(self, store: ObjectStore, settings: Settings, run: str, shards: list[str]) -> None:
+        def failed(shard: str, error: BaseException) -> None:
+            runs.record_failure(store, run, shard, error, attempts=1)
+
+        try:
+            extract_in_process(
+                store, settings, run, shards, self.bar, lambda _: self._changed.set(), self._stop, failed
+            )
+        except BaseException as error:  # raised in the thread that drives the run (`close`)
+            self.error = error
+        finally:
+            self._done = True
+            self._changed.set()
+
+    def wait(self, timeout_s: float = 1.0) -> bool:
+        """Until a shard is stored or the extraction ends (`timeout_s` at most) -> it still runs."""
+        if self._changed.wait(timeout_s):
+            self._changed.clear()
+        return not self._done
+
+    def close(self) -> None:
+        """No further shard starts; once those in flight end, the display stops and the
+        extraction's error, if any, is raised."""
+        self._stop.set()
+        self._thread.join()
+        self.bar.stop()
+        if self.error is not None:
+            raise self.error
 
 
 def run_on_workers(
@@ -328,10 +436,13 @@ def _watch(
     return result.model_copy(update={"already_published": bool(reused)})
 
 
-def _train_with_bar(request: TrainRequest, watch: Stopwatch, train: Callable) -> TrainResult:
-    """Run `train(report)`, drawing its progress events."""
+def _train_with_bar(
+    request: TrainRequest, watch: Stopwatch, train: Callable, bar: Progress | None = None
+) -> TrainResult:
+    """Run `train(report)`, drawing its progress events (on `bar`, a live display already drawn,
+    when given: one at a time)."""
     watch.start("train")
-    with _bar() as bar:
+    with nullcontext(bar) if bar is not None else _bar() as bar:
         task = bar.add_task("train (steps)", total=request.config.steps)  # None (epochs): the first event says
         last = {"stage": "train"}
 

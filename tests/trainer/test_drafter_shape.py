@@ -168,3 +168,39 @@ def test_the_exported_rope_is_the_one_sglang_computes(target, tmp_path):
     freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv_freq
     ours = torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
     torch.testing.assert_close(ours, torch.tensor(theirs["cos_sin"]), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("target", [DEEPSEEK_V3, KIMI_K25], ids=["deepseek-v3", "kimi-k2.5"])
+def test_an_mla_drafter_copies_the_targets_attention_and_fits_sglangs_mla_drafter(target):
+    """arch "mla": the target's heads, LoRA ranks, head dims and YaRN; every exported tensor fits the
+    parameter SGLang's Eagle3DeepseekV2ForCausalLM loads it into (q_a_proj and kv_a_proj_with_mqa
+    as the two shards of its fused a-projection, 2H wide)."""
+    config = DrafterConfig.from_target(target, num_aux=3, draft_vocab_size=32000, shape=DrafterShape(arch="mla"))
+    text = target.get("text_config", target)
+    assert config.arch == "mla" and config.num_attention_heads == text["num_attention_heads"]  # 128, 64
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+    )
+    assert config.v_head_dim == 128 and config.head_dim == 192 and config.intermediate_size == 12288
+    assert config.rope_parameters["rope_type"] == "yarn"
+    cfg = export.drafter_config_json(config, target, [1, 29, 57])
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["rope_scaling"]["type"] == "yarn"
+    params = export.sglang_mla_expected_params(cfg)
+    shapes, loaded = meta_state(config), {}
+    for name, shape in shapes.items():
+        param, shard = export.sglang_mla_param_name(name, params)
+        assert param is not None, name
+        if param in params:
+            assert shape == params[param][shard], name
+            loaded.setdefault(param, set()).add(shard)
+    assert loaded["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"] == {"q", "kv"}
+    assert set(loaded) == set(params) - {"model.embed_tokens.weight"}
+    with pytest.raises(DrafterError, match="MLA fields need arch 'mla'"):
+        DrafterConfig.from_target(target, 3, 32000, DrafterShape(kv_lora_rank=256))
+    with pytest.raises(DrafterError, match="MLA drafter layer computes only default and yarn"):
+        DrafterConfig.from_target(
+            target, 3, 32000, DrafterShape(arch="mla", rope_parameters={"rope_type": "llama3", "factor": 8.0})
+        )

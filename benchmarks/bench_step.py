@@ -45,6 +45,8 @@ SHAPES = {
     "smol135m": dict(H=576, nh=9, nkv=3, hd=64, I=1536, V=49152, Vd=32000, K=3),  # SmolLM2-135M drafter
     "smol135m_vd4096": dict(H=576, nh=9, nkv=3, hd=64, I=1536, V=49152, Vd=4096, K=3),
     "tiny": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, K=3),  # CPU smoke test
+    # an MLA drafter layer (--drafter-arch mla) with DeepSeek-V3/Kimi's head dims at a small width
+    "smol_mla": dict(H=576, nh=8, nkv=8, hd=192, I=1536, V=49152, Vd=4096, K=3, mla=(384, 128, 128, 64, 128)),
 }
 TTT_STEPS = 7
 MAX_POS = 2048
@@ -160,6 +162,10 @@ def aerie_drafter(shape: dict, device):
         vocab_size=shape["V"],
         draft_vocab_size=shape["Vd"],
     )
+    if "mla" in shape:  # q LoRA rank, kv LoRA rank, nope, rope, v head dims
+        q_rank, kv_rank, nope, rope, v = shape["mla"]
+        cfg.arch, cfg.q_lora_rank, cfg.kv_lora_rank = "mla", q_rank, kv_rank
+        cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = nope, rope, v
     torch.manual_seed(0)
     return construct(lambda: Eagle3Drafter(cfg), device)
 
@@ -628,29 +634,33 @@ def check_gpu(device) -> dict:
             clip_and_step(opt, 0.5, fold=fold)
         moved.append(torch.cat([(p.detach() - x).flatten() for p, x in zip(ps, start)]))
     out["clip_folded_into_adamw"] = dict(rel=rel(moved[0], moved[1]))
-    # a whole TTT step: bf16 fast path against float32 (math attention, float32 compute), same weights
-    shape = dict(SHAPES["smol135m"], Vd=4096)
-    ttt_L = CHECK_SIZES["ttt_L"]
-    inp = make_inputs(shape, 2, ttt_L, device)
+    # a whole TTT step: bf16 fast path against float32 (math attention, float32 compute), same weights;
+    # the Llama layer and the MLA layer (its keys/values zero-padded to 192 dims through flash and the merge)
     from aerie_trainer.ttt import TargetHead, ttt_forward
 
-    results = []
-    for dtype in (torch.bfloat16, torch.float32):
-        drafter = aerie_drafter(shape, device)
-        drafter.set_vocab(inp["draft_ids"])
-        drafter.to(device)
-        target = TargetHead(inp["head"], drafter.t2d, drafter.d2t, torch.bfloat16)
-        o = ttt_forward(
-            TTT(drafter, TTT_STEPS, 0.8, compute_dtype=dtype), aerie_batch(inp, ttt_L, TTT_STEPS, device), target
+    ttt_L = CHECK_SIZES["ttt_L"]
+    for key, shape in (
+        ("ttt_step_bf16_vs_fp32", dict(SHAPES["smol135m"], Vd=4096)),
+        ("ttt_step_mla", SHAPES["smol_mla"]),
+    ):
+        inp = make_inputs(shape, 2, ttt_L, device)
+        results = []
+        for dtype in (torch.bfloat16, torch.float32):
+            drafter = aerie_drafter(shape, device)
+            drafter.set_vocab(inp["draft_ids"])
+            drafter.to(device)
+            target = TargetHead(inp["head"], drafter.t2d, drafter.d2t, torch.bfloat16)
+            o = ttt_forward(
+                TTT(drafter, TTT_STEPS, 0.8, compute_dtype=dtype), aerie_batch(inp, ttt_L, TTT_STEPS, device), target
+            )
+            o.loss.backward()
+            results.append((o, {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
+        (fast, gf), (ref, gr) = results
+        out[key] = dict(
+            loss=[float(fast.loss), float(ref.loss)],
+            step_loss_rel=rel(fast.step_loss, ref.step_loss),
+            grad_rel={n: round(rel(gf[n], gr[n]), 5) for n in gr},
         )
-        o.loss.backward()
-        results.append((o, {n: p.grad for n, p in drafter.named_parameters() if p.requires_grad}))
-    (fast, gf), (ref, gr) = results
-    out["ttt_step_bf16_vs_fp32"] = dict(
-        loss=[float(fast.loss), float(ref.loss)],
-        step_loss_rel=rel(fast.step_loss, ref.step_loss),
-        grad_rel={n: round(rel(gf[n], gr[n]), 5) for n in gr},
-    )
     return out
 
 

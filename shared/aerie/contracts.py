@@ -274,8 +274,14 @@ class RegenerateRequest(Contract):
 class DrafterShape(Contract):
     """The drafter layer's own shape and rope. Unset fields follow the target: a Llama-class target
     (grouped-query attention, a rope the drafter supports) is copied; any other (MLA: DeepSeek-V3,
-    Kimi-K2/K2.5) gets a Llama shape of its own (aerie_trainer.model.DrafterConfig.from_target)."""
+    Kimi-K2/K2.5) gets a Llama shape of its own (aerie_trainer.model.DrafterConfig.from_target).
 
+    `arch` picks the layer SGLang serves: "llama" (`LlamaForCausalLMEagle3`, grouped-query
+    attention) or "mla" (`Eagle3DeepseekV2ForCausalLM`, DeepSeek's multi-head latent attention,
+    as TorchSpec's Kimi-K2.5 drafter); an MLA layer copies an MLA target's attention shape (heads,
+    LoRA ranks, head dims, rope) unless the fields below say otherwise."""
+
+    arch: Literal["llama", "mla"] = Field("llama", description="the drafter layer: llama (GQA) or mla (DeepSeek MLA)")
     num_attention_heads: int | None = Field(None, ge=1)
     num_key_value_heads: int | None = Field(None, ge=1)
     head_dim: int | None = Field(None, ge=2, multiple_of=2)
@@ -283,6 +289,11 @@ class DrafterShape(Contract):
     rope_parameters: dict[str, float | int | str] | None = Field(
         None, description="rope_type (default, linear, llama3, yarn), rope_theta and the type's own keys"
     )
+    q_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the query's low-rank projection")
+    kv_lora_rank: int | None = Field(None, ge=1, description="mla: rank of the shared key/value latent")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="mla: query/key head dims without rope")
+    qk_rope_head_dim: int | None = Field(None, ge=2, multiple_of=2, description="mla: query/key head dims with rope")
+    v_head_dim: int | None = Field(None, ge=1, description="mla: value head dim")
 
 
 # Training-time-test steps beyond the serving chain's draft steps (TrainConfig.ttt_steps unset);

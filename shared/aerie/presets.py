@@ -14,7 +14,8 @@ Presets are data files, `aerie/recipes/<name>.json`, each an `aerie.contracts.Pr
 - `train_config(...)`: the training settings every command
   that starts a training takes (`enqueue --train-drafter`, `aerie run`): `--preset`, `--epochs`,
   `--steps`, `--lr`, `--batch-tokens`, `--seq-len`, `--ttt-steps`, `--draft-vocab`,
-  `--drafter-shape`, `--eval-every`, `--publish-checkpoint`, `--init-from` (warm start), and
+  `--drafter-shape`, `--drafter-arch` (llama or mla: sets the shape's `arch`), `--eval-every`,
+  `--publish-checkpoint`, `--init-from` (warm start), and
   `--train-config` (any TrainConfig field as JSON). Precedence: an explicit option, then
   `--train-config`, then the preset, then the command's own defaults. The click options themselves are the app's (`aerie.app.options`).
 """
@@ -175,6 +176,10 @@ def train_config(
             fields["drafter"] = DrafterShape.model_validate_json(options["drafter_shape"])
         except ValidationError as e:
             raise SettingError(f"--drafter-shape: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    if options.get("drafter_arch"):
+        shape = fields.get("drafter") or {}
+        shape = shape.model_dump(exclude_none=True) if isinstance(shape, DrafterShape) else dict(shape)
+        fields["drafter"] = {**shape, "arch": options["drafter_arch"]}
     try:
         return TrainConfig(**fields)
     except ValidationError as e:

@@ -58,6 +58,7 @@ def test_cli_surface():
     training = [
         "--batch-tokens",
         "--draft-vocab",
+        "--drafter-arch",
         "--drafter-shape",
         "--epochs",
         "--eval-every",

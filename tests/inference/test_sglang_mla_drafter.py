@@ -9,8 +9,8 @@ output must equal the target's greedy output, and nothing is accepted.
 SGLang 0.5.23's CPU path runs it through aerie's launcher and ops with one fix: the drafter's
 `set_embed` calls `torch.cuda.synchronize()` unconditionally ("Found no NVIDIA driver" at the
 draft worker's start), which aerie_sglang.cpu.ops makes a no-op on a machine without CUDA. The
-draft's MLA runs in aerie's CPU attention ops, as the target's does. aerie's trainer does not
-build this drafter yet (it trains the Llama-layer drafter for MLA targets)."""
+draft's MLA runs in aerie's CPU attention ops, as the target's does. aerie's trainer builds this
+drafter with `--drafter-arch mla` (test_sglang_mla_drafter_trained.py serves a trained one)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ def test_options_over_the_size(smollm2_path):
         batch_tokens=128,
         seq_len=64,
         drafter_shape='{"intermediate_size": 256}',
+        drafter_arch="mla",
         train_config='{"grad_accum": 2}',
     )
     assert (
@@ -41,6 +42,8 @@ def test_options_over_the_size(smollm2_path):
         mine.drafter.intermediate_size,
         mine.grad_accum,
     ) == (50, 512, 1e-3, 4, 128, 64, 256, 2)
+    assert mine.drafter.arch == "mla"  # --drafter-arch over --drafter-shape, its other fields kept
+    assert training_config(presets.load_size("quick"), smollm2_path, None, None, None, None).drafter.arch == "llama"
     by_epochs = training_config(presets.load_size("quick"), smollm2_path, None, None, None, None, epochs=2)
     assert (by_epochs.steps, by_epochs.epochs, by_epochs.warmup_steps) == (None, 2, None)
 

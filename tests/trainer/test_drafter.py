@@ -15,21 +15,38 @@ from aerie_trainer.vocab import build_draft_vocab, d2t_t2d, target_to_draft
 V, VD, H, K = 64, 24, 32, 3
 
 
-def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
+# an MLA layer as DeepSeek-V3's in miniature: q/k head dim 12 != v head dim 8, YaRN whose softmax
+# scale carries mscale_all_dim
+MLA = dict(arch="mla", q_lora_rank=20, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+MLA_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def tiny_drafter(seed: int = 0, arch: str = "llama") -> Eagle3Drafter:
     torch.manual_seed(seed)
+    mla = arch == "mla"
     cfg = DrafterConfig(
         hidden_size=H,
         target_hidden_size=H,
         num_aux=K,
         intermediate_size=48,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        num_key_value_heads=4 if mla else 2,
+        head_dim=12 if mla else 8,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
         vocab_size=V,
         draft_vocab_size=VD,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters=dict(MLA_ROPE) if mla else {"rope_type": "default", "rope_theta": 10000.0},
+        **(MLA if mla else {}),
     )
     drafter = Eagle3Drafter(cfg).double()
     with torch.no_grad():
@@ -41,10 +58,11 @@ def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
     return drafter
 
 
-def test_ttt_steps_see_what_chain_drafting_sees():
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_ttt_steps_see_what_chain_drafting_sees(arch):
     """Step k at slot t of the TTT unroll == drafting from slot t: the base sequence read up to
     t, then k chain steps fed the next tokens (prefix causal + the chain's own keys)."""
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(arch=arch)
     B, L, S = 2, 9, 4
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, V, (B, L + S), generator=g)
@@ -72,8 +90,9 @@ def test_ttt_steps_see_what_chain_drafting_sees():
                 torch.testing.assert_close(out[0, -1], logits[k][b, t])
 
 
-def test_kv_cache_extension_equals_one_pass():
-    drafter = tiny_drafter()
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_kv_cache_extension_equals_one_pass(arch):
+    drafter = tiny_drafter(arch=arch)
     ids, aux = torch.randint(0, V, (1, 12)), torch.randn(1, 12, K * H, dtype=torch.float64)
     full, _, _ = drafter(ids, drafter.project(aux), torch.arange(12))
     a, _, kv = drafter(ids[:, :5], drafter.project(aux[:, :5]), torch.arange(5))
@@ -126,3 +145,46 @@ def test_learning_rate_warms_up_then_decays():
     lrs = [lr_at(s, lr=1e-3, steps=110, warmup=10) for s in range(110)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+def test_mla_attention_is_deepseek_v3s_attention():
+    """The MLA drafter layer's attention == transformers' DeepseekV3Attention (an independent
+    implementation of the same math, interleaved rope, YaRN with its mscale in both the rope and
+    the softmax scale) on the same weights and the layer's 2H-wide input. transformers' module maps
+    its input width to itself, so its o_proj is ours stacked on zeros."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    drafter = tiny_drafter(arch="mla")
+    ours = drafter.midlayer.self_attn
+    cfg = DeepseekV3Config(
+        hidden_size=2 * H,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=MLA["q_lora_rank"],
+        kv_lora_rank=MLA["kv_lora_rank"],
+        qk_nope_head_dim=MLA["qk_nope_head_dim"],
+        qk_rope_head_dim=MLA["qk_rope_head_dim"],
+        v_head_dim=MLA["v_head_dim"],
+        rope_interleave=True,
+        rope_parameters=dict(MLA_ROPE),
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+    )
+    cfg._attn_implementation = "eager"
+    ref = DeepseekV3Attention(cfg, 0).double()
+    with torch.no_grad():
+        for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"):
+            getattr(ref, name).weight.copy_(getattr(ours, name).weight)
+        ref.o_proj.weight.copy_(torch.cat([ours.o_proj.weight, torch.zeros_like(ours.o_proj.weight)]))
+    B, T = 2, 70  # past original_max_position_embeddings (64): YaRN's interpolated frequencies matter
+    x = torch.randn(B, T, 2 * H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(T)
+    cos, sin = DeepseekV3RotaryEmbedding(cfg).double()(x, positions[None].expand(B, T))
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    expected = ref(x, (cos, sin), mask)[0][..., :H]
+    out, _ = ours(x, positions)
+    # both compute their rope tables in float32 (SGLang's cos/sin cache too): 1e-6 apart, not 1e-12
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert ref.scaling != cfg.qk_nope_head_dim**-0.5 and ours.scale == pytest.approx(ref.scaling)

@@ -168,3 +168,117 @@ def test_the_exported_rope_is_the_one_sglang_computes(target, tmp_path):
     freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv_freq
     ours = torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
     torch.testing.assert_close(ours, torch.tensor(theirs["cos_sin"]), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("target", [DEEPSEEK_V3, KIMI_K25], ids=["deepseek-v3", "kimi-k2.5"])
+def test_an_mla_drafter_copies_the_targets_attention_and_fits_sglangs_mla_drafter(target):
+    """arch "mla": the target's heads, LoRA ranks, head dims and YaRN; every exported tensor fits the
+    parameter SGLang's Eagle3DeepseekV2ForCausalLM loads it into (q_a_proj and kv_a_proj_with_mqa
+    as the two shards of its fused a-projection, 2H wide)."""
+    config = DrafterConfig.from_target(target, num_aux=3, draft_vocab_size=32000, shape=DrafterShape(arch="mla"))
+    text = target.get("text_config", target)
+    assert config.arch == "mla" and config.num_attention_heads == text["num_attention_heads"]  # 128, 64
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+    )
+    assert config.v_head_dim == 128 and config.head_dim == 192 and config.intermediate_size == 12288
+    assert config.rope_parameters["rope_type"] == "yarn"
+    cfg = export.drafter_config_json(config, target, [1, 29, 57])
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["rope_scaling"]["type"] == "yarn"
+    params = export.sglang_mla_expected_params(cfg)
+    shapes, loaded = meta_state(config), {}
+    for name, shape in shapes.items():
+        param, shard = export.sglang_mla_param_name(name, params)
+        assert param is not None, name
+        if param in params:
+            assert shape == params[param][shard], name
+            loaded.setdefault(param, set()).add(shard)
+    assert loaded["model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"] == {"q", "kv"}
+    assert set(loaded) == set(params) - {"model.embed_tokens.weight"}
+    with pytest.raises(DrafterError, match="MLA fields need arch 'mla'"):
+        DrafterConfig.from_target(target, 3, 32000, DrafterShape(kv_lora_rank=256))
+    with pytest.raises(DrafterError, match="MLA drafter layer computes only default and yarn"):
+        DrafterConfig.from_target(
+            target, 3, 32000, DrafterShape(arch="mla", rope_parameters={"rope_type": "llama3", "factor": 8.0})
+        )
+
+
+_SGLANG_MLA_ROPE = """
+import json, sys, torch
+from transformers import AutoConfig
+from sglang.srt.configs.model_config import compute_mla_mscale_scaling
+from sglang.srt.layers.rotary_embedding.factory import get_rope_cpu
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+# as sglang/srt/models/kimi_k25_eagle3.py's Eagle3MLADecoderLayer reads the config ...
+if hasattr(cfg, "rope_parameters") and cfg.rope_parameters is not None:
+    rope_params = cfg.rope_parameters
+    rope_theta = rope_params.get("rope_theta", 10000)
+    rope_scaling = rope_params if rope_params.get("rope_type") != "default" else None
+else:
+    rope_theta, rope_scaling = cfg.rope_theta, cfg.rope_scaling
+# ... and deepseek_v2.py's DeepseekV2AttentionMLA builds its rope and softmax scale (on the CPU)
+rope_scaling = dict(rope_scaling)
+rope_scaling["rope_type"] = "deepseek_yarn"
+rope = get_rope_cpu(cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope_theta,
+                    not getattr(cfg, "rope_interleave", True), rope_scaling, torch.float32, device="cpu")
+scaling = compute_mla_mscale_scaling(rope_scaling, (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5)
+positions = torch.tensor(json.loads(sys.argv[2]))
+g = torch.Generator().manual_seed(0)
+q = torch.randn(len(positions), cfg.num_attention_heads, cfg.qk_rope_head_dim, generator=g)
+k = torch.randn(len(positions), 1, cfg.qk_rope_head_dim, generator=g)
+q_rot, k_rot = rope.forward_native(positions, q.clone(), k.clone())
+print(json.dumps({"kind": type(rope).__name__, "scaling": scaling, "q": q.tolist(), "k": k.tolist(),
+                  "q_rot": q_rot.tolist(), "k_rot": k_rot.tolist()}))
+"""
+
+
+@pytest.mark.sglang
+def test_the_mla_drafters_rope_and_softmax_scale_are_the_ones_sglang_computes(deepseek_tiny, tmp_path):
+    """The MLA drafter's rotation (interleaved pairs, DeepSeek's YaRN and its mscale) and softmax scale
+    (mscale_all_dim squared) equal SGLang's own for the exported config.json: SGLang's rope module
+    for an MLA drafter on the CPU, built from the config as kimi_k25_eagle3.py / deepseek_v2.py read
+    it, rotates the same vectors the same way at positions up to 4000 (past YaRN's 512)."""
+    from aerie_trainer.model import apply_rope_interleaved, mla_softmax_scale, rope_cos_sin, rope_tables
+
+    config = DrafterConfig.from_target(
+        load_target_config(deepseek_tiny), num_aux=3, draft_vocab_size=512, shape=DrafterShape(arch="mla")
+    )
+    (tmp_path / "config.json").write_text(json.dumps(export.drafter_config_json(config, {}, [3, 4, 6])))
+    positions = [0, 1, 7, 100, 511, 512, 1000, 4000]
+    out = subprocess.run(
+        [str(sglang_python()), "-c", textwrap.dedent(_SGLANG_MLA_ROPE), str(tmp_path), json.dumps(positions)],
+        env=clean_env(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(REPO / "services/inference/aerie_sglang/cpu/shim")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert theirs["kind"] == "DeepseekScalingRotaryEmbedding"
+    inv_freq, mscale = rope_tables(config)
+    assert mscale != 1.0 or config.rope_parameters.get("mscale") == config.rope_parameters.get("mscale_all_dim")
+    cos, sin = rope_cos_sin(torch.tensor(positions), inv_freq, mscale, torch.float32)
+    for x, rotated in (("q", "q_rot"), ("k", "k_rot")):
+        ours = apply_rope_interleaved(torch.tensor(theirs[x])[None], cos[None], sin[None])[0]
+        torch.testing.assert_close(ours, torch.tensor(theirs[rotated]), rtol=0, atol=1e-5)
+    assert mla_softmax_scale(config) == pytest.approx(theirs["scaling"], rel=1e-12)
+    assert theirs["scaling"] != pytest.approx(24**-0.5)  # the tiny target's YaRN scales the softmax too
+    source = (sglang_python().parents[1] / "lib").glob("python3*/site-packages/sglang/srt/models")
+    folder = next(source)
+    eagle, mla = (folder / "kimi_k25_eagle3.py").read_text(), (folder / "deepseek_v2.py").read_text()
+    for fact in (  # the lines the script above replays
+        'rope_scaling = (\n                rope_params if rope_params.get("rope_type") != "default" else None',
+        "attn.fused_qkv_a_proj_with_mqa = ReplicatedLinear(\n            2 * config.hidden_size,",
+        "hidden_states, residual = self.post_attention_layernorm(attn_out, residual)",
+    ):
+        assert fact in eagle, fact
+    for fact in (
+        'rope_scaling["rope_type"] = "deepseek_yarn"',
+        'is_neox_style = not getattr(config, "rope_interleave", True)',
+        "self.scaling = compute_mla_mscale_scaling(rope_scaling, self.scaling)",
+        "self.scaling = self.qk_head_dim**-0.5",
+    ):
+        assert fact in mla, fact

@@ -229,3 +229,27 @@ def test_a_source_that_does_not_fit_is_refused_in_one_line(aerie_drafter, fs_sto
     assert "trained at capture points [3, 15, 27] (layer ids [2, 14, 26]), the run's are [2, 15, 27]" in message
 
     assert "no such folder, nor a published drafter" in refusal(fresh(smollm2_path), fs_store, "nothing-here")
+
+
+def test_an_mla_drafter_starts_from_an_mla_folder_and_a_llama_one_is_refused(deepseek_tiny, tmp_path):
+    """--drafter-arch mla: the source's MLA tensors load into the run's MLA drafter, every one; a
+    Llama-layer run refuses the MLA folder by its architecture, naming the flag."""
+    from aerie.contracts import DrafterShape
+    from aerie.store import FsStore
+
+    mla = DrafterShape(arch="mla")
+    source = build_drafter(deepseek_tiny, num_aux=3, draft_vocab_size=64, shape=mla)
+    source.set_vocab(torch.arange(5, 5 + 64))
+    folder = export(source, tmp_path / "mla", [3, 4, 6], load_target_config(deepseek_tiny))
+    store = FsStore(tmp_path / "store")
+    run = build_drafter(deepseek_tiny, num_aux=3, draft_vocab_size=64, shape=mla)
+    origin = load_into(run, store, str(folder), [3, 4, 6], "DeepseekV3ForCausalLM", 8)
+    assert origin.format == "eagle3" and set(origin.files) == {"config.json", "model.safetensors"}
+    for name, t in source.exported_state_dict().items():
+        want = t.to(torch.bfloat16).float() if t.is_floating_point() else t
+        assert torch.equal(run.exported_state_dict()[name], want), name
+    llama = build_drafter(deepseek_tiny, num_aux=3, draft_vocab_size=64)
+    with pytest.raises(
+        WarmStartError, match=r"the source is a mla drafter, this run's is llama \(--drafter-arch mla\)"
+    ):
+        load_into(llama, store, str(folder), [3, 4, 6], "DeepseekV3ForCausalLM", 8)

@@ -1,4 +1,5 @@
-"""Export a drafter exactly as SGLang's `LlamaForCausalLMEagle3` loads it, check it, publish it.
+"""Export a drafter exactly as SGLang's `LlamaForCausalLMEagle3` (or, for an MLA drafter,
+`Eagle3DeepseekV2ForCausalLM`) loads it, check it, publish it.
 
 A drafter folder is `config.json` + `model.safetensors` (+ aerie's `aerie.json` lineage):
 - config: a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`,
@@ -9,17 +10,26 @@ A drafter folder is `config.json` + `model.safetensors` (+ aerie's `aerie.json` 
 - weights: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; no embeddings (SGLang shares the
   target's).
 
+An MLA drafter (DrafterConfig.arch "mla") is written as SGLang 0.5.23's
+`sglang/srt/models/kimi_k25_eagle3.py` reads it: a DeepSeek-V3 config (`model_type` deepseek_v3,
+`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, the legacy
+`rope_theta` + `rope_scaling` pair and `rope_interleave`) with `architectures:
+["Eagle3DeepseekV2ForCausalLM"]`, and the same `fc`, `midlayer.*` (MLA projections:
+`self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+o_proj}`), `norm`, `lm_head`, `d2t`, `t2d`.
+
 SGLang's draft loader silently skips a weight name it does not recognise, so a misnamed tensor
 would load, serve and accept nothing. `check_sglang_loadable` replays SGLang 0.5.23's
 `load_weights` name mapping (constants below, copied from `sglang/srt/models/llama_eagle3.py`
-and checked against that file by the tests when it is available) over the folder and refuses
-anything that would be skipped, left unloaded, or mis-shaped.
+and `kimi_k25_eagle3.py` and checked against those files by the tests when they are available)
+over the folder and refuses anything that would be skipped, left unloaded, or mis-shaped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -32,6 +42,7 @@ from aerie.capture import CaptureError, convention_for, from_engine_ids, to_engi
 from aerie.contracts import DrafterLineage, TrainRequest
 from aerie.store import ObjectStore
 from aerie_trainer.model import (
+    MLA_FIELDS,
     ROPE_TYPES,
     DrafterConfig,
     Eagle3Drafter,
@@ -41,6 +52,8 @@ from aerie_trainer.model import (
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+ARCHITECTURES = {"llama": ARCHITECTURE, "mla": MLA_ARCHITECTURE}  # DrafterConfig.arch -> SGLang's class
 SERVING_ENGINE = "sglang"
 
 # --- from sglang 0.5.23, sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3.load_weights
@@ -57,6 +70,25 @@ SGLANG_LEGACY_NAME_MAP = {
     "aux_norm_mid": "fc_norm.1",
     "aux_norm_high": "fc_norm.2",
 }
+
+# --- from sglang 0.5.23, sglang/srt/models/kimi_k25_eagle3.py, Eagle3DeepseekV2ForCausalLM.load_weights:
+# gate/up are stacked; q_a_proj and kv_a_proj_with_mqa are cached and fused into
+# fused_qkv_a_proj_with_mqa (q first); `layers.0.` is read as `midlayer.`; all but lm_head get `model.`
+SGLANG_MLA_STACKED_PARAMS_MAPPING = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+SGLANG_MLA_FUSED_A = (".fused_qkv_a_proj_with_mqa", {".q_a_proj": "q", ".kv_a_proj_with_mqa": "kv"})
+
+MLA_ATTENTION_TENSORS = tuple(
+    f"midlayer.self_attn.{n}.weight"
+    for n in (
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+    )
+)
 
 REQUIRED_TENSORS = (
     "fc.weight",
@@ -77,6 +109,15 @@ REQUIRED_TENSORS = (
 )
 
 
+MLA_REQUIRED_TENSORS = (
+    tuple(n for n in REQUIRED_TENSORS if not n.startswith("midlayer.self_attn.")) + MLA_ATTENTION_TENSORS
+)
+
+
+def required_tensors(arch: str) -> tuple[str, ...]:
+    return MLA_REQUIRED_TENSORS if arch == "mla" else REQUIRED_TENSORS
+
+
 class ExportError(ValueError):
     """A drafter folder SGLang would not load as trained."""
 
@@ -87,6 +128,8 @@ class ExportError(ValueError):
 def drafter_config_json(
     config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str = "bfloat16"
 ) -> dict:
+    if config.arch == "mla":
+        return mla_config_json(config, target_config, layer_ids, dtype)
     rope = dict(config.rope_parameters)
     out = {
         "architectures": [ARCHITECTURE],
@@ -121,6 +164,47 @@ def drafter_config_json(
     return out
 
 
+def mla_config_json(config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str) -> dict:
+    """The config SGLang's `Eagle3DeepseekV2ForCausalLM` reads (through transformers' DeepseekV3Config:
+    the legacy `rope_theta` + `rope_scaling` pair, as DeepSeek-V3's own config.json writes it)."""
+    rope = dict(config.rope_parameters)
+    theta = float(rope.pop("rope_theta"))
+    kind = rope.pop("rope_type", "default")
+    out = {
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": "deepseek_v3",
+        "hidden_size": config.hidden_size,
+        "target_hidden_size": config.target_hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": theta,
+        "rope_scaling": None if kind == "default" else {"type": kind, **rope},
+        "rope_interleave": True,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+    }
+    text = target_text_config(target_config)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in text:
+            out[key] = text[key]
+    return out
+
+
 def export(
     drafter: Eagle3Drafter,
     folder: str | os.PathLike,
@@ -132,7 +216,7 @@ def export(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = drafter.exported_state_dict()
-    missing = [n for n in REQUIRED_TENSORS if n not in state]
+    missing = [n for n in required_tensors(drafter.config.arch) if n not in state]
     if missing:
         raise ExportError(
             f"drafter lacks required tensor(s) {missing}: SGLang would serve it half-loaded; not exported"
@@ -159,15 +243,27 @@ def load_exported(folder: str | os.PathLike, target_dir: str | os.PathLike) -> E
     cfg = json.loads((folder / "config.json").read_text())
     target_config = load_target_config(target_dir)
     num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    rope = dict(cfg.get("rope_parameters") or {"rope_type": "default"})
-    rope.setdefault("rope_theta", cfg["rope_theta"])
-    shape = DrafterShape(
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        intermediate_size=cfg["intermediate_size"],
-        rope_parameters=rope,
-    )
+    if MLA_ARCHITECTURE in (cfg.get("architectures") or []):
+        rope = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
+        rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        rope["rope_theta"] = cfg["rope_theta"]
+        shape = DrafterShape(
+            arch="mla",
+            num_attention_heads=cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"],
+            rope_parameters=rope,
+            **{k: cfg[k] for k in MLA_FIELDS},
+        )
+    else:
+        rope = dict(cfg.get("rope_parameters") or {"rope_type": "default"})
+        rope.setdefault("rope_theta", cfg["rope_theta"])
+        shape = DrafterShape(
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            intermediate_size=cfg["intermediate_size"],
+            rope_parameters=rope,
+        )
     drafter = Eagle3Drafter(DrafterConfig.from_target(target_config, num_aux, cfg["draft_vocab_size"], shape))
     weights = load_file(str(folder / "model.safetensors"))
     weights["embed_tokens.weight"] = load_target_embeddings(target_dir)
@@ -235,13 +331,69 @@ def sglang_param_name(name: str, params: dict) -> tuple[str | None, object]:
     return (full if full in params else None), None
 
 
+def sglang_mla_expected_params(cfg: dict) -> dict[str, dict]:
+    """SGLang's Eagle3DeepseekV2ForCausalLM parameters for a config (tp=1): name -> {shard -> shape}.
+
+    Mirrors `Eagle3MLAModel` / `Eagle3MLADecoderLayer.__init__` of kimi_k25_eagle3.py and
+    `DeepseekV2AttentionMLA`'s projections (q LoRA: the 2H-wide fused a-projection)."""
+    H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    inter, Ht = cfg["intermediate_size"], cfg.get("target_hidden_size") or H
+    layer_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    num_aux = len(layer_ids) if layer_ids is not None else 3
+    a = "model.midlayer.self_attn."
+    params: dict[str, dict] = {
+        "model.embed_tokens.weight": {None: [cfg["vocab_size"], H]},
+        "model.fc.weight": {None: [H, Ht * num_aux]},
+        "model.norm.weight": {None: [H]},
+        a + "fused_qkv_a_proj_with_mqa.weight": {"q": [q_rank, 2 * H], "kv": [kv_rank + rope, 2 * H]},
+        a + "q_a_layernorm.weight": {None: [q_rank]},
+        a + "q_b_proj.weight": {None: [nh * (nope + rope), q_rank]},
+        a + "kv_a_layernorm.weight": {None: [kv_rank]},
+        a + "kv_b_proj.weight": {None: [nh * (nope + v), kv_rank]},
+        a + "o_proj.weight": {None: [H, nh * v]},
+        "model.midlayer.mlp.gate_up_proj.weight": {0: [inter, H], 1: [inter, H]},
+        "model.midlayer.mlp.down_proj.weight": {None: [H, inter]},
+    }
+    for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+        params[f"model.midlayer.{norm}.weight"] = {None: [H]}
+    if not cfg.get("tie_word_embeddings", False):
+        params["lm_head.weight"] = {None: [cfg.get("draft_vocab_size") or cfg["vocab_size"], H]}
+    return params
+
+
+def sglang_mla_param_name(name: str, params: dict) -> tuple[str | None, object]:
+    """A checkpoint tensor name -> (SGLang parameter or None if skipped, shard id), in the steps
+    of Eagle3DeepseekV2ForCausalLM.load_weights."""
+    if name == "d2t" or name.endswith(".d2t"):
+        return "hot_token_id", None
+    if name == "t2d" or name.endswith(".t2d"):
+        return "t2d (read, unused)", None
+    mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
+    if not mapped.startswith("lm_head."):
+        mapped = f"model.{mapped}"
+    for param_name, weight_name, shard_id in SGLANG_MLA_STACKED_PARAMS_MAPPING:
+        if weight_name in mapped and mapped.replace(weight_name, param_name) in params:
+            return mapped.replace(weight_name, param_name), shard_id
+    fused, parts = SGLANG_MLA_FUSED_A
+    for part in (".kv_a_proj_with_mqa", ".q_a_proj"):  # the loader tests "q_a_proj" in the name, a substring
+        if part in mapped:
+            target = mapped.replace(part, fused)
+            return (target if target in params else None), parts[part]
+    return (mapped if mapped in params else None), None
+
+
 def check_sglang_loadable(folder: str | os.PathLike) -> dict:
     """Refuse (ExportError) a folder SGLang 0.5.23 would not load completely; return a report."""
     folder = Path(folder)
     problems: list[str] = []
     cfg = json.loads((folder / "config.json").read_text())
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"config architectures {cfg.get('architectures')} != [{ARCHITECTURE!r}]")
+    mla = cfg.get("architectures") == [MLA_ARCHITECTURE]
+    if cfg.get("architectures") != [ARCHITECTURE] and not mla:
+        problems.append(
+            f"config architectures {cfg.get('architectures')} is neither [{ARCHITECTURE!r}] nor [{MLA_ARCHITECTURE!r}]"
+        )
     for key in (
         "hidden_size",
         "intermediate_size",
@@ -250,6 +402,7 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
         "vocab_size",
         "draft_vocab_size",
         "target_hidden_size",
+        *(MLA_FIELDS if mla else ()),
     ):
         if cfg.get(key) is None:
             problems.append(f"config lacks {key!r}")
@@ -271,15 +424,20 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
             f"eagle_aux_hidden_state_layer_ids {ids}: one capture point; SGLang skips `fc` when its input "
             "width equals the hidden size, so this drafter would serve silently wrong (at least 2)"
         )
-    rope = cfg.get("rope_parameters") or {}
+    rope = (cfg.get("rope_scaling") if mla else cfg.get("rope_parameters")) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if mla and kind not in ("default", "yarn", "deepseek_yarn"):
+        problems.append(f"rope_scaling type {kind!r}: SGLang's MLA attention computes DeepSeek's YaRN only")
+    elif mla and kind != "default" and "factor" not in rope:
+        problems.append(f"rope_scaling type {kind!r} without its 'factor'")
+    elif kind not in ROPE_TYPES:
         problems.append(f"rope_type {kind!r}: the drafter computes {', '.join(ROPE_TYPES)} only")
     elif kind != "default" and "factor" not in rope:
         problems.append(f"rope_type {kind!r} without its 'factor': SGLang would scale by 1.0")
     if not (cfg.get("rope_parameters") or {}).get("rope_theta") and cfg.get("rope_theta") is None:
         problems.append("no rope_theta / rope_parameters: SGLang would use theta 10000")
-    params = sglang_expected_params(cfg)
+    params = sglang_mla_expected_params(cfg) if mla else sglang_expected_params(cfg)
+    param_name = sglang_mla_param_name if mla else sglang_param_name
     loaded: dict[str, set] = {}
     report = {"tensors": {}, "skipped": []}
     with safe_open(folder / "model.safetensors", framework="pt") as f:
@@ -287,7 +445,7 @@ def check_sglang_loadable(folder: str | os.PathLike) -> dict:
         for name in names:
             t = f.get_slice(name)
             shape, dtype = list(t.get_shape()), t.get_dtype()
-            target, shard = sglang_param_name(name, params)
+            target, shard = param_name(name, params)
             report["tensors"][name] = target
             if target is None:
                 problems.append(f"tensor {name!r} matches no SGLang parameter: it would be silently skipped")

@@ -7,6 +7,12 @@ Design choices, in one place:
 - `embed_tokens` is the target's, frozen and never exported: SGLang shares the target's.
 - The layer's attention shape and rope copy a Llama-class target; an MLA target (DeepSeek-V3,
   Kimi-K2/K2.5) gets a Llama shape of its own (`own_shape`); YaRN is computed as SGLang does.
+- `arch="mla"` swaps the attention for DeepSeek's multi-head latent attention (`MLAttention`),
+  as SGLang's `Eagle3DeepseekV2ForCausalLM` serves it (weights `q_a_proj`, `q_a_layernorm`,
+  `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`); everything else
+  (fc, the norms, the residuals, the MLP, the head) is the same layer. Its keys and values are
+  expanded per head and zero-padded to one width, so TTT and chain decoding use the same
+  attention (aerie_trainer.attention) for both layers.
 - The decoder layer reads `[input_layernorm(embed(token)), hidden_norm(h)]` (2H wide); the
   residual is the un-normed `h`. Its output `h'` (pre-norm) is fed back as the next step's `h`;
   `norm(h')` goes to `lm_head`.
@@ -58,6 +64,12 @@ class DrafterConfig:
     draft_vocab_size: int  # Vd
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     hidden_act: str = "silu"
+    arch: str = "llama"  # "llama" (grouped-query attention) or "mla" (multi-head latent attention)
+    q_lora_rank: int | None = None  # mla only, from here on
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
     def from_target(cls, target_config: dict, num_aux: int, draft_vocab_size: int, shape=None) -> DrafterConfig:
@@ -76,9 +88,20 @@ class DrafterConfig:
             )
         try:
             H = int(cfg["hidden_size"])
-            base = llama_shape(cfg) if is_llama_class(cfg) else own_shape(cfg)
             given = {k: v for k, v in (shape.model_dump() if shape is not None else {}).items() if v is not None}
+            arch = given.pop("arch", "llama")
+            if arch == "mla":
+                base = mla_shape(cfg)
+            else:
+                base = llama_shape(cfg) if is_llama_class(cfg) else own_shape(cfg)
+                mla_only = sorted(k for k in given if k in MLA_FIELDS)
+                if mla_only:
+                    raise DrafterError(f"drafter shape sets {', '.join(mla_only)}: MLA fields need arch 'mla'")
             chosen = {**base, **given}
+            mla = {k: int(chosen[k]) for k in MLA_FIELDS} if arch == "mla" else {}
+            if mla:
+                chosen["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+                chosen["num_key_value_heads"] = chosen["num_attention_heads"]  # MLA: one key/value per head
             rope = dict(chosen["rope_parameters"])
             rope.setdefault("rope_theta", base["rope_parameters"]["rope_theta"])
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
@@ -96,6 +119,8 @@ class DrafterConfig:
                 draft_vocab_size=int(draft_vocab_size),
                 rope_parameters=rope,
                 hidden_act=str(cfg.get("hidden_act", "silu")),
+                arch=arch,
+                **mla,
             )
         except KeyError as e:
             raise DrafterError(f"target config.json lacks {e.args[0]!r}: is it a decoder-only LLM config?") from None
@@ -106,6 +131,11 @@ class DrafterConfig:
             )
         rope_tables(config)  # refuses a rope type this layer cannot compute, by name
         return config
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims the rope rotates: the head dim (llama) or qk_rope_head_dim (mla)."""
+        return int(self.qk_rope_head_dim) if self.arch == "mla" else self.head_dim
 
 
 # --------------------------------------------------------------------------------------
@@ -180,6 +210,43 @@ def own_shape(cfg: dict) -> dict:
     )
 
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def is_mla(cfg: dict) -> bool:
+    return all(cfg.get(k) is not None for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+
+
+def mla_shape(cfg: dict) -> dict:
+    """An MLA drafter layer (arch "mla"): an MLA target's own attention shape (heads, LoRA ranks,
+    head dims; SGLang's `Eagle3DeepseekV2ForCausalLM` needs a q LoRA rank: 3 x kv_lora_rank where
+    the target has none, DeepSeek-V3's 1536 / 512), the MLP of `own_shape` and the target's rope.
+    Any other target: DeepSeek-V3's proportions at `own_shape`'s heads (nope = v = head dim,
+    rope = head dim / 2, kv rank 4 x head dim, q rank 3 x kv rank)."""
+    own = own_shape(cfg)
+    if is_mla(cfg):
+        kv_rank = int(cfg["kv_lora_rank"])
+        attention = dict(
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            q_lora_rank=int(cfg.get("q_lora_rank") or 3 * kv_rank),
+            kv_lora_rank=kv_rank,
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+        )
+    else:
+        hd = own["head_dim"]
+        attention = dict(
+            num_attention_heads=own["num_attention_heads"],
+            q_lora_rank=12 * hd,
+            kv_lora_rank=4 * hd,
+            qk_nope_head_dim=hd,
+            qk_rope_head_dim=max(2, hd // 2 // 2 * 2),
+            v_head_dim=hd,
+        )
+    return dict(own, **attention)
+
+
 # --------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------
@@ -211,11 +278,16 @@ def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
     supports, computed as SGLang's `get_rope` computes them for `LlamaForCausalLMEagle3` (float32)."""
     rope = config.rope_parameters
     kind = rope.get("rope_type", "default")
-    dim, theta = config.head_dim, float(rope["rope_theta"])
+    dim, theta = config.rope_dim, float(rope["rope_theta"])
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     inv_freq = 1.0 / pos_freqs
     if kind == "default":
         return inv_freq, 1.0
+    if config.arch == "mla" and kind != "yarn":
+        raise DrafterError(
+            f"rope_type {kind!r}: SGLang's MLA drafter layer computes only default and yarn (DeepSeek's YaRN); "
+            "set the drafter's own rope (TrainConfig.drafter.rope_parameters)"
+        )
     if kind == "linear":
         return inv_freq / float(rope["factor"]), 1.0
     if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones
@@ -236,7 +308,7 @@ def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
             return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if rope.get("truncate", True):
+        if rope.get("truncate", True) or config.arch == "mla":  # DeepSeek's YaRN always truncates
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
         ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
@@ -246,7 +318,9 @@ def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
         def get_mscale(m: float) -> float:
             return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
-        if rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
+        if config.arch == "mla":  # DeepSeek's YaRN (SGLang's DeepseekScalingRotaryEmbedding): defaults 1 and 0
+            mscale = get_mscale(float(rope.get("mscale", 1))) / get_mscale(float(rope.get("mscale_all_dim", 0)))
+        elif rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
             mscale = get_mscale(float(rope["mscale"])) / get_mscale(float(rope["mscale_all_dim"]))
         else:
             mscale = get_mscale(1.0)
@@ -255,6 +329,27 @@ def rope_tables(config: DrafterConfig) -> tuple[torch.Tensor, float]:
         f"rope_type {kind!r} is not supported by the drafter layer (supported: {', '.join(ROPE_TYPES)}): "
         "set the drafter's own rope (TrainConfig.drafter.rope_parameters)"
     )
+
+
+def mla_softmax_scale(config: DrafterConfig) -> float:
+    """SGLang's `DeepseekV2AttentionMLA.scaling`: qk_head_dim^-0.5, times YaRN's
+    mscale(factor, mscale_all_dim)^2 when the rope is scaled."""
+    scale = (int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)) ** -0.5
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        factor, all_dim = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0)
+        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, n, d) -> rotated x, GPT-J style (pairs of adjacent dims: SGLang's `is_neox_style=False`,
+    DeepSeek's rope); cos/sin (..., T, d) from rope_cos_sin (the first half is used)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(-2), sin[..., :half].unsqueeze(-2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -304,20 +399,80 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd), slot-major in memory
-        if prefix is None:
-            mask = None
-            if past is not None:
-                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-                P = k.shape[2] - T
-                mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P) if P else None  # key j <= P + i
-            out = attend(q, k, v, mask=mask)
-        else:
-            steps = [*chain, (k, v)]
-            ck = torch.stack([c.transpose(1, 2) for c, _ in steps])  # (n, B, T, nkv, hd)
-            cv = torch.stack([c.transpose(1, 2) for _, c in steps])
-            out = attend(q, prefix[0], prefix[1], ck, cv, mask=prefix_mask)
+        out, kv = _attend_cached(q, k, v, x, T, past, prefix, prefix_mask, chain)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out), kv
+
+
+def _attend_cached(q, k, v, x, T, past, prefix, prefix_mask, chain, scale=None):
+    """The attention both layers share (see Attention.forward): q (B, nh, T, d), k/v (B, nkv, T, d)."""
+    if prefix is None:
+        mask = None
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            P = k.shape[2] - T
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P) if P else None  # key j <= P + i
+        return attend(q, k, v, mask=mask, scale=scale), (k, v)
+    steps = [*chain, (k, v)]
+    ck = torch.stack([c.transpose(1, 2) for c, _ in steps])  # (n, B, T, nkv, d)
+    cv = torch.stack([c.transpose(1, 2) for _, c in steps])
+    return attend(q, prefix[0], prefix[1], ck, cv, mask=prefix_mask, scale=scale), (k, v)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek's multi-head latent attention as SGLang 0.5.23's `DeepseekV2AttentionMLA` computes it
+    in `Eagle3DeepseekV2ForCausalLM` (tp 1), on the layer's 2H-wide input:
+
+        q = q_b_proj(q_a_layernorm(q_a_proj(x)))            -> per head [q_nope (nope) | q_pe (rope)]
+        c, k_pe = kv_a_proj_with_mqa(x)                      -> latent (kv_rank) | one shared k_pe (rope)
+        k_nope, v = kv_b_proj(kv_a_layernorm(c))             -> per head (nope) | (v)
+        q_pe, k_pe rotated GPT-J style (interleaved pairs) with DeepSeek's YaRN (cos/sin x mscale)
+        softmax((q_nope.k_nope + q_pe.k_pe) * scaling) v     scaling: mla_softmax_scale
+        o_proj(heads' outputs)
+
+    SGLang serves it "absorbed" (kv_b_proj folded into q and the output, attending over the
+    latent); that is the same product reordered. Here keys and values are expanded per head,
+    [k_nope | k_pe] and v, both zero-padded to D = max(nope + rope, v) so that one attention
+    (aerie_trainer.attention) takes them: zero dims add nothing to a score, and the output's
+    padding is dropped. The kv this returns (the cache, TTT's prefix and chain) is (B, nh, T, D)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, nh = config.hidden_size, config.num_attention_heads
+        self.nh, self.nope, self.rope = nh, int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+        self.kv_rank, self.v_dim = int(config.kv_lora_rank), int(config.v_head_dim)
+        q_rank = int(config.q_lora_rank)
+        self.width = max(self.nope + self.rope, self.v_dim)
+        self.q_a_proj = Linear(2 * H, q_rank)
+        self.q_a_layernorm = RMSNorm(q_rank, config.rms_norm_eps)
+        self.q_b_proj = Linear(q_rank, nh * (self.nope + self.rope))
+        self.kv_a_proj_with_mqa = Linear(2 * H, self.kv_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
+        self.kv_b_proj = Linear(self.kv_rank, nh * (self.nope + self.v_dim))
+        self.o_proj = Linear(nh * self.v_dim, H)
+        inv_freq, self.rope_mscale = rope_tables(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = mla_softmax_scale(config)
+
+    def forward(self, x, positions, past=None, prefix=None, prefix_mask=None, chain=()):
+        """x (B, T, 2H) -> out (B, T, H), kv; past / prefix / chain as Attention.forward's."""
+        B, T, _ = x.shape
+        nh, nope, rope, D = self.nh, self.nope, self.rope, self.width
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, nh, nope + rope)
+        latent = self.kv_a_proj_with_mqa(x)
+        c, k_pe = latent.split([self.kv_rank, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, nh, nope + self.v_dim)
+        k_nope, v = kv.split([nope, self.v_dim], dim=-1)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_mscale, x.dtype)
+        q_pe = apply_rope_interleaved(q[..., nope:], cos, sin)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(2), cos, sin).expand(B, T, nh, rope)
+        q = F.pad(torch.cat([q[..., :nope], q_pe], dim=-1), (0, D - nope - rope))
+        k = F.pad(torch.cat([k_nope, k_pe], dim=-1), (0, D - nope - rope))
+        v = F.pad(v, (0, D - self.v_dim))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, D)
+        out, kv_out = _attend_cached(q, k, v, x, T, past, prefix, prefix_mask, chain, scale=self.scale)
+        out = out[..., : self.v_dim].transpose(1, 2).reshape(B, T, nh * self.v_dim)
+        return self.o_proj(out), kv_out
 
 
 class SiluMul(torch.autograd.Function):
@@ -349,14 +504,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """`midlayer`: a Llama layer whose attention reads [norm(embed), norm(h)]."""
+    """`midlayer`: a Llama layer whose attention (grouped-query or MLA) reads [norm(embed), norm(h)]."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
-        self.self_attn = Attention(config)
+        self.self_attn = MLAttention(config) if config.arch == "mla" else Attention(config)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = MLP(config)
 

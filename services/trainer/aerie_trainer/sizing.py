@@ -79,8 +79,20 @@ def target_parameters_of(model_dir: str | os.PathLike) -> int:
 def drafter_parameters(drafter) -> tuple[int, int]:
     """(trainable, frozen embedding) parameters of a DrafterConfig."""
     H, I, Vd, V = drafter.hidden_size, drafter.intermediate_size, drafter.draft_vocab_size, drafter.vocab_size
-    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
-    attention = 2 * H * (q + 2 * kv) + q * H
+    if getattr(drafter, "arch", "llama") == "mla":
+        nh, qk, v = drafter.num_attention_heads, drafter.head_dim, drafter.v_head_dim
+        q_rank, kv_rank, rope = drafter.q_lora_rank, drafter.kv_lora_rank, drafter.qk_rope_head_dim
+        attention = (
+            2 * H * (q_rank + kv_rank + rope)  # the a-projections read 2H
+            + q_rank * nh * qk
+            + kv_rank * nh * (drafter.qk_nope_head_dim + v)
+            + nh * v * H
+            + q_rank
+            + kv_rank
+        )
+    else:
+        q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
+        attention = 2 * H * (q + 2 * kv) + q * H
     trainable = drafter.num_aux * drafter.target_hidden_size * H + attention + 3 * H * I + 4 * H + H * Vd
     return trainable, V * H
 

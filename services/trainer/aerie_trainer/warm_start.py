@@ -6,6 +6,8 @@
 
 - The source is an existing folder, read in place, else a published drafter NAME[:VERSION], pulled
   into a temporary folder with every file checked against its lineage's sha256 (aerie.drafters.pull).
+- An MLA drafter (`--drafter-arch mla`) starts from an `Eagle3DeepseekV2ForCausalLM` folder, a
+  Llama-layer one from a `LlamaForCausalLMEagle3` folder; the other is refused by name.
 - Tensor names: SpecForge's `LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_eagle.py)
   has the modules `fc`, `midlayer` (`input_layernorm`, `hidden_norm`, `self_attn.{q,k,v,o}_proj`,
   `post_attention_layernorm`, `mlp.{gate,up,down}_proj`), `norm`, `lm_head` and the buffers `d2t`,
@@ -42,6 +44,7 @@ from aerie.store import NotFound, ObjectStore
 from aerie_trainer.model import Eagle3Drafter
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURES = {"llama": ARCHITECTURE, "mla": "Eagle3DeepseekV2ForCausalLM"}  # DrafterConfig.arch -> SGLang's
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 RENAMED = {"layers.0.": "midlayer."}  # SGLang's legacy name map, read backwards
 SKIPPED = ("embed_tokens.weight",)
@@ -103,8 +106,17 @@ def _load_folder(
     if not (folder / "config.json").is_file():
         raise WarmStartError(f"{where}: no config.json (a drafter folder is config.json + *.safetensors)")
     config = json.loads((folder / "config.json").read_text())
-    if ARCHITECTURE not in (config.get("architectures") or []):
-        raise WarmStartError(f"{where}: config architectures {config.get('architectures')} is not [{ARCHITECTURE!r}]")
+    arch = drafter.config.arch
+    if ARCHITECTURES[arch] not in (config.get("architectures") or []):
+        other = [a for a, name in ARCHITECTURES.items() if name in (config.get("architectures") or [])]
+        raise WarmStartError(
+            f"{where}: config architectures {config.get('architectures')} is not [{ARCHITECTURES[arch]!r}]"
+            + (
+                f": the source is a {other[0]} drafter, this run's is {arch} (--drafter-arch {other[0]})"
+                if other
+                else ""
+            )
+        )
     check_layers(config, capture_points, architecture, num_layers, where)
     weights = _read(files, where)
     _load_weights(drafter, weights, where)

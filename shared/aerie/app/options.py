@@ -57,6 +57,13 @@ OPTIONS = {
     "drafter_shape": click.option(
         "--drafter-shape", default=None, help="the drafter layer's shape as JSON, e.g. '{\"num_key_value_heads\": 8}'"
     ),
+    "drafter_arch": click.option(
+        "--drafter-arch",
+        type=click.Choice(["llama", "mla"]),
+        default=None,
+        help="the drafter layer SGLang serves: llama (grouped-query attention, default) or mla (DeepSeek's "
+        "multi-head latent attention, Eagle3DeepseekV2ForCausalLM; copies an MLA target's attention shape)",
+    ),
     "eval_every": click.option(
         "--eval-every",
         type=click.IntRange(min=1),

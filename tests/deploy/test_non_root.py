@@ -78,8 +78,12 @@ def _as(uid: int, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="changing owners needs root (this machine's tests run as root)")
 def test_the_data_owner_script_makes_minios_folder_writable_with_only_its_capabilities():
+    if os.geteuid() != 0:  # the test command (CI) runs as root: there this check is never lost silently
+        reason = "changing owners needs root"
+        if os.environ.get("AERIE_REQUIRE_SGLANG"):
+            pytest.fail(f"the test command runs as root, this run does not: {reason}")
+        pytest.skip(reason)
     owner = Project().render()["services"]["minio-data-owner"]
     caps = ",".join(f"+{c.lower()}" for c in owner["cap_add"])
     top = Path(tempfile.mkdtemp(prefix="aerie-minio-"))  # under /tmp: uid 1000 must reach it

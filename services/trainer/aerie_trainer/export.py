@@ -155,13 +155,16 @@ def drafter_config_json(
         "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
-    text = target_text_config(target_config)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in text:
-            out[key] = text[key]
+    out |= target_token_ids(target_config)
     if rope.get("rope_type", "default") == "default":
         out.pop("rope_parameters")  # plain theta: read the same by every transformers version
     return out
+
+
+def target_token_ids(target_config: dict) -> dict:
+    """The target's bos/eos/pad token ids, which a drafter's config.json repeats."""
+    text = target_text_config(target_config)
+    return {key: text[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in text}
 
 
 def mla_config_json(config: DrafterConfig, target_config: dict, layer_ids: list[int], dtype: str) -> dict:
@@ -198,11 +201,7 @@ def mla_config_json(config: DrafterConfig, target_config: dict, layer_ids: list[
         "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
-    text = target_text_config(target_config)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in text:
-            out[key] = text[key]
-    return out
+    return out | target_token_ids(target_config)
 
 
 def export(

@@ -351,6 +351,47 @@ def test_aerie_train_on_a_run_deleted_and_created_again_trains_again(s3_store, s
     assert len(versions()) == 3  # v1, v2, mine: none added by the refusal
 
 
+def test_a_train_message_without_follows_logs_and_records_its_failure_under_the_followed_id(
+    s3_store, small_run, smollm2_path, caplog, monkeypatch
+):
+    """A train message sent by hand (`celery call aerie.train`, no `follows`) runs as the training
+    that follows its run's creation (controller.following, in run_train): the worker's log lines and
+    a failure's `checkpoints/<train-id>/failed.json` name that training's id, the one `progress` and
+    the run controller read, not the id the bare request would have had. The real task, run by an
+    eager Celery app on a real S3 server; the run's hidden shards removed, so the job gives up."""
+    import logging
+
+    from aerie import controller, layout
+    from aerie.contracts import IngestRequest, TrainFailure
+    from aerie.queue import TRAIN_TASK, make_app
+    from aerie.settings import Settings
+    from tests.runs import upload_run
+    from tests.services import store_env
+
+    ingest = IngestRequest(run="r1", dataset="datasets/a.jsonl", model=str(smollm2_path), capture_points=[2, 15, 27])
+    plan = controller.new_plan(ingest)
+    controller.create_plan(s3_store, plan)
+    upload_run(s3_store, small_run, "r1")
+    s3_store.delete_prefix(layout.shards_prefix("r1", "hidden"))
+    for name, value in store_env(s3_store).items():
+        monkeypatch.setenv(name, value)
+    app = make_app(Settings(broker="memory://", device="cpu"), include=["aerie_trainer.tasks"])
+    app.loader.import_default_modules()
+    bare = TrainRequest(runs=["r1"], drafter="d", model=str(smollm2_path))
+    followed = controller.following(s3_store, bare)
+    assert followed.follows == plan.id and followed.resolved_train_id != bare.resolved_train_id
+
+    with caplog.at_level(logging.INFO, logger="aerie_trainer.tasks"):
+        sent = app.tasks[TRAIN_TASK].apply(kwargs=bare.model_dump(mode="json"), throw=False)
+    assert sent.failed() and "has no hidden shards" in str(sent.result)
+    failure = s3_store.get_json(layout.train_failure(followed.resolved_train_id), TrainFailure)
+    assert failure.train_id == followed.resolved_train_id and "has no hidden shards" in failure.error
+    assert not s3_store.exists(layout.train_failure(bare.resolved_train_id))
+    lines = [r.getMessage() for r in caplog.records if r.name == "aerie_trainer.tasks"]
+    assert lines and all(f"training {followed.resolved_train_id}" in line for line in lines), lines
+    assert not any(bare.resolved_train_id in line for line in lines), lines
+
+
 def test_the_same_training_started_twice_at_once_trains_once(s3_store, small_run, smollm2_path):
     """Issue 35, finding 3: the same training started twice trained twice in one checkpoint
     namespace and published twice. Two real `aerie train` processes of one request, started

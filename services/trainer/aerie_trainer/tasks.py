@@ -18,7 +18,8 @@ import logging
 
 from celery import Task, shared_task
 
-from aerie.contracts import TrainRequest
+from aerie import controller
+from aerie.contracts import TrainRequest, TrainResult
 from aerie.queue import MAX_RETRIES, TRAIN_TASK, parse_message, run_task, task_progress, task_settings, task_store
 from aerie_trainer.job import record_failure, run_train
 
@@ -29,24 +30,30 @@ log = logging.getLogger(__name__)
 def train(self: Task, **kwargs) -> dict:
     request = parse_message(TrainRequest, kwargs)
     settings = task_settings(self.app)
+    plan = f"{request.config.steps} steps" if request.config.steps else f"{request.config.epochs:g} epochs"
+    runs = ",".join(request.runs)
+    train = [request]  # the training as run: following its runs' current creation (controller.following)
 
     def give_up(error: BaseException, attempts: int) -> None:
-        record_failure(task_store(settings), request, error, attempts)
+        record_failure(task_store(settings), train[0], error, attempts)
 
-    plan = f"{request.config.steps} steps" if request.config.steps else f"{request.config.epochs:g} epochs"
-    train_id, runs = request.resolved_train_id, ",".join(request.runs)
-    log.info("training %s: drafter %s on run %s, %s", train_id, request.drafter, runs, plan)
+    def work() -> TrainResult:
+        store = task_store(settings)
+        train[0] = controller.following(store, request)
+        log.info("training %s: drafter %s on run %s, %s", train[0].resolved_train_id, request.drafter, runs, plan)
+        return run_train(store, settings, train[0], task_progress(self))
+
     try:
-        result = run_task(
-            self, lambda: run_train(task_store(settings), settings, request, task_progress(self)), give_up
-        )
+        result = run_task(self, work, give_up)
     except Exception as e:
-        log.warning("training %s (run %s) stopped: %s", train_id, runs, " ".join(str(e).split())[:300])
+        log.warning(
+            "training %s (run %s) stopped: %s", train[0].resolved_train_id, runs, " ".join(str(e).split())[:300]
+        )
         raise
     loss = "-" if result.final_loss is None else f"{result.final_loss:.4f}"
     log.info(
         "training %s (run %s) done: %s steps, final loss %s, drafter %s:%s%s",
-        train_id, runs, result.steps, loss, result.drafter, result.version,
+        train[0].resolved_train_id, runs, result.steps, loss, result.drafter, result.version,
         " published" if result.key else "",
     )  # fmt: skip
     return result.model_dump(mode="json")

@@ -23,4 +23,6 @@ fi
 .venv/bin/python -m tests.services s3 --dir "$work/s3" --env-file "$work/s3.env"
 source "$work/s3.env"
 export AERIE_REQUIRE_SGLANG=1   # SGLang tests must run here, never skip
-.venv/bin/python -m pytest "$@"
+# two worker processes, each test file on one (its module-scoped servers start once); more or fewer:
+# AERIE_TEST_WORKERS=N (0: one process)
+.venv/bin/python -m pytest -n "${AERIE_TEST_WORKERS:-2}" --dist loadfile "$@"

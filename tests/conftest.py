@@ -1,7 +1,8 @@
 """Shared fixtures: real servers, both store backends, the small real target.
 
 - S3: the server the test command started (AERIE_TEST_S3_* variables), else one started here.
-- Redis: 127.0.0.1:6379 (the test command starts one if none answers), a private db per test.
+- Redis: 127.0.0.1:6379 (the test command starts one if none answers), a private db per test
+  (a share of the 15 per test process).
 - Every test that touches a store gets a fresh bucket or folder.
 """
 
@@ -59,7 +60,19 @@ def store(request):
     return request.getfixturevalue(f"{request.param}_store")
 
 
-_redis_db = iter(range(1, 16))
+def _redis_dbs() -> list[int]:
+    """Databases 1-15 split among the test processes (pytest-xdist's workers gw0, gw1, ...): no
+    two processes ever share one; a process that used all of its share reuses its last."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index, share = int(worker.removeprefix("gw")), 15 // count
+    if share == 0:
+        raise pytest.UsageError(f"{count} test processes share Redis' 15 databases: run at most 15 (-n)")
+    return list(range(1 + index * share, 1 + (index + 1) * share))
+
+
+_redis_db_share = _redis_dbs()
+_redis_db = iter(_redis_db_share)
 
 
 @pytest.fixture
@@ -68,7 +81,7 @@ def redis_url():
     import redis
 
     host = os.environ.get("AERIE_TEST_REDIS", "redis://127.0.0.1:6379")
-    db = next(_redis_db, None) or 15
+    db = next(_redis_db, None) or _redis_db_share[-1]
     url = f"{host}/{db}"
     client = redis.Redis.from_url(url)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -144,6 +145,9 @@ def test_a_sweep_needs_a_launch_command_without_the_flags_it_sets(tmp_path):
         bench.parse_setting("3,x,4")
     with pytest.raises(BenchError, match="--launch sets --port, --speculative-eagle-topk: leave those out"):
         bench.LaunchedServer("python -m sglang.launch_server --port 1 --speculative-eagle-topk 2", [], 1, tmp_path)
+    for flag in ("--api-key k", "--api-key=k", "--config c.yaml"):  # a key in argv: every user of the host sees it
+        with pytest.raises(BenchError, match="--launch sets --api-key or --config: leave them out"):
+            bench.LaunchedServer(f"python -m sglang.launch_server {flag}", [], 1, tmp_path)
     assert bench.parse_setting("5,8,16").shape == "tree" and bench.parse_setting("3,1,4").shape == "chain"
 
 
@@ -166,13 +170,23 @@ def test_a_setting_whose_server_dies_is_recorded_as_failed_and_the_sweep_goes_on
 @pytest.mark.sglang
 @pytest.mark.timeout(2400)  # builds the shared trained drafter when no test has (tests/trained.py)
 def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(
-    trained_smol, smollm2_path, fs_store, tmp_path
+    trained_smol, smollm2_path, fs_store, tmp_path, monkeypatch
 ):
     """Two settings of the shared trained drafter (each a real SGLang CPU server, ~25 s to start):
     acceptance and tokens/s per setting, the best one, stored beside the lineage (which is unchanged).
     Two chains: a tree (topk > 1) crashes the CPU extend-attention op of aerie_sglang.cpu (its tree
-    mask), so trees are not measured on the CPU."""
+    mask), so trees are not measured on the CPU. Each server requires the key the sweep made (no
+    AERIE_ENGINE_API_KEY here): asked without it, it answers 401; the report holds no key."""
     import os
+
+    measured = bench.run
+    unkeyed: list[int] = []
+
+    def run_checking_the_key(url, prompts, **options):
+        unkeyed.append(httpx.get(f"{url}/v1/models", timeout=30).status_code)
+        return measured(url, prompts, **options)
+
+    monkeypatch.setattr(bench, "run", run_checking_the_key)
 
     from aerie import drafters, layout
     from aerie.contracts import BenchSweep, DrafterLineage
@@ -213,6 +227,7 @@ def test_a_sweep_over_two_chains_on_real_servers_is_recorded_beside_the_drafter(
         assert 1.0 <= p["acceptance_length"] <= 3.0  # at most steps + 1 tokens per verify
     assert points[0]["acceptance_length"] > 32 / 31  # the trained drafter is accepted (a random one: 32/31)
     assert report["best"] == max(points, key=lambda p: p["tokens_per_s"])["setting"]
+    assert unkeyed == [401, 401], unkeyed
 
     key = bench.record_sweep(fs_store, lineage.name, report)
     assert key.startswith(f"drafters/{lineage.name}/{lineage.version}/bench/sweep-")

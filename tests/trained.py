@@ -90,3 +90,41 @@ def _train_into(folder: Path, run_folder: Path, smollm2_path: Path) -> None:
     result["train_wall_s"] = time.monotonic() - started
     stages.pull(store, DRAFTER, folder / "pulled")
     (folder / "train.json").write_text(json.dumps(result))  # last: marks the folder complete
+
+
+DEEPSEEK_POINTS = [3, 4, 6]  # the tiny DeepSeek-V3's capture points in its serving tests
+
+
+def deepseek_drafter(cache_dir: Path, model: Path, root: Path, arch: str = "llama"):
+    """A drafter (`arch`: DrafterShape.arch) trained by the pipeline's own stages on the tiny
+    DeepSeek-V3's hidden states (96 records, 128 tokens, points DEEPSEEK_POINTS, 160 steps) into a
+    filesystem store under `root`, published, pulled. -> (pulled folder, TrainResult)"""
+    from aerie import stages
+    from aerie.contracts import DrafterShape, TrainConfig, TrainRequest
+    from aerie.settings import Settings
+    from aerie.store import FsStore
+    from tests.runs import hidden_run_folder, upload_run
+
+    store = FsStore(root / "store")
+    run = hidden_run_folder(cache_dir, model, records=96, max_tokens=128, shard_sequences=16, points=DEEPSEEK_POINTS)
+    upload_run(store, run, "ds")
+    config = TrainConfig(
+        draft_vocab_size=512,
+        ttt_steps=3,
+        steps=160,
+        batch_tokens=512,
+        max_seq_tokens=128,
+        lr=3e-3,
+        warmup_steps=8,
+        checkpoint_every=80,
+        eval_prompts=0,
+        holdout_fraction=0.1,
+        drafter=DrafterShape(arch=arch),
+    )
+    name = f"ds-{arch}"
+    result = stages.train(
+        store,
+        Settings(store=f"file://{store.root}"),
+        TrainRequest(runs=["ds"], drafter=name, model=str(model), config=config),
+    )
+    return stages.pull(store, name, root / name), result

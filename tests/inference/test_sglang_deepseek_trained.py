@@ -33,12 +33,12 @@ import httpx
 import pytest
 import torch
 
-from tests.runs import hidden_run_folder, upload_run
 from tests.sglang_server import serve_server
+from tests.trained import DEEPSEEK_POINTS
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-POINTS = [3, 4, 6]
+POINTS = DEEPSEEK_POINTS
 RIGHT_IDS, LLAMA_RULE_IDS = [3, 4, 6], [2, 3, 5]
 MAX_NEW_TOKENS, STEPS = 32, 3
 EAGLE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -52,50 +52,27 @@ AGREEMENT_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def trained(deepseek_tiny, cache_dir, tmp_path_factory):
-    """The pipeline's own stages: hidden states of the tiny DeepSeek-V3 -> train -> publish -> pull."""
-    from aerie import stages
-    from aerie.contracts import TrainConfig, TrainRequest
-    from aerie.settings import Settings
-    from aerie.store import FsStore
-
-    root = tmp_path_factory.mktemp("deepseek-trained")
-    store = FsStore(root / "store")
-    upload_run(
-        store,
-        hidden_run_folder(cache_dir, deepseek_tiny, records=96, max_tokens=128, shard_sequences=16, points=POINTS),
-        "ds",
-    )
-    config = TrainConfig(
-        draft_vocab_size=512,
-        ttt_steps=3,
-        steps=160,
-        batch_tokens=512,
-        max_seq_tokens=128,
-        lr=3e-3,
-        warmup_steps=8,
-        checkpoint_every=80,
-        eval_prompts=0,
-        holdout_fraction=0.1,
-    )
-    result = stages.train(
-        store,
-        Settings(store=f"file://{store.root}"),
-        TrainRequest(runs=["ds"], drafter="ds-eagle3", model=str(deepseek_tiny), config=config),
-    )
-    return stages.pull(store, "ds-eagle3", root / "pulled"), result
+def trained(deepseek_llama_drafter):
+    """The pipeline's own stages: hidden states of the tiny DeepSeek-V3 -> train -> publish -> pull
+    (tests/trained.py: deepseek_drafter)."""
+    return deepseek_llama_drafter
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(deepseek_tiny) -> list[list[int]]:
+def chat_ids(model) -> list[list[int]]:
+    """PROMPTS as chat token ids, rendered with `model`'s own template (as SGLang does)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(deepseek_tiny))
+    tok = AutoTokenizer.from_pretrained(str(model))
     out = []
     for text in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(deepseek_tiny) -> list[list[int]]:
+    return chat_ids(deepseek_tiny)
 
 
 @pytest.fixture(scope="module")

@@ -24,79 +24,33 @@ import httpx
 import pytest
 import torch
 
-from tests.runs import hidden_run_folder, upload_run
+from tests.inference.test_sglang_deepseek_trained import (  # the same target, states, prompts and chain
+    AGREEMENT_TOLERANCE,
+    EAGLE_ENV,
+    MAX_NEW_TOKENS,
+    POINTS,
+    STEPS,
+    acceptance,
+    chat_ids,
+)
 from tests.sglang_server import serve_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-POINTS = [3, 4, 6]
-MAX_NEW_TOKENS, STEPS = 32, 3
-EAGLE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Name three prime numbers.",
-    "How do I boil an egg?",
-]
-AGREEMENT_TOLERANCE = 0.05
-
 
 @pytest.fixture(scope="module")
-def trained(deepseek_tiny, cache_dir, tmp_path_factory) -> dict:
-    """arch -> (pulled folder, train result): both layers through the pipeline's own stages."""
-    from aerie import stages
-    from aerie.contracts import DrafterShape, TrainConfig, TrainRequest
-    from aerie.settings import Settings
-    from aerie.store import FsStore
+def trained(deepseek_tiny, deepseek_llama_drafter, cache_dir, tmp_path_factory) -> dict:
+    """arch -> (pulled folder, train result): the MLA layer trained here through the pipeline's own
+    stages, the Llama layer the one test_sglang_deepseek_trained.py serves (tests/trained.py)."""
+    from tests.trained import deepseek_drafter
 
-    root = tmp_path_factory.mktemp("mla-trained")
-    store = FsStore(root / "store")
-    upload_run(
-        store,
-        hidden_run_folder(cache_dir, deepseek_tiny, records=96, max_tokens=128, shard_sequences=16, points=POINTS),
-        "ds",
-    )
-    out = {}
-    for arch in ("mla", "llama"):
-        config = TrainConfig(
-            draft_vocab_size=512,
-            ttt_steps=3,
-            steps=160,
-            batch_tokens=512,
-            max_seq_tokens=128,
-            lr=3e-3,
-            warmup_steps=8,
-            checkpoint_every=80,
-            eval_prompts=0,
-            holdout_fraction=0.1,
-            drafter=DrafterShape(arch=arch),
-        )
-        name = f"ds-{arch}"
-        result = stages.train(
-            store,
-            Settings(store=f"file://{store.root}"),
-            TrainRequest(runs=["ds"], drafter=name, model=str(deepseek_tiny), config=config),
-        )
-        out[arch] = (stages.pull(store, name, root / name), result)
-    return out
+    mla = deepseek_drafter(cache_dir, deepseek_tiny, tmp_path_factory.mktemp("mla-trained"), "mla")
+    return {"mla": mla, "llama": deepseek_llama_drafter}
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(deepseek_tiny) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(deepseek_tiny))
-    out = []
-    for text in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
-
-
-def acceptance(outputs: list[dict]) -> float:
-    return sum(o["meta_info"]["completion_tokens"] for o in outputs) / sum(
-        o["meta_info"]["spec_verify_ct"] for o in outputs
-    )
+    return chat_ids(deepseek_tiny)
 
 
 def test_a_trained_mla_drafter_serves_in_sglang_as_the_project_loop_runs_it(
